@@ -1,0 +1,5 @@
+import sys
+
+from slimkv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,130 @@
+"""Multi-head attention and its key/value-sharing variants (GQA, MQA).
+
+One class serves the three kinds: ``mha`` (one K/V head per query head), ``gqa`` (``n_kv_heads``
+groups) and ``mqa`` (a single K/V head). The cache stores rotated keys and values, in kernel
+layout (batch, kv_heads, time, head_dim), in growable buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slimkv.attention.base import Attention, check_int, register_attention
+from slimkv.attention.cache import AttentionCache, GrowableBuffer, dtype_bytes
+from slimkv.ops.attention import attend
+
+
+class KVCache(AttentionCache):
+    """Keys and values of every past token, or of the newest ``keep`` tokens when ``keep`` is set."""
+
+    def __init__(self, owner_spec: tuple, batch_size: int, kv_heads: int, head_dim: int, *, dtype, device, keep: int | None = None) -> None:
+        super().__init__(owner_spec, batch_size, dtype, device)
+        self.keep = keep
+        self.k = GrowableBuffer(batch_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = GrowableBuffer(batch_size, kv_heads, head_dim, dtype=dtype, device=device)
+
+    def tensors(self):
+        return iter((self.k, self.v))
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new (batch, kv_heads, n, head_dim) keys/values; return every key/value the new
+        queries may need (the retained past plus the new ones)."""
+        keys, values = self.k.append(k), self.v.append(v)
+        self.seq_len += k.shape[2]
+        return keys, values
+
+    def trim(self) -> None:
+        """Forget what no future query can see (sliding windows)."""
+        if self.keep is not None:
+            self.k.keep_last(self.keep)
+            self.v.keep_last(self.keep)
+
+
+class MultiHeadAttention(Attention):
+    """Softmax attention with ``n_kv_heads`` key/value heads shared by groups of query heads, and
+    an optional sliding ``window`` (tokens a query sees, itself included)."""
+
+    kind = "mha"
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None, *, n_kv_heads: int | None = None, window: int | None = None, **common) -> None:
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        check_int("n_kv_heads", n_kv_heads, 1)
+        if isinstance(n_heads, int) and n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
+        if window is not None:
+            check_int("window", window, 1)
+        super().__init__(d_model, n_heads, head_dim, **common)
+        self.n_kv_heads, self.window = n_kv_heads, window
+        hd, bias = self.head_dim, self.use_bias
+        self.q_proj = nn.Linear(d_model, n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(n_heads * hd, d_model, bias=bias)
+        self._make_qk_norms(hd, hd)
+
+    def cache_spec(self) -> tuple:
+        return super().cache_spec() + (self.n_kv_heads, self.window)
+
+    def new_cache(self, batch_size: int, dtype=None, device=None) -> KVCache:
+        b, dtype, device = self._cache_args(batch_size, dtype, device)
+        keep = None if self.window is None else self.window - 1
+        return KVCache(self.cache_spec(), b, self.n_kv_heads, self.head_dim, dtype=dtype, device=device, keep=keep)
+
+    def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
+        kept = seq_len if self.window is None else min(seq_len, self.window - 1)
+        return batch_size * kept * 2 * self.n_kv_heads * self.head_dim * dtype_bytes(dtype)
+
+    def project_qkv(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys, values in kernel layout (batch, heads, time, head_dim), normed and rotated."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q, k = self.rotary(q, start), self.rotary(k, start)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _forward(self, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        start = cache.seq_len if cache is not None else 0
+        q, k, v = self.project_qkv(x, start)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        out = attend(q, k, v, window=self.window, backend=self.backend)
+        if cache is not None:
+            cache.trim()
+        b, t = x.shape[:2]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def extra_repr(self) -> str:
+        window = f", window={self.window}" if self.window is not None else ""
+        return super().extra_repr() + f", n_kv_heads={self.n_kv_heads}{window}"
+
+
+class MHA(MultiHeadAttention):
+    """``mha``: one key/value head per query head."""
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None, **common) -> None:
+        super().__init__(d_model, n_heads, head_dim, **common)
+
+
+class GQA(MultiHeadAttention):
+    """``gqa``: ``n_kv_heads`` key/value heads, each shared by n_heads / n_kv_heads query heads."""
+
+    kind = "gqa"
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None, *, n_kv_heads: int, **common) -> None:
+        super().__init__(d_model, n_heads, head_dim, n_kv_heads=n_kv_heads, **common)
+
+
+class MQA(MultiHeadAttention):
+    """``mqa``: a single key/value head shared by every query head."""
+
+    kind = "mqa"
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None, **common) -> None:
+        super().__init__(d_model, n_heads, head_dim, n_kv_heads=1, **common)
+
+
+register_attention("mha", MHA, description="multi-head attention")
+register_attention("gqa", GQA, example_options=[{"n_kv_heads": 2}], description="grouped-query attention")
+register_attention("mqa", MQA, description="multi-query attention")

@@ -1,0 +1,227 @@
+"""``SlimKVForCausalLM``: a pre-norm decoder LM that takes any registered attention kind.
+
+A ``transformers`` model: ``generate()``, ``save_pretrained``/``from_pretrained`` (safetensors)
+and the Auto classes work once ``slimkv`` is imported. Each layer's attention keeps its own cache;
+``SlimKVCache`` bundles them for the model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from slimkv.attention import Attention, AttentionCache, build_attention
+from slimkv.model.config import ModelConfig
+from slimkv.ops.norm import RMSNorm
+
+
+class SlimKVCache:
+    """The per-layer attention caches of one model, advanced together."""
+
+    is_compileable = False  # generation must not try to torch.compile around it
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """Asked by ``transformers`` generation; slicing of new tokens is done by the model itself."""
+        return [False] * len(self.layers)
+
+    def __init__(self, layers: list[AttentionCache]) -> None:
+        self.layers = layers
+
+    @property
+    def seq_len(self) -> int:
+        return self.layers[0].seq_len
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen so far (the name ``transformers`` generation asks for)."""
+        return self.layers[layer_idx].seq_len
+
+    def nbytes(self) -> int:
+        """Bytes of live state summed over layers."""
+        return sum(c.nbytes() for c in self.layers)
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        for c in self.layers:
+            c.reorder(beam_idx)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __repr__(self) -> str:
+        return f"SlimKVCache(layers={len(self.layers)}, seq_len={self.seq_len}, nbytes={self.nbytes()})"
+
+
+class MLP(nn.Module):
+    """SwiGLU (down(silu(gate x) * up x)) or ReLU^2 (down(relu(up x)^2)) feed-forward."""
+
+    def __init__(self, d_model: int, d_ff: int, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=False) if kind == "swiglu" else None
+        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is not None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        kind = config.layer_kinds()[layer]
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = build_attention(kind, config.d_model, config.n_heads, config.head_dim, **config.layer_options(layer))
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config.d_model, config.d_ff, config.mlp)
+
+    def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache=cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class SlimKVPreTrainedModel(PreTrainedModel):
+    config_class = ModelConfig
+    config: ModelConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["Block"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Normal(init_std) weights; residual output projections scaled by 1/sqrt(2 n_layers).
+        Applied children first, so an attention module's own ``reset_parameters`` has the last word."""
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, MLP):
+            module.down_proj.weight.normal_(0.0, out_std)
+        elif isinstance(module, Attention):
+            module.reset_parameters(std, out_std)
+
+
+class SlimKVModel(SlimKVPreTrainedModel):
+    """Embeddings, blocks and the final norm; returns hidden states."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None, cache: SlimKVCache | None = None) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if cache is not None and len(cache) != len(self.layers):
+            raise ValueError(f"cache has {len(cache)} layers, the model has {len(self.layers)}")
+        for i, block in enumerate(self.layers):
+            h = block(h, None if cache is None else cache.layers[i])
+        return self.norm(h)
+
+
+class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
+    """Decoder LM with an LM head (tied to the embeddings unless ``tie_word_embeddings=False``)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.model = SlimKVModel(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [block.attn for block in self.model.layers]
+
+    def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> SlimKVCache:
+        """An empty cache for every layer (dtype/device follow the model unless given)."""
+        return SlimKVCache([attn.new_cache(batch_size, dtype=dtype, device=device) for attn in self.attention_layers])
+
+    def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
+        """Analytic cache bytes of the whole model after ``seq_len`` tokens."""
+        return sum(attn.cache_bytes(seq_len, dtype, batch_size) for attn in self.attention_layers)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: SlimKVCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Logits for every position (or the last ``logits_to_keep``). ``labels`` (same shape as
+        input_ids, -100 = ignore) give the mean next-token cross-entropy as ``loss``. With
+        ``use_cache`` and no cache, a new one is made and returned."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("attention_mask with padding is not supported: slimkv caches hold unpadded sequences; batch prompts of equal length")
+        if cache is None and use_cache:
+            ref = input_ids if input_ids is not None else inputs_embeds
+            cache = self.new_cache(ref.shape[0], device=ref.device)
+        h = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, cache=cache)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    # -- generation plumbing: every layer is driven through its own cache ------------------
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int) -> None:
+        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
+            return
+        if generation_config.num_beams > 1:
+            raise ValueError("beam search is not supported by slimkv models; use greedy decoding or sampling")
+        model_kwargs["cache"] = self.new_cache(batch_size * max(1, generation_config.num_return_sequences or 1))
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, cache: SlimKVCache | None = None, **kwargs: Any) -> dict:
+        if cache is not None and cache.seq_len > 0:
+            input_ids = input_ids[:, cache.seq_len :]
+        kwargs.pop("next_sequence_length", None)
+        kwargs.pop("position_ids", None)
+        return super().prepare_inputs_for_generation(input_ids, cache=cache, **kwargs)

@@ -1,0 +1,52 @@
+"""Shared test helpers: tolerances, random splits, and the registered attention cases."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from slimkv.attention import ATTENTION_KINDS, kind_spec
+
+D_MODEL, N_HEADS, HEAD_DIM = 32, 4, 8
+SEQ_LEN = 37
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    """sqrt(mean((a-b)^2)) / sqrt(mean(b^2)), computed in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-300))
+
+
+def random_splits(total: int, seed: int) -> list[int]:
+    """Cut ``total`` tokens into call sizes drawn at random, always including a 1-token call."""
+    rng = random.Random(seed)
+    sizes, left = [], total
+    while left:
+        n = min(left, rng.choice([1, 1, 2, 3, 5, 8, 13]))
+        sizes.append(n)
+        left -= n
+    return sizes
+
+
+def attention_cases() -> list[tuple[str, dict]]:
+    """(kind, own options) for every registered kind and each of its example configurations."""
+    return [(kind, dict(opts)) for kind in ATTENTION_KINDS for opts in kind_spec(kind).example_options]
+
+
+def case_id(case: tuple[str, dict]) -> str:
+    kind, opts = case
+    return kind + "".join(f"-{k}={v}" for k, v in opts.items())
+
+
+def run_in_calls(attn, x: torch.Tensor, sizes: list[int], check=None) -> torch.Tensor:
+    """Feed ``x`` through ``attn`` with a cache, in calls of the given sizes; concatenate outputs."""
+    cache = attn.new_cache(x.shape[0], dtype=x.dtype)
+    outs, t = [], 0
+    for n in sizes:
+        outs.append(attn(x[:, t : t + n], cache=cache))
+        t += n
+        if check is not None:
+            check(cache)
+    return torch.cat(outs, dim=1)
