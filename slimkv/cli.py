@@ -11,6 +11,7 @@ COMMAND_MODULES = (
     "slimkv.data.cli",
     "slimkv.train.cli",
     "slimkv.eval.cli",
+    "slimkv.eval.diversity",
     "slimkv.compress.cli",
     "slimkv.bench.cli",
 )

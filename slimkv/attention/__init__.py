@@ -4,7 +4,7 @@
 ``ATTENTION_KINDS`` lists them. Importing this package registers every built-in kind.
 """
 
-from slimkv.attention import mha, swa  # noqa: F401  (registers the built-in kinds)
+from slimkv.attention import kvm, lrkv, mha, mla, swa  # noqa: F401  (registers the built-in kinds)
 from slimkv.attention.base import (
     ATTENTION_KINDS,
     COMMON_OPTIONS,

@@ -131,7 +131,20 @@ class Attention(nn.Module):
         """What a cache must match to serve this module (kind and every shape that sizes the cache)."""
         return (self.kind, self.d_model, self.n_heads, self.head_dim)
 
+    def head_qk_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Effective per-query-head maps (W^Q, W^K), each (n_heads, d_model, d_qk), such that the
+        unscaled logit of head h between inputs x_i, x_j is (x_i W^Q_h) . (x_j W^K_h), before
+        positional rotation and biases; qk-norm gains are folded in, the per-token rms scale is not
+        (it depends on the input). Used by the head-diversity metric (slimkv.eval.diversity)."""
+        raise NotImplementedError(f"attention kind {self.kind!r} does not expose its per-head query/key maps")
+
     # -- helpers for subclasses -------------------------------------------------------
+
+    def _with_qk_gains(self, wq: torch.Tensor, wk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fold the qk-norm gains (if any) into per-head maps (H, d_model, head_dim) for ``head_qk_maps``."""
+        if self.use_qk_norm:
+            return wq * self.q_norm.weight, wk * self.k_norm.weight
+        return wq, wk
 
     def _cache_args(self, batch_size: int, dtype, device) -> tuple[int, torch.dtype, torch.device]:
         check_int("batch_size", batch_size, 1)

@@ -66,6 +66,13 @@ class MultiHeadAttention(Attention):
     def cache_spec(self) -> tuple:
         return super().cache_spec() + (self.n_kv_heads, self.window)
 
+    def head_qk_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W^Q_h, W^K_h), each (n_heads, d_model, head_dim); a query head gets its group's key map."""
+        hd, groups = self.head_dim, self.n_heads // self.n_kv_heads
+        wq = self.q_proj.weight.view(self.n_heads, hd, self.d_model).transpose(1, 2)
+        wk = self.k_proj.weight.view(self.n_kv_heads, hd, self.d_model).transpose(1, 2).repeat_interleave(groups, dim=0)
+        return self._with_qk_gains(wq, wk)
+
     def new_cache(self, batch_size: int, dtype=None, device=None) -> KVCache:
         b, dtype, device = self._cache_args(batch_size, dtype, device)
         keep = None if self.window is None else self.window - 1

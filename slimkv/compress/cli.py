@@ -1,5 +1,120 @@
-"""Commands of this subsystem (filled in by its issue)."""
+"""``slimkv models``, ``slimkv compress`` and ``slimkv compress-sweep``."""
+
+from __future__ import annotations
+
+import argparse
+
+from slimkv.compress.linalg import FactorizationError
+from slimkv.compress.models import add_models_command
+from slimkv.compress.pipeline import METHODS, CompressOptions
+from slimkv.compress.workflow import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_TOKENS
+
+MODEL_HELP = "`smollm2` (after `slimkv models fetch smollm2`) or a local transformers folder (Llama/Mistral/Qwen2/OPT/GPT-2)"
 
 
 def add_commands(subparsers) -> None:
     """Register this subsystem's commands on the top-level ``slimkv`` parser."""
+    add_models_command(subparsers)
+    _add_compress(subparsers)
+    _add_sweep(subparsers)
+
+
+def _add_calibration_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--calib", default="shakespeare", help="`shakespeare` (training plays) or a local text file/folder (default: shakespeare)")
+    parser.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS, help=f"calibration tokens (default {DEFAULT_CALIB_TOKENS})")
+    parser.add_argument("--calib-seq-len", type=int, default=DEFAULT_CALIB_SEQ_LEN, help=f"calibration window length (default {DEFAULT_CALIB_SEQ_LEN})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the calibration window sampling (default 0)")
+    parser.add_argument("--damping", type=float, default=CompressOptions.damping,
+                        help=f"relative damping (x mean diag C) where latentllm inverts a covariance (default {CompressOptions.damping})")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads for this run (default: torch's choice)")
+
+
+def _add_compress(subparsers) -> None:
+    parser = subparsers.add_parser("compress", help="compress a pretrained LM with low-rank factors (svd, asvd, rootcov, latentllm)")
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
+    parser.add_argument("--method", required=True, choices=METHODS)
+    parser.add_argument("--ratio", type=float, required=True, help="fraction of the block projections' weights to remove, in [0, 1)")
+    _add_calibration_options(parser)
+    parser.add_argument("--out", required=True, help="output folder (config + safetensors + slimkv_compression.json)")
+    parser.add_argument("--no-joint-qk", action="store_true", help="latentllm: factor q and k separately (ablation)")
+    parser.add_argument("--no-joint-mlp", action="store_true", help="latentllm: factor the MLP projections separately (ablation)")
+    parser.add_argument("--no-identity-block", action="store_true", help="latentllm: dense factors instead of identity blocks (ablation)")
+    parser.set_defaults(func=_run_compress)
+
+
+def _add_sweep(subparsers) -> None:
+    from slimkv.compress.sweep import VARIANTS
+
+    parser = subparsers.add_parser("compress-sweep", help="methods x ratios: perplexity, parameters, FLOPs and CPU latency table + plot")
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
+    parser.add_argument("--methods", default="svd,asvd,rootcov,latentllm", help=f"comma-separated from: {', '.join(VARIANTS)}")
+    parser.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5", help="comma-separated ratios (default 0.1,...,0.5)")
+    _add_calibration_options(parser)
+    parser.add_argument("--text", default="shakespeare-val", help="evaluation text: `shakespeare-val` or a local text file/folder")
+    parser.add_argument("--seq-len", type=int, default=1024, help="perplexity window (default 1024)")
+    parser.add_argument("--max-tokens", type=int, default=16384, help="evaluate the first N held-out tokens (default 16384; 0 = all)")
+    parser.add_argument("--prefill-len", type=int, default=256, help="prefill length for FLOPs and latency (default 256)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed prefill repeats (median reported; 0 = skip latency)")
+    parser.add_argument("--name", default=None, help="results file stem (default compress_sweep_<model>)")
+    parser.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    parser.set_defaults(func=_run_sweep)
+
+
+def _check_common(args) -> None:
+    if args.calib_tokens < 1:
+        raise ValueError(f"--calib-tokens must be >= 1; got {args.calib_tokens}")
+    if args.calib_seq_len < 2:
+        raise ValueError(f"--calib-seq-len must be >= 2; got {args.calib_seq_len}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1; got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def _run_compress(args) -> int:
+    from slimkv.compress.workflow import compress_pretrained
+
+    _check_common(args)
+    options = CompressOptions(method=args.method, ratio=args.ratio, damping=args.damping, joint_qk=not args.no_joint_qk,
+                              joint_mlp=not args.no_joint_mlp, identity_block=not args.no_identity_block)
+    options.validate()
+    try:
+        _, manifest = compress_pretrained(args.model, options, args.calib, args.calib_tokens, args.out, calib_seq_len=args.calib_seq_len, seed=args.seed)
+    except FactorizationError as err:
+        print(f"slimkv compress: factorization failed, nothing was written: {err}")
+        return 1
+    budget = manifest["budget"]
+    print(f"{args.method} ratio {args.ratio}: achieved {manifest['achieved_ratio']:.4f} "
+          f"({budget['weights_before']:,} -> {budget['weights_after']:,} block-projection weights), "
+          f"calibration {manifest['calibration'].get('tokens', 0)} tokens, {manifest['seconds']:.1f} s calibration + factorization")
+    print(f"saved to {args.out} (load with slimkv.compress.load; evaluate with `slimkv eval ppl --model {args.out}`)")
+    return 0
+
+
+def _run_sweep(args) -> int:
+    from slimkv.compress.models import SMOLLM2, load_pretrained
+    from slimkv.compress.sweep import markdown_table, parse_methods, parse_ratios, run_sweep, write_sweep
+
+    _check_common(args)
+    methods, ratios = parse_methods(args.methods), parse_ratios(args.ratios)
+    if args.seq_len < 2 or args.prefill_len < 1 or args.repeats < 0:
+        raise ValueError("--seq-len must be >= 2, --prefill-len >= 1 and --repeats >= 0")
+    if args.max_tokens is not None and args.max_tokens != 0 and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be 0 (all) or >= 2; got {args.max_tokens}")
+    if args.damping < 0:
+        raise ValueError(f"--damping must be >= 0; got {args.damping}")
+    base = load_pretrained(args.model)
+    try:
+        result = run_sweep(base, methods, ratios, calib=args.calib, calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len, text=args.text,
+                           seq_len=args.seq_len, max_tokens=args.max_tokens or None, prefill_len=args.prefill_len, repeats=args.repeats, seed=args.seed,
+                           damping=args.damping)
+    except FactorizationError as err:
+        print(f"slimkv compress-sweep: factorization failed: {err}")
+        return 1
+    name = args.name or f"compress_sweep_{SMOLLM2 if args.model == SMOLLM2 else base.identity.get('model_type', 'model')}"
+    path = write_sweep(result, name, args.out_dir)
+    print(markdown_table(result))
+    print(f"wrote {path} (+ .md, .png)")
+    return 0

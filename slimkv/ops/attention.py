@@ -70,6 +70,53 @@ def attend(
     if unlimited and q_len == k_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if unlimited and q_len == 1:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        return decode_attention(q, k, v, scale=scale)
     mask = visibility_mask(q_len, k_len, window, q.device)
+    if gqa and v.shape[-1] != k.shape[-1]:
+        return grouped_attention(q, k, v, mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def fold_groups(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(batch, q_heads, q_len, dim) -> (batch, kv_heads, groups * q_len, dim): the query heads that
+    share a key/value head become rows of one query block against it (row g * q_len + i is query i
+    of the group's head g), so a kernel reads each shared key/value once, not once per query head."""
+    b, q_heads, q_len, dim = q.shape
+    return q.reshape(b, kv_heads, (q_heads // kv_heads) * q_len, dim)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Masked attention of grouped query heads, folded onto their shared key/value heads (the
+    mask, (q_len, k_len), is repeated for every head of a group); same result as SDPA with
+    ``enable_gqa``. ``attend`` uses it when values and keys differ in width (MLA's shared latent):
+    the fused CPU kernel then takes a fallback that was measured 2x-10x slower (8 query heads over
+    one 288-wide key head, 8K keys, 16-64 queries). With equal widths SDPA is as fast or faster."""
+    b, q_heads, q_len, _ = q.shape
+    groups = q_heads // k.shape[1]
+    out = F.scaled_dot_product_attention(fold_groups(q, k.shape[1]), k, v, attn_mask=mask.repeat(groups, 1), scale=scale)
+    return out.reshape(b, q_heads, q_len, v.shape[-1])
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """One query per head attending to every key (a decode step; no mask is needed).
+
+    One query head per key/value head (MHA): the fused kernel, which parallelises over heads.
+    Grouped query heads (GQA, MQA, MLA's shared latent) are folded onto their key/value head
+    (``fold_groups``) and, in float32/float64, run as two matmuls around a softmax: the logits as
+    keys x queries^T, (k_len, dim) x (dim, groups), with the cache as the large row-major operand,
+    the form BLAS runs fastest for a few query rows (on CPU, measured 3x faster than the fused
+    kernel for 8 heads over one 288-wide latent, and up to 2x faster than queries x keys^T).
+    Other dtypes run the fused kernel on the folded rows.
+    q (batch, q_heads, 1, dim), k/v (batch, kv_heads, k_len, dim / v_dim) -> (batch, q_heads, 1, v_dim).
+    """
+    b, q_heads, _, dim = q.shape
+    if q_heads == k.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    rows = fold_groups(q, k.shape[1])
+    if q.dtype in (torch.float32, torch.float64):
+        scale = 1.0 / math.sqrt(dim) if scale is None else scale
+        scores = torch.matmul(k, (rows * scale).transpose(-1, -2)).transpose(-1, -2)  # (batch, kv_heads, groups, k_len)
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)
+    else:
+        out = F.scaled_dot_product_attention(rows, k, v, scale=scale)
+    return out.reshape(b, q_heads, 1, v.shape[-1])

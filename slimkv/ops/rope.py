@@ -33,26 +33,50 @@ class Rotary:
         self.mode = mode
         self.theta = float(theta)
         self.rot_dim = rotary_dim(head_dim, mode, fraction)
+        # Per-call overhead matters at decode (one token, every layer, twice): the inverse
+        # frequencies are computed once per device, and the rotation of the last call is kept
+        # because queries and keys of a call share it. Values are those of the float64 formula.
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._last: tuple[tuple, torch.Tensor] | None = None
+
+    def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
+        """theta^(-2i / rot_dim) for each channel pair i, float64, shape (rot_dim // 2,)."""
+        device = torch.device(device)
+        if device not in self._inv_freq:
+            pairs = torch.arange(self.rot_dim // 2, device=device, dtype=torch.float64)
+            self._inv_freq[device] = 1.0 / (self.theta ** (pairs * 2 / self.rot_dim))
+        return self._inv_freq[device]
 
     def angles(self, start: int, length: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape (length, rot_dim // 2) for positions start .. start+length-1."""
-        half = self.rot_dim // 2
-        inv_freq = 1.0 / (self.theta ** (torch.arange(half, device=device, dtype=torch.float64) * 2 / self.rot_dim))
         pos = torch.arange(start, start + length, device=device, dtype=torch.float64)
-        ang = torch.outer(pos, inv_freq)
+        ang = torch.outer(pos, self.inverse_frequencies(device))
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
+    def rotation(self, start: int, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """cos + i sin as a complex tensor (length, 1, rot_dim // 2) of ``dtype``'s complex type."""
+        key = (start, length, torch.device(device), dtype)
+        if self._last is None or self._last[0] != key:
+            cos, sin = self.angles(start, length, device, dtype)
+            self._last = (key, torch.complex(cos, sin)[:, None, :])
+        return self._last[1]
+
     def __call__(self, x: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
-        """Rotate ``x`` of shape (batch, time, heads, head_dim) whose first token sits at ``start``."""
+        """Rotate ``x`` of shape (batch, time, heads, head_dim) whose first token sits at ``start``.
+
+        A channel pair (even, odd) is the complex number even + i odd; the rotation by angle a is
+        the product with cos a + i sin a, i.e. (even cos - odd sin, even sin + odd cos)."""
         if self.rot_dim == 0:
             return x
         work = compute_dtype(x.dtype)
-        cos, sin = self.angles(int(start), x.shape[1], x.device, work)
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-        rot = x[..., : self.rot_dim].to(work).unflatten(-1, (-1, 2))
-        even, odd = rot[..., 0], rot[..., 1]
-        rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-        return torch.cat((rotated.to(x.dtype), x[..., self.rot_dim :]), dim=-1)
+        rot = x[..., : self.rot_dim].to(work)
+        if rot.stride(-1) != 1 or rot.storage_offset() % 2 or any(st % 2 for st in rot.stride()[:-1]):
+            rot = rot.contiguous()  # a complex view needs every pair to start at an even offset
+        pairs = torch.view_as_complex(rot.unflatten(-1, (-1, 2)))
+        rotated = torch.view_as_real(pairs * self.rotation(int(start), x.shape[1], x.device, work)).flatten(-2).to(x.dtype)
+        if self.rot_dim == x.shape[-1]:
+            return rotated
+        return torch.cat((rotated, x[..., self.rot_dim :]), dim=-1)
 
     def __repr__(self) -> str:
         return f"Rotary(mode={self.mode!r}, rot_dim={self.rot_dim}, theta={self.theta})"

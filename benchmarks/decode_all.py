@@ -1,0 +1,93 @@
+"""Decode speed of every registered attention kind at matched width (issue 6).
+
+One layer per kind (default 8 heads x 64, d_model 512, batch 1, float32), caches filled to each
+context by the kind's own prefill, then per-token decode time, the live cache bytes a step reads,
+the GB/s that implies and the machine's measured memory-copy bandwidth beside it. Every kind in
+``ATTENTION_KINDS`` runs, with the matched-width options of ``slimkv.bench.decode`` (kinds without
+an entry fall back to their registered example options, and the output says so).
+
+    .venv/bin/python benchmarks/decode_all.py                   # 1K..32K, every kind
+    .venv/bin/python benchmarks/decode_all.py --quick           # smoke run (small contexts)
+    .venv/bin/python benchmarks/decode_all.py --heads 32 --head-dim 128 --contexts 1024,8192
+    .venv/bin/python benchmarks/decode_all.py --kinds mha,mla --kind-options '{"mla": {"kv_rank": 128, "rope_dim": 32}}'
+
+Writes benchmarks/results/<name>.json (machine, settings, raw samples, targets) and <name>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from slimkv.attention import ATTENTION_KINDS
+from slimkv.bench.decode import matched_width_variants, run_decode_benchmark
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CONTEXTS = "1024,2048,4096,8192,16384,32768"
+QUICK_CONTEXTS = "256,1024"
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def kind_list(text: str) -> list[str]:
+    return [k.strip() for k in text.split(",") if k.strip()]
+
+
+def parser(description: str = __doc__) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kinds", type=kind_list, default=None, help="comma-separated kinds (default: every registered kind)")
+    p.add_argument("--contexts", type=int_list, default=None, help=f"cached tokens (default {DEFAULT_CONTEXTS})")
+    p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=64, help="head width (default 64)")
+    p.add_argument("--d-model", type=int, default=None, help="model width (default heads x head-dim)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per variant per round")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per variant per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the variants per context")
+    p.add_argument("--kind-options", type=json.loads, default=None, help='JSON {kind: options} replacing the matched-width options')
+    p.add_argument("--quick", action="store_true", help=f"smoke run: contexts {QUICK_CONTEXTS}, 1 round of 3 calls")
+    p.add_argument("--name", default="decode_all", help="results file name (default decode_all)")
+    p.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def run(args: argparse.Namespace, kinds: list[str]) -> dict:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    contexts = args.contexts or int_list(QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS)
+    warmup, repeats, rounds = (1, 3, 1) if args.quick else (args.warmup, args.repeats, args.rounds)
+    variants = matched_width_variants(kinds, args.heads, args.head_dim, args.kind_options)
+    return run_decode_benchmark(
+        args.name, variants, contexts, out_dir=args.out_dir,
+        d_model=args.d_model or args.heads * args.head_dim, n_heads=args.heads, head_dim=args.head_dim,
+        batch=args.batch, dtype=DTYPES[args.dtype], device=args.device,
+        warmup=warmup, repeats=repeats, rounds=rounds, seed=args.seed,
+    )
+
+
+def main() -> None:
+    args = parser().parse_args()
+    try:
+        run(args, args.kinds or list(ATTENTION_KINDS))
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""``kvm``: key-value means attention (spec: ``shared/specs/kvm.md``).
+
+The layer is the usual projections (+ QK-norm and RoPE), a merge gate g = 1 + ELU(x W_g) per token
+and KV head, LN_s and two per-query-head temperatures, around the functional core in
+``slimkv.ops.kvm`` (which documents the mechanism). Queries and window keys use partial RoPE by
+default (``rope="partial"``, ``rope_fraction=0.5``: the FIRST half of each head's channels, as
+adjacent pairs, like the paper's reference); those rotary channels are zeroed before a key enters
+the compressed state. ``rope="none"`` is allowed; ``rope="full"`` is refused because it would leave
+state keys with no content.
+
+The cache (``KVMCache``) holds the compressed rows and the exact window; ``cache.state_rows`` is the
+number of rows now. Its size after N tokens is flat in N for ``schedule="fixed"`` and grows as
+``sqrt_coef * sqrt(N)`` rows for ``sqrt``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slimkv.attention.base import Attention, check_bool, register_attention
+from slimkv.attention.cache import AttentionCache
+from slimkv.attention.mha import MultiHeadAttention
+from slimkv.ops.kvm import (
+    KVMParams,
+    KVMSettings,
+    KVMState,
+    kvm_attention,
+    kvm_attention_reference,
+    kvm_step,
+    kvm_step_reference,
+)
+from slimkv.ops.rope import ROPE_MODES, rotary_dim
+
+LN_S_EPS = 1e-5
+DEFAULT_ROPE_FRACTION = inspect.signature(Attention.__init__).parameters["rope_fraction"].default
+
+
+def _check_rope_leaves_content(d_model, n_heads, head_dim, rope, fraction) -> None:
+    """Refuse RoPE settings that rotate every channel: state keys drop the rotary channels, so
+    nothing would be left. (Malformed shape/rope options are left to the base class to report.)"""
+    if head_dim is None and isinstance(d_model, int) and isinstance(n_heads, int) and n_heads > 0:
+        head_dim = d_model // n_heads
+    if not isinstance(head_dim, int) or head_dim < 1 or rope not in ROPE_MODES or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        return
+    if rotary_dim(head_dim, rope, fraction) >= head_dim:
+        raise ValueError(
+            f"rope={rope!r} rotates all {head_dim} channels of a head, leaving KVM's state keys (rotary channels zeroed) "
+            "without content; use rope='partial' (the default, with rope_fraction < 1) or rope='none'"
+        )
+
+
+class KVMCache(AttentionCache):
+    """Compressed rows + exact window of one KVM layer (see ``KVMState``); kernel layout
+    (batch, kv_heads, time, dim). ``nbytes`` counts the window buffers (live part) and every row
+    tensor, including the read cache (LN_s'd keys, radius-normalised values) decode reads."""
+
+    def __init__(self, owner_spec: tuple, batch_size: int, state: KVMState, *, dtype, device) -> None:
+        super().__init__(owner_spec, batch_size, dtype, device)
+        self.state = state
+
+    @property
+    def state_rows(self) -> int:
+        """Rows in the compressed state now."""
+        return self.state.state_rows
+
+    def tensors(self):
+        return iter(self.state.tensors())
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.state.select_batch(index)
+        self.batch_size = int(index.numel())
+
+
+class KVMAttention(MultiHeadAttention):
+    """Key-value means: one softmax over exact recent chunks and a compressed, optionally growing
+    state of key/value means. Options are those of ``KVMSettings`` (chunk_size, window_chunks,
+    schedule, min_rows, sqrt_coef, saturating_rows, max_rows, sink_len, value_norm, routing_dtype,
+    gate_appends), plus ``n_kv_heads`` (GQA: rows and gates per KV head, temperatures per query
+    head) and the ablation switches ``use_temperatures`` and ``merge_gate``. (A callable
+    ``schedule`` works for a module, but a ``ModelConfig`` holding one cannot be saved as JSON.)"""
+
+    kind = "kvm"
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int | None = None,
+        *,
+        chunk_size: int = 256,
+        window_chunks: int = 2,
+        schedule: str | Callable[[int], int] = "fixed",
+        min_rows: int | None = None,
+        sqrt_coef: float | None = None,
+        saturating_rows: int | None = None,
+        max_rows: int | None = None,
+        sink_len: int = 1,
+        n_kv_heads: int | None = None,
+        use_temperatures: bool = True,
+        value_norm: str = "radius",
+        merge_gate: bool = True,
+        routing_dtype: str = "float32",
+        gate_appends: bool = False,
+        rope: str = "partial",
+        **common,
+    ) -> None:
+        settings = KVMSettings(
+            chunk_size=chunk_size,
+            window_chunks=window_chunks,
+            schedule=schedule,
+            min_rows=min_rows,
+            sqrt_coef=sqrt_coef,
+            saturating_rows=saturating_rows,
+            max_rows=max_rows,
+            sink_len=sink_len,
+            value_norm=value_norm,
+            routing_dtype=routing_dtype,
+            gate_appends=gate_appends,
+        )
+        check_bool("use_temperatures", use_temperatures)
+        check_bool("merge_gate", merge_gate)
+        if gate_appends and not merge_gate:
+            raise ValueError("gate_appends=True needs merge_gate=True (there is no gate to weight appended rows with)")
+        _check_rope_leaves_content(d_model, n_heads, head_dim, rope, common.get("rope_fraction", DEFAULT_ROPE_FRACTION))
+        super().__init__(d_model, n_heads, head_dim, n_kv_heads=n_kv_heads, rope=rope, **common)
+        self.settings = replace(settings, rot_dim=self.rotary.rot_dim)
+        self.ln_s = nn.LayerNorm(self.head_dim, eps=LN_S_EPS)
+        self.gate_proj = nn.Linear(d_model, self.n_kv_heads, bias=False) if merge_gate else None
+        if use_temperatures:
+            self.tau_state = nn.Parameter(torch.ones(n_heads))
+            self.tau_window = nn.Parameter(torch.ones(n_heads))
+        else:
+            self.tau_state = self.tau_window = None
+
+    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
+        """Projections as the base class; LN_s to identity; temperatures to 1."""
+        super().reset_parameters(std, out_std)
+        with torch.no_grad():
+            self.ln_s.reset_parameters()
+            for tau in (self.tau_state, self.tau_window):
+                if tau is not None:
+                    tau.fill_(1.0)
+
+    def cache_spec(self) -> tuple:
+        return super().cache_spec() + (self.settings, self.gate_proj is not None)
+
+    def new_cache(self, batch_size: int, dtype=None, device=None) -> KVMCache:
+        b, dtype, device = self._cache_args(batch_size, dtype, device)
+        state = KVMState(b, self.n_kv_heads, self.head_dim, dtype=dtype, device=device, gated=self.gate_proj is not None)
+        return KVMCache(self.cache_spec(), b, state, dtype=dtype, device=device)
+
+    def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
+        hd = self.head_dim
+        return KVMState.expected_nbytes(self.settings, seq_len, batch_size, self.n_kv_heads, hd, hd, dtype, self.gate_proj is not None)
+
+    def kvm_params(self) -> KVMParams:
+        """The tensors the functional core needs besides q, k, v and the gate."""
+        return KVMParams(self.ln_s.weight, self.ln_s.bias, self.tau_state, self.tau_window, self.ln_s.eps)
+
+    def merge_gates(self, x: torch.Tensor) -> torch.Tensor | None:
+        """g = 1 + ELU(x W_g): (batch, time, d_model) -> (batch, kv_heads, time), or None without a gate."""
+        if self.gate_proj is None:
+            return None
+        return (1.0 + F.elu(self.gate_proj(x))).transpose(1, 2)
+
+    def _forward(self, x: torch.Tensor, cache: KVMCache | None) -> torch.Tensor:
+        start = cache.seq_len if cache is not None else 0
+        q, k, v = self.project_qkv(x, start)
+        gate, params = self.merge_gates(x), self.kvm_params()
+        reference = self.backend == "reference"
+        if cache is None:
+            run = kvm_attention_reference if reference else kvm_attention
+            out = run(q, k, v, gate, params, self.settings)
+        else:
+            step = kvm_step_reference if reference else kvm_step
+            out = step(q, k, v, gate, params, self.settings, cache.state)
+            cache.seq_len = cache.state.seq_len
+        b, t = x.shape[:2]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def extra_repr(self) -> str:
+        s = self.settings
+        schedule = getattr(s.schedule, "__name__", "callable") if callable(s.schedule) else s.schedule
+        return (
+            super().extra_repr()
+            + f", chunk_size={s.chunk_size}, window_chunks={s.window_chunks}, schedule={schedule}, sink_len={s.sink_len}, "
+            f"value_norm={s.value_norm}, merge_gate={self.gate_proj is not None}, temperatures={self.tau_state is not None}"
+        )
+
+
+register_attention(
+    "kvm",
+    KVMAttention,
+    example_options=[
+        # chunk 4, window 2 chunks: the state appears at token 8 and folds run at 12, 16, ..., 36
+        {"chunk_size": 4, "schedule": "fixed", "min_rows": 6},  # 2 appends at the first fold, merges after
+        {"chunk_size": 4, "schedule": "sqrt", "sqrt_coef": 2.0, "min_rows": 1, "n_kv_heads": 2},  # grows 4 -> 12 rows
+        {"chunk_size": 3, "window_chunks": 3, "schedule": "saturating", "saturating_rows": 8},  # grows 3 -> 6 rows
+        {"chunk_size": 4, "min_rows": 5, "sink_len": 0, "value_norm": "count", "merge_gate": False, "use_temperatures": False},
+    ],
+    description="key-value means: exact window + compressed growing state",
+)

@@ -1,0 +1,509 @@
+"""Low-rank key-value attention (LRKV): one shared K/V projection plus per-head low-rank residuals.
+
+Spec: ``shared/specs/lrkv.md``. Head h uses the effective maps
+
+    W^K_h = W^K_shared + U^K_h (B^K_h)^T        W^V_h = W^V_shared + U^V_h (B^V_h)^T
+
+with W_shared: d -> d_h, U_h: d -> r (the "latent" projection) and B_h: r -> d_h (the "up"
+factor, a weight). Queries are full and independent per head. The cache stores, per token, the
+shared key and value (d_h each) and every head's latents z^K_h = x U^K_h (r_k) and z^V_h = x U^V_h
+(r_v), plus one key scale per head with ``qk_norm``:
+
+    elements per token per layer = 2 d_h + H (r_k + r_v) [+ H]        (MHA: 2 H d_h)
+
+so with r_k = r_v = r the cache is 1/H + r/d_h of MHA's; a configuration whose cache exceeds MHA's
+(r > d_h (1 - 1/H)) works but warns. Residual factors start at ``residual_init`` (default 0.1) of
+the shared map's Frobenius norm; ``from_mha`` loads an MHA/GQA/MQA layer exactly (B_h = I).
+
+Positions (``rope_mode``), and how it combines with the common ``rope``/``rope_fraction``:
+
+* ``decoupled`` (default): the first ``rope_fraction`` of each head's channels (rounded down to an
+  even count; half by default, also when ``rope="full"``, since rotating every channel would leave
+  the residual nothing to write) are rotary channels. They come from the shared key alone, are
+  rotated once when written to the cache, and the key residual B^K_h writes only the remaining
+  channels. Decode is the exact factored path. Values are never rotated; B^V_h spans all channels.
+* ``full``: RoPE (``rope="full"`` or ``"partial"``, exactly as MHA applies it) on the materialised
+  per-head key. Decode keeps the compact cache and rebuilds keys in bounded blocks (exact,
+  more arithmetic).
+* ``none``, or ``rope="none"`` with any ``rope_mode``: no rotation; factored decode.
+
+``qk_norm``: RMSNorm of the rebuilt per-head key is not linear, so the cache also stores
+s = 1 / rms(k_h) per token and head, and q . (g * s k_h) = s ((q * g) . k_s + ((q * g) B_h) . z_h).
+
+Paths: without a cache (training), and for a call into an empty cache (a prompt), the per-head
+K/V of the call's own tokens are materialised with batched tensor ops and fed to the fused SDPA
+kernel. Calls with cached context (decode, any number of tokens) follow ``decode_path`` (per
+instance): ``"factored"`` (default; factored logits and values, or the block rebuild for
+``full``), never forming a past token's per-head key or value, or ``"expanded"`` (rebuild every
+cached per-head K/V and use SDPA), which the tests and the decode benchmark compare against.
+Shapes: activations (batch, time, heads, dim); kernels and caches (batch, heads, time, dim), the
+shared key/value with one head, the latents time-last (see ``LRKVEntries``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from slimkv.attention.base import Attention, check_choice, check_float, check_int, register_attention
+from slimkv.attention.cache import AttentionCache, GrowableBuffer, dtype_bytes
+from slimkv.attention.mha import MultiHeadAttention
+from slimkv.ops.attention import attend, visibility_mask
+from slimkv.ops.norm import compute_dtype
+from slimkv.ops.rope import Rotary
+
+LRKV_ROPE_MODES = ("decoupled", "full", "none")
+DECODE_PATHS = ("factored", "expanded")
+# Largest logits tile (batch x heads x queries x keys elements) a cached call materialises at once
+# (8 MiB in float32: small enough to stay in cache, large enough for efficient GEMMs).
+LOGITS_BLOCK_ELEMENTS = 2**21
+
+
+class LRKVEntries(NamedTuple):
+    """What LRKV caches per token; used for the new tokens of a call and for views of the whole
+    cache alike. The latents are time-last ("channel-major"): for one head the r x L block is
+    contiguous along time, so the decode products q_lat Z^T and a Z are plain streaming GEMMs
+    (about twice the throughput of the (L, r) layout on CPU in benchmarks/decode_lrkv.py).
+
+    shared_k:  (batch, 1, time, head_dim)  shared key; in ``decoupled`` mode its rotary channels are
+               already scaled by the qk-norm gain (if any) and rotated
+    shared_v:  (batch, 1, time, head_dim)  shared value
+    latent_k:  (batch, heads, rank_k, time)  z^K_h = x U^K_h
+    latent_v:  (batch, heads, rank_v, time)  z^V_h = x U^V_h
+    key_scale: (batch, heads, time, 1)  s = 1 / rms(k_h) with ``qk_norm``, else None
+    """
+
+    shared_k: torch.Tensor
+    shared_v: torch.Tensor
+    latent_k: torch.Tensor
+    latent_v: torch.Tensor
+    key_scale: torch.Tensor | None
+
+    def tokens(self, start: int, stop: int) -> LRKVEntries:
+        """The entries of tokens start..stop-1 (views)."""
+        return LRKVEntries(
+            self.shared_k[:, :, start:stop],
+            self.shared_v[:, :, start:stop],
+            self.latent_k[..., start:stop],
+            self.latent_v[..., start:stop],
+            None if self.key_scale is None else self.key_scale[:, :, start:stop],
+        )
+
+
+class TimeLastBuffer:
+    """Growable (batch, heads, dim, time) storage: a ``GrowableBuffer`` of (batch, heads * dim,
+    time, 1), so appending never copies the past and each (head, channel) row is contiguous."""
+
+    def __init__(self, batch: int, heads: int, dim: int, *, dtype, device) -> None:
+        self.heads, self.dim = heads, dim
+        self.buffer = GrowableBuffer(batch, heads * dim, 1, dtype=dtype, device=device)
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """Append x (batch, heads, dim, n); return the live (batch, heads, dim, time) view."""
+        b, _, _, n = x.shape
+        live = self.buffer.append(x.reshape(b, self.heads * self.dim, n, 1))
+        return live.view(b, self.heads, self.dim, live.shape[2])
+
+
+class LRKVCache(AttentionCache):
+    """Shared keys/values, per-head latents and (with qk_norm) per-head key scales of every past token."""
+
+    def __init__(self, owner_spec: tuple, batch_size: int, n_heads: int, head_dim: int, rank_k: int, rank_v: int, key_scale: bool, *, dtype, device) -> None:
+        super().__init__(owner_spec, batch_size, dtype, device)
+        kw = {"dtype": dtype, "device": device}
+        self.shared_k = GrowableBuffer(batch_size, 1, head_dim, **kw)
+        self.shared_v = GrowableBuffer(batch_size, 1, head_dim, **kw)
+        self.latent_k = TimeLastBuffer(batch_size, n_heads, rank_k, **kw)
+        self.latent_v = TimeLastBuffer(batch_size, n_heads, rank_v, **kw)
+        self.key_scale = GrowableBuffer(batch_size, n_heads, 1, **kw) if key_scale else None
+
+    def tensors(self):
+        buffers = (self.shared_k, self.shared_v, self.latent_k.buffer, self.latent_v.buffer, self.key_scale)
+        return iter(b for b in buffers if b is not None)
+
+    def extend(self, new: LRKVEntries) -> LRKVEntries:
+        """Append the new tokens' entries; return views of every cached entry (past and new)."""
+        buffers = (self.shared_k, self.shared_v, self.latent_k, self.latent_v, self.key_scale)
+        views = LRKVEntries(*(None if buf is None else buf.append(t) for buf, t in zip(buffers, new)))
+        self.seq_len += new.shared_k.shape[2]
+        return views
+
+
+def resolve_ranks(rank: int | None, rank_k: int | None, rank_v: int | None) -> tuple[int, int]:
+    """(rank_k, rank_v) from ``rank`` or the pair; ValueError naming the option otherwise."""
+    if rank is not None and (rank_k is not None or rank_v is not None):
+        raise ValueError("pass either rank or rank_k and rank_v, not both")
+    if rank is not None:
+        check_int("rank", rank, 0)
+        return rank, rank
+    if rank_k is None or rank_v is None:
+        raise ValueError("lrkv needs rank (or both rank_k and rank_v): the residual rank per head, an integer >= 0")
+    check_int("rank_k", rank_k, 0)
+    check_int("rank_v", rank_v, 0)
+    return rank_k, rank_v
+
+
+def resolve_positions(head_dim: int, rope_mode: str, rope: str, rope_fraction: float, rope_theta: float) -> tuple[Rotary, str]:
+    """The rotary map of an lrkv layer and its effective placement ("decoupled", "full" or "none"),
+    from its ``rope_mode`` and the common ``rope`` options (see the module docstring)."""
+    if rope_mode == "none" or rope == "none":
+        return Rotary(head_dim, "none"), "none"
+    if rope_mode == "decoupled":
+        rotary = Rotary(head_dim, "partial", rope_fraction, rope_theta)
+        if rotary.rot_dim >= head_dim:
+            raise ValueError(
+                f"rope_mode='decoupled' needs key channels the residual can write, but rope_fraction={rope_fraction} "
+                f"rotates all {head_dim}; lower rope_fraction or use rope_mode='full'"
+            )
+    else:
+        rotary = Rotary(head_dim, rope, rope_fraction, rope_theta)
+    return rotary, (rope_mode if rotary.rot_dim else "none")
+
+
+class LowRankKVAttention(Attention):
+    """``lrkv``: shared K/V plus per-head rank-r residuals (see the module docstring)."""
+
+    kind = "lrkv"
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int | None = None,
+        *,
+        rank: int | None = None,
+        rank_k: int | None = None,
+        rank_v: int | None = None,
+        rope_mode: str = "decoupled",
+        residual_init: float = 0.1,
+        **common,
+    ) -> None:
+        rank_k, rank_v = resolve_ranks(rank, rank_k, rank_v)
+        check_choice("rope_mode", rope_mode, LRKV_ROPE_MODES)
+        check_float("residual_init", residual_init, 0.0)
+        super().__init__(d_model, n_heads, head_dim, **common)
+        hd, bias = self.head_dim, self.use_bias
+        self.rank_k, self.rank_v, self.residual_init = rank_k, rank_v, float(residual_init)
+        self.rotary, self.rope_placement = resolve_positions(self.head_dim, rope_mode, self.rope_mode, self.rope_fraction, self.rope_theta)
+        # First key channel the residual writes: decoupled keeps the rotary channels shared.
+        self.key_residual_start = self.rotary.rot_dim if self.rope_placement == "decoupled" else 0
+        self._warn_if_larger_than_mha()
+
+        self.q_proj = nn.Linear(d_model, n_heads * hd, bias=bias)
+        self.k_shared = nn.Linear(d_model, hd, bias=bias)
+        self.v_shared = nn.Linear(d_model, hd, bias=bias)
+        # U^K_h for all heads as one (d -> H r_k) map, and B^K_h stacked as (H, channels written, r_k).
+        self.k_latent = nn.Linear(d_model, n_heads * rank_k, bias=bias) if rank_k else None
+        self.k_up = nn.Parameter(torch.empty(n_heads, hd - self.key_residual_start, rank_k)) if rank_k else None
+        self.v_latent = nn.Linear(d_model, n_heads * rank_v, bias=bias) if rank_v else None
+        self.v_up = nn.Parameter(torch.empty(n_heads, hd, rank_v)) if rank_v else None
+        self.o_proj = nn.Linear(n_heads * hd, d_model, bias=bias)
+        self._make_qk_norms(hd, hd)
+        self._init_residual_factors()
+        self.decode_path = "factored"  # per instance: "factored" (compact cache) or "expanded" (materialise)
+        self.rebuild_block_tokens = 512  # keys rebuilt per block by the ``full`` rope decode
+
+    # -- construction helpers -------------------------------------------------------------
+
+    def cache_elements_per_token(self) -> int:
+        """Cache elements per token per layer per sequence: 2 d_h + H (r_k + r_v) [+ H with qk_norm]."""
+        per_head = self.rank_k + self.rank_v + (1 if self.use_qk_norm else 0)
+        return 2 * self.head_dim + self.n_heads * per_head
+
+    def _warn_if_larger_than_mha(self) -> None:
+        mha = 2 * self.n_heads * self.head_dim
+        if self.cache_elements_per_token() > mha:
+            warnings.warn(
+                f"lrkv with rank_k={self.rank_k}, rank_v={self.rank_v} caches {self.cache_elements_per_token()} elements per "
+                f"token per layer, more than MHA's {mha} (a rank above head_dim * (1 - 1/n_heads) = "
+                f"{self.head_dim * (1 - 1 / self.n_heads):g} saves nothing)",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    @torch.no_grad()
+    def _init_residual_factors(self) -> None:
+        """Random U_h, B_h scaled so ||U_h B_h^T||_F = residual_init * ||W_shared||_F for every head,
+        with ||U_h||_F = ||B_h||_F. With residual_init = 0, B_h = 0 (U_h keeps its init, so B_h
+        still receives gradients)."""
+        for shared, latent, up in ((self.k_shared, self.k_latent, self.k_up), (self.v_shared, self.v_latent, self.v_up)):
+            if latent is None:
+                continue
+            if self.residual_init == 0:
+                up.zero_()
+                continue
+            target = self.residual_init * shared.weight.norm()
+            u = torch.randn_like(latent.weight).view(self.n_heads, -1, self.d_model)  # (H, r, d): rows of U_h^T
+            b = torch.randn_like(up)  # (H, channels, r)
+            # ||U B^T||_F^2 = tr((U^T U)(B^T B)), from r x r products only.
+            product = torch.einsum("hij,hji->h", u @ u.transpose(1, 2), b.transpose(1, 2) @ b).sqrt()
+            scale = target / product
+            u_norm, b_norm = u.flatten(1).norm(dim=1), b.flatten(1).norm(dim=1)
+            u *= (scale * b_norm / u_norm).sqrt()[:, None, None]
+            b *= (scale * u_norm / b_norm).sqrt()[:, None, None]
+            latent.weight.copy_(u.reshape_as(latent.weight))
+            up.copy_(b)
+
+    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
+        """Shared maps, queries and output as every projection (see the base); residual factors at
+        ``residual_init`` of the shared map's norm."""
+        super().reset_parameters(std, out_std)
+        self._init_residual_factors()
+
+    @classmethod
+    def from_mha(cls, mha: MultiHeadAttention, *, rope_mode: str = "full") -> LowRankKVAttention:
+        """An lrkv layer that computes exactly what ``mha`` (or gqa/mqa) computes.
+
+        W_shared = the mean of the per-head maps, U_h = W_h - W_shared, B_h = I, so the ranks are
+        the channel counts the residuals write (head_dim; for keys in ``decoupled`` mode the
+        non-rotary channels, which needs the rotary key channels of every head to be equal). The
+        cache is then larger than MHA's (the constructor warns): this is for testing the algebra.
+        """
+        if mha.window is not None:
+            raise ValueError("from_mha needs a layer without a sliding window")
+        common = {"rope": mha.rope_mode, "rope_fraction": mha.rope_fraction, "rope_theta": mha.rope_theta, "qk_norm": mha.use_qk_norm, "bias": mha.use_bias}
+        hd, heads = mha.head_dim, mha.n_heads
+        rotary, placement = resolve_positions(hd, rope_mode, mha.rope_mode, mha.rope_fraction, mha.rope_theta)
+        if rotary.rot_dim != mha.rotary.rot_dim:
+            raise ValueError(
+                f"rope_mode={rope_mode!r} rotates {rotary.rot_dim} channels per head, the mha layer {mha.rotary.rot_dim}; "
+                "they cannot compute the same function"
+            )
+        writable = hd - (rotary.rot_dim if placement == "decoupled" else 0)
+        lrkv = cls(mha.d_model, heads, hd, rank_k=writable, rank_v=hd, rope_mode=rope_mode, **common)
+        lrkv.to(dtype=mha.q_proj.weight.dtype, device=mha.q_proj.weight.device)
+        group = heads // mha.n_kv_heads
+        state = {k: v for k, v in mha.state_dict().items() if k.split(".")[0] in ("q_proj", "o_proj", "q_norm", "k_norm")}
+        for name in ("k", "v"):
+            proj = getattr(mha, f"{name}_proj")
+            start = lrkv.key_residual_start if name == "k" else 0
+            weights = [proj.weight.view(mha.n_kv_heads, hd, -1).repeat_interleave(group, 0)]  # (H, hd, d)
+            if mha.use_bias:
+                weights.append(proj.bias.view(mha.n_kv_heads, hd, 1).repeat_interleave(group, 0))
+            for suffix, w in zip(("weight", "bias"), weights):
+                if start and not torch.equal(w[:, :start], w[:1, :start].expand_as(w[:, :start])):
+                    raise ValueError("rope_mode='decoupled' shares the rotary key channels; the mha heads' rotary key maps differ")
+                shared = torch.cat((w[0, :start], w[:, start:].mean(0)))
+                state[f"{name}_shared.{suffix}"] = shared if suffix == "weight" else shared[:, 0]
+                residual = (w - shared)[:, start:]  # (H, writable, d) = U_h^T with B_h = I
+                state[f"{name}_latent.{suffix}"] = residual.reshape(-1, residual.shape[-1]) if suffix == "weight" else residual.reshape(-1)
+            eye = torch.eye(hd - start, dtype=proj.weight.dtype, device=proj.weight.device)
+            state[f"{name}_up"] = eye.expand(heads, -1, -1).clone()
+        lrkv.load_state_dict(state)
+        return lrkv
+
+    # -- the contract ------------------------------------------------------------------------
+
+    def cache_spec(self) -> tuple:
+        return super().cache_spec() + (self.rank_k, self.rank_v, self.rope_placement, self.rotary.rot_dim, self.use_qk_norm)
+
+    def new_cache(self, batch_size: int, dtype=None, device=None) -> LRKVCache:
+        b, dtype, device = self._cache_args(batch_size, dtype, device)
+        return LRKVCache(self.cache_spec(), b, self.n_heads, self.head_dim, self.rank_k, self.rank_v, self.use_qk_norm, dtype=dtype, device=device)
+
+    def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
+        return batch_size * seq_len * self.cache_elements_per_token() * dtype_bytes(dtype)
+
+    def head_qk_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Effective (W^Q_h, W^K_h), each (H, d_model, head_dim): W^K_h = W_shared + U_h B_h^T
+        (zero on the shared rotary channels in decoupled mode), qk-norm gains folded in."""
+        hd = self.head_dim
+        wq = self.q_proj.weight.view(self.n_heads, hd, self.d_model).transpose(1, 2)
+        wk = self.k_shared.weight.t().expand(self.n_heads, -1, -1)
+        if self.rank_k:
+            u = self.k_latent.weight.view(self.n_heads, self.rank_k, self.d_model)
+            residual = torch.einsum("hrd,hcr->hdc", u, self.k_up)  # (H, d, channels written)
+            wk = torch.cat((wk[..., : self.key_residual_start], wk[..., self.key_residual_start :] + residual), dim=-1)
+        return self._with_qk_gains(wq, wk)
+
+    def _forward(self, x: torch.Tensor, cache: LRKVCache | None) -> torch.Tensor:
+        check_choice("decode_path", self.decode_path, DECODE_PATHS)
+        start = cache.seq_len if cache is not None else 0
+        q, new = self._project(x, start)
+        if cache is None:
+            out = self._attend_expanded(q, new)
+        else:
+            entries = cache.extend(new)
+            if start == 0 or self.decode_path == "expanded":  # a prompt into an empty cache: like training
+                out = self._attend_expanded(q, entries)
+            elif self.rope_placement == "full":
+                out = self._attend_rebuilt(q, entries)
+            else:
+                out = self._attend_factored(q, entries)
+        b, t = x.shape[:2]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    # -- projections -------------------------------------------------------------------------
+
+    def _project(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, LRKVEntries]:
+        """Queries (batch, heads, time, head_dim), normed and rotated, and the new tokens' cache entries."""
+        b, t, _ = x.shape
+        hd = self.head_dim
+        q = self.rotary(self.q_norm(self.q_proj(x).view(b, t, self.n_heads, hd)), start).transpose(1, 2)
+        k_s = self.k_shared(x).view(b, t, 1, hd)
+        v_s = self.v_shared(x).view(b, t, 1, hd).transpose(1, 2)
+        z_k = self._latents(self.k_latent, x, self.rank_k)
+        z_v = self._latents(self.v_latent, x, self.rank_v)
+        key_scale = None
+        if self.use_qk_norm:
+            raw = self._raw_keys(k_s.transpose(1, 2), z_k)
+            work = compute_dtype(x.dtype)
+            key_scale = torch.rsqrt(raw.to(work).square().mean(-1, keepdim=True) + self.k_norm.eps).to(x.dtype)
+        if self.rope_placement == "decoupled":
+            rot = self.rotary.rot_dim
+            if self.use_qk_norm:
+                k_s = torch.cat((k_s[..., :rot] * self.k_norm.weight[:rot], k_s[..., rot:]), dim=-1)
+            k_s = self.rotary(k_s, start)
+        return q, LRKVEntries(k_s.transpose(1, 2), v_s, z_k, z_v, key_scale)
+
+    def _latents(self, latent: nn.Linear | None, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """Per-head latents, time last (batch, heads, rank, time), of x (batch, time, d_model)."""
+        b, t, _ = x.shape
+        if latent is None:
+            return x.new_empty(b, self.n_heads, 0, t)
+        return latent(x).view(b, t, self.n_heads, rank).permute(0, 2, 3, 1)
+
+    def _key_up_all_channels(self) -> torch.Tensor:
+        """B^K as (H, head_dim, r_k): zero rows for the shared rotary channels in decoupled mode."""
+        c = self.key_residual_start
+        if c == 0:
+            return self.k_up
+        return torch.cat((self.k_up.new_zeros(self.n_heads, c, self.rank_k), self.k_up), dim=1)
+
+    def _raw_keys(self, shared_k: torch.Tensor, latent_k: torch.Tensor) -> torch.Tensor:
+        """k_s + z_h B_h^T for every head: (batch, 1, L, hd), (batch, H, r_k, L) -> (batch, H, L, hd).
+        The residual writes channels key_residual_start.. only. One batched matmul writes the
+        result, the shared key is added in place (no further full-size temporaries)."""
+        b, _, length, hd = shared_k.shape
+        if not self.rank_k:
+            return shared_k.expand(b, self.n_heads, length, hd)
+        return (latent_k.transpose(-1, -2) @ self._key_up_all_channels().transpose(-1, -2)).add_(shared_k)
+
+    def _expand_keys(self, entries: LRKVEntries, start: int) -> torch.Tensor:
+        """Per-head keys (batch, H, L, hd) of tokens start.. as the queries see them: qk-norm gain
+        and scale applied, rotated (``full``; ``decoupled`` entries arrive rotated)."""
+        keys = self._raw_keys(entries.shared_k, entries.latent_k)
+        if self.use_qk_norm:
+            keys = keys * self._key_gain_on_residual_channels() * entries.key_scale
+        if self.rope_placement == "full":
+            keys = self.rotary(keys.transpose(1, 2), start).transpose(1, 2)
+        return keys
+
+    def _key_gain_on_residual_channels(self) -> torch.Tensor:
+        """The qk-norm key gain (head_dim,) on the channels the cache stores without it (all but
+        decoupled's rotary channels, which are cached with the gain applied), 1 elsewhere."""
+        c, gain = self.key_residual_start, self.k_norm.weight
+        return torch.cat((gain.new_ones(c), gain[c:])) if c else gain
+
+    def _expand_values(self, entries: LRKVEntries) -> torch.Tensor:
+        """Per-head values (batch, H, L, hd) = v_s + z^V_h (B^V_h)^T."""
+        b, _, length, hd = entries.shared_v.shape
+        if not self.rank_v:
+            return entries.shared_v.expand(b, self.n_heads, length, hd)
+        return (entries.latent_v.transpose(-1, -2) @ self.v_up.transpose(-1, -2)).add_(entries.shared_v)
+
+    # -- attention paths ---------------------------------------------------------------------
+
+    def _attend_expanded(self, q: torch.Tensor, entries: LRKVEntries) -> torch.Tensor:
+        """Materialise every per-head key/value and use the fused kernel (training, prefill, reference)."""
+        return attend(q, self._expand_keys(entries, 0), self._expand_values(entries), backend=self.backend)
+
+    def _query_blocks(self, q: torch.Tensor, keys: int, block_keys: int | None = None):
+        """Yield (i0, i1, visible): query blocks small enough that a (batch, H, block, block_keys)
+        logits tile stays under LOGITS_BLOCK_ELEMENTS, and how many keys block i0..i1 can see."""
+        b, heads, t, _ = q.shape
+        size = max(1, LOGITS_BLOCK_ELEMENTS // (b * heads * (block_keys or keys)))
+        for i0 in range(0, t, size):
+            i1 = min(t, i0 + size)
+            yield i0, i1, keys - t + i1
+
+    def _prepared_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q * softmax scale, times the key qk-norm gain on the channels the cache stores without it."""
+        q = q * (1.0 / math.sqrt(self.head_dim))
+        if self.use_qk_norm and self.rope_placement != "full":
+            q = q * self._key_gain_on_residual_channels()
+        return q
+
+    def _attend_factored(self, q: torch.Tensor, entries: LRKVEntries) -> torch.Tensor:
+        """Exact attention from the compact cache (``decoupled``/``none``): for each head
+        logits = s * (q K_s^T + (q B^K_h) Z^K_h^T), output = a V_s + (a Z^V_h) (B^V_h)^T.
+        No per-head key or value of a past token is ever formed."""
+        b, heads, t, hd = q.shape
+        q = self._prepared_queries(q)
+        q_latent = q[..., self.key_residual_start :] @ self.k_up if self.rank_k else None  # (b, H, t, r_k)
+        outs = []
+        for i0, i1, visible in self._query_blocks(q, entries.shared_k.shape[2]):
+            n = i1 - i0
+            seen = entries.tokens(0, visible)
+            logits = (q[:, :, i0:i1].reshape(b, 1, heads * n, hd) @ seen.shared_k.transpose(-1, -2)).view(b * heads, n, visible)
+            if self.rank_k:
+                z_k = seen.latent_k.reshape(b * heads, self.rank_k, visible)
+                logits = torch.baddbmm(logits, q_latent[:, :, i0:i1].reshape(b * heads, n, self.rank_k), z_k)
+            logits = logits.view(b, heads, n, visible)
+            if seen.key_scale is not None:
+                logits = logits * seen.key_scale.transpose(-1, -2)
+            if n > 1:
+                logits = logits.masked_fill(~visibility_mask(n, visible, device=q.device), float("-inf"))
+            weights = logits.softmax(dim=-1, dtype=compute_dtype(q.dtype)).to(q.dtype)
+            out = (weights.reshape(b, 1, heads * n, visible) @ seen.shared_v).view(b, heads, n, hd)
+            if self.rank_v:
+                out = out + (weights @ seen.latent_v.transpose(-1, -2)) @ self.v_up.transpose(-1, -2)
+            outs.append(out)
+        return torch.cat(outs, dim=2)
+
+    def _attend_rebuilt(self, q: torch.Tensor, entries: LRKVEntries) -> torch.Tensor:
+        """Exact attention for ``full`` rope from the compact cache: keys are rebuilt, normed and
+        rotated ``rebuild_block_tokens`` at a time and merged with an online softmax (running max
+        and sum), so memory stays bounded; values use the factored path."""
+        b, heads, t, hd = q.shape
+        work = compute_dtype(q.dtype)
+        q = self._prepared_queries(q)
+        block = self.rebuild_block_tokens
+        outs = []
+        for i0, i1, visible in self._query_blocks(q, entries.shared_k.shape[2], block):
+            n = i1 - i0
+            q_pos = torch.arange(visible - n, visible, device=q.device)[:, None]
+            best = torch.full((b, heads, n, 1), float("-inf"), dtype=work, device=q.device)
+            total = torch.zeros(b, heads, n, 1, dtype=work, device=q.device)
+            acc_v = torch.zeros(b, heads, n, hd, dtype=work, device=q.device)
+            acc_z = torch.zeros(b, heads, n, self.rank_v, dtype=work, device=q.device)
+            for j0 in range(0, visible, block):
+                j1 = min(visible, j0 + block)
+                part = entries.tokens(j0, j1)
+                logits = (q[:, :, i0:i1] @ self._expand_keys(part, j0).transpose(-1, -2)).to(work)
+                if j1 - 1 > visible - n:  # the block reaches past the earliest query's position
+                    hidden = torch.arange(j0, j1, device=q.device)[None, :] > q_pos
+                    logits = logits.masked_fill(hidden, float("-inf"))
+                new_best = torch.maximum(best, logits.amax(dim=-1, keepdim=True))  # finite: key 0 is visible to all
+                decay = (best - new_best).exp()
+                p = (logits - new_best).exp()
+                total = total * decay + p.sum(dim=-1, keepdim=True)
+                p = p.to(q.dtype)
+                acc_v = acc_v * decay + (p.reshape(b, 1, heads * n, j1 - j0) @ part.shared_v).view(b, heads, n, hd).to(work)
+                if self.rank_v:
+                    acc_z = acc_z * decay + (p @ part.latent_v.transpose(-1, -2)).to(work)
+                best = new_best
+            if self.rank_v:
+                acc_v = acc_v + acc_z @ self.v_up.to(work).transpose(-1, -2)
+            outs.append((acc_v / total).to(q.dtype))
+        return torch.cat(outs, dim=2)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", rank_k={self.rank_k}, rank_v={self.rank_v}, rope_placement={self.rope_placement}, rot_dim={self.rotary.rot_dim}"
+
+
+register_attention(
+    "lrkv",
+    LowRankKVAttention,
+    example_options=[
+        {"rank": 2},
+        {"rank_k": 3, "rank_v": 1, "rope_mode": "full"},
+        {"rank_k": 1, "rank_v": 3, "rope_mode": "none"},
+        {"rank": 0},
+    ],
+    description="low-rank key-value attention",
+)

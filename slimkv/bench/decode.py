@@ -1,0 +1,345 @@
+"""Per-token decode latency of one attention layer with a filled cache, and sweeps of it over
+attention kinds and contexts (``decode_sweep``, used by benchmarks/decode_all.py and decode_mha.py)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from slimkv.attention import Attention, AttentionCache, build_attention, kind_spec
+from slimkv.attention.base import check_int
+from slimkv.bench.timing import measure_copy_bandwidth, time_fn, write_results
+
+
+@torch.no_grad()
+def prefill(attn: Attention, context: int, *, batch: int = 1, dtype: torch.dtype = torch.float32, chunk: int = 2048, seed: int = 0) -> AttentionCache:
+    """A cache holding ``context`` tokens, filled by the mechanism's own prefill, in chunks."""
+    gen = torch.Generator().manual_seed(seed)
+    device = next(attn.parameters()).device
+    cache = attn.new_cache(batch, dtype=dtype, device=device)
+    for start in range(0, context, chunk):
+        n = min(chunk, context - start)
+        attn(torch.randn(batch, n, attn.d_model, generator=gen, dtype=dtype).to(device), cache=cache)
+    return cache
+
+
+@torch.no_grad()
+def decode_latency(attn: Attention, cache: AttentionCache, *, warmup: int = 3, repeats: int = 15) -> dict[str, Any]:
+    """Median seconds of one single-token call at the cache's current context, and the bytes of
+    live cache state that call reads (``cache.nbytes()`` before the step). The context grows by
+    one token per timed call, negligible against the contexts benchmarked."""
+    device = next(attn.parameters()).device
+    x = torch.randn(cache.batch_size, 1, attn.d_model, dtype=cache.dtype, device=device)
+    bytes_read = cache.nbytes()
+    stats = time_fn(lambda: attn(x, cache=cache), warmup=warmup, repeats=repeats, device=device)
+    stats["cache_bytes"] = bytes_read
+    stats["gb_per_s"] = bytes_read / stats["median_s"] / 1e9
+    return stats
+
+
+# ---------------------------------------------------------------- decode sweeps over kinds and contexts
+
+
+@dataclass
+class DecodeVariant:
+    """One row of a decode benchmark: a kind, its options, per-instance attributes to set before
+    timing (e.g. ``{"decode_path": "expanded"}``) and where the options came from."""
+
+    label: str
+    kind: str
+    options: dict[str, Any]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    source: str = "matched-width table"
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, max(cap, 1) + 1) if n % d == 0)
+
+
+def _matched_width_table(n_heads: int, head_dim: int) -> dict[str, list[DecodeVariant]]:
+    """Benchmark configurations per kind for a layer of n_heads x head_dim (an MHA of that width is
+    the reference): GQA with a quarter of the K/V heads, a 4K window, MLA as DeepSeek-V2
+    (kv_rank 4 head_dim, rope_dim head_dim / 2), LRKV with rank head_dim / 4, KVM with the
+    paper's 256-token chunks. Kinds with a second decode path are timed on both."""
+    mla = {"kv_rank": 4 * head_dim, "rope_dim": max(2, head_dim // 2 - head_dim // 2 % 2)}
+    lrkv = {"rank": max(1, head_dim // 4)}
+    return {
+        "mha": [DecodeVariant("mha", "mha", {})],
+        "gqa": [DecodeVariant("gqa", "gqa", {"n_kv_heads": _largest_divisor_at_most(n_heads, n_heads // 4)})],
+        "mqa": [DecodeVariant("mqa", "mqa", {})],
+        "swa": [DecodeVariant("swa", "swa", {"window": 4096})],
+        "mla": [
+            DecodeVariant("mla", "mla", mla),
+            DecodeVariant("mla-expanded", "mla", mla, {"decode_path": "expanded"}),
+        ],
+        "lrkv": [
+            DecodeVariant("lrkv", "lrkv", lrkv),
+            DecodeVariant("lrkv-expanded", "lrkv", lrkv, {"decode_path": "expanded"}),
+        ],
+        "kvm": [
+            DecodeVariant("kvm-fixed", "kvm", {"chunk_size": 256, "schedule": "fixed"}),
+            DecodeVariant("kvm-sqrt", "kvm", {"chunk_size": 256, "schedule": "sqrt"}),
+        ],
+    }
+
+
+def matched_width_variants(kinds: list[str], n_heads: int, head_dim: int, overrides: dict[str, dict] | None = None) -> list[DecodeVariant]:
+    """Decode-benchmark variants of ``kinds`` at the width of an n_heads x head_dim MHA layer.
+
+    Kinds without a table entry (registered later) run with their first registered example
+    options, labelled as such; ``overrides`` maps a kind to options that replace its table's."""
+    table = _matched_width_table(n_heads, head_dim)
+    variants = []
+    for kind in kinds:
+        kind_spec(kind)  # unknown kinds fail here, with the list of registered ones
+        if kind in table:
+            entries = table[kind]
+        else:
+            example = dict(kind_spec(kind).example_options[0])
+            entries = [DecodeVariant(kind, kind, example, source="registry example options (no matched-width entry)")]
+        if overrides and kind in overrides:  # one plain variant with those options, plus the decode-path ones
+            options = dict(overrides[kind])
+            entries = [DecodeVariant(kind, kind, options, source="command line")] + [
+                replace(v, options=options, source="command line") for v in entries if v.attrs
+            ]
+        variants.extend(entries)
+    return variants
+
+
+@torch.no_grad()
+def fill_cache(attn: Attention, cache: AttentionCache, context: int, *, generator: torch.Generator, chunk: int = 2048) -> None:
+    """Feed random inputs through ``attn`` until ``cache`` has seen ``context`` tokens (chunked prefill)."""
+    device = next(attn.parameters()).device
+    while cache.seq_len < context:
+        n = min(chunk, context - cache.seq_len)
+        x = torch.randn(cache.batch_size, n, attn.d_model, generator=generator, dtype=cache.dtype)
+        attn(x.to(device), cache=cache)
+
+
+def _set_attrs(attn: Attention, attrs: dict[str, Any], defaults: dict[str, Any]) -> None:
+    for name, default in defaults.items():
+        setattr(attn, name, attrs.get(name, default))
+
+
+def decode_sweep(
+    variants: list[DecodeVariant],
+    contexts: list[int],
+    *,
+    d_model: int,
+    n_heads: int,
+    head_dim: int,
+    batch: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    warmup: int = 2,
+    repeats: int = 5,
+    rounds: int = 3,
+    chunk: int = 2048,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Per-token decode latency of one layer of every variant at every context.
+
+    Variants of one (kind, options) share a module and a cache, which grows from context to
+    context (prefill in chunks of random inputs, never restarted). At each context the variants
+    are timed interleaved: ``rounds`` rounds, each running every variant for ``warmup`` untimed
+    and ``repeats`` timed single-token calls; the samples of all rounds are pooled. Each timed
+    call appends a token, so a row records the context its first call saw. Kinds that cannot be
+    built at this width are listed under "skipped" with the reason, never dropped silently.
+    """
+    check_int("batch", batch, 1)
+    for c in contexts:
+        check_int("contexts", c, 1)
+    modules: dict[str, tuple[Attention, AttentionCache, dict[str, Any]]] = {}
+    names: dict[str, str] = {}  # module key -> label of its first variant (progress bar)
+    runnable, skipped = [], []
+    for variant in variants:
+        key = json.dumps([variant.kind, variant.options], sort_keys=True, default=str)
+        if key not in modules:
+            try:
+                torch.manual_seed(seed)
+                attn = build_attention(variant.kind, d_model, n_heads, head_dim, **variant.options)
+            except ValueError as err:
+                skipped.append({"label": variant.label, "kind": variant.kind, "options": variant.options, "reason": str(err)})
+                continue
+            attn = attn.to(device=device, dtype=dtype).eval()
+            modules[key] = (attn, attn.new_cache(batch, dtype=dtype, device=device), {})
+            names[key] = variant.label
+        attn, _, defaults = modules[key]
+        missing = [name for name in variant.attrs if not hasattr(attn, name)]
+        if missing:
+            skipped.append({"label": variant.label, "kind": variant.kind, "options": variant.options, "reason": f"a {variant.kind} module has no attribute {missing[0]!r}"})
+            continue
+        for name in variant.attrs:
+            defaults.setdefault(name, getattr(attn, name))
+        runnable.append((variant, key))
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    steps = len(contexts) * (len(modules) + rounds * len(runnable))
+    with tqdm(total=steps, desc="decode sweep", unit="step") as bar:
+        for context in sorted(contexts):
+            for key, (attn, cache, defaults) in modules.items():
+                bar.set_postfix_str(f"prefill {names[key]} to {context}")
+                _set_attrs(attn, {}, defaults)
+                fill_cache(attn, cache, context, generator=generator, chunk=chunk)
+                bar.update()
+            pooled: dict[str, dict[str, Any]] = {}
+            for _ in range(rounds):
+                for variant, key in runnable:
+                    attn, cache, defaults = modules[key]
+                    bar.set_postfix_str(f"decode {variant.label} at {context}")
+                    _set_attrs(attn, variant.attrs, defaults)
+                    seen = cache.seq_len
+                    stats = decode_latency(attn, cache, warmup=warmup, repeats=repeats)
+                    entry = pooled.setdefault(variant.label, {"context_seen": seen, "cache_bytes": stats["cache_bytes"], "samples_s": []})
+                    entry["samples_s"].extend(stats["samples_s"])
+                    bar.update()
+            for variant, key in runnable:
+                attn = modules[key][0]
+                entry = pooled[variant.label]
+                samples = entry["samples_s"]
+                median = statistics.median(samples)
+                rows.append(
+                    {
+                        "label": variant.label,
+                        "kind": variant.kind,
+                        "context": context,
+                        "context_seen": entry["context_seen"],
+                        "cache_bytes": entry["cache_bytes"],
+                        "parameter_bytes": sum(p.numel() * p.element_size() for p in attn.parameters()),
+                        "median_s": median,
+                        "min_s": min(samples),
+                        "max_s": max(samples),
+                        "gb_per_s": entry["cache_bytes"] / median / 1e9,
+                        "samples_s": samples,
+                    }
+                )
+    mha = build_attention("mha", d_model, n_heads, head_dim)
+    for row in rows:
+        row["cache_ratio_to_mha"] = row["cache_bytes"] / mha.cache_bytes(row["context_seen"], dtype, batch)
+    return {
+        "settings": {
+            "d_model": d_model, "n_heads": n_heads, "head_dim": head_dim, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
+            "device": str(device), "contexts": sorted(contexts), "warmup": warmup, "repeats": repeats, "rounds": rounds,
+            "prefill_chunk": chunk, "seed": seed,
+        },
+        "variants": [asdict(v) for v, _ in runnable],
+        "skipped": skipped,
+        "rows": rows,
+    }
+
+
+TARGET_CONTEXT = 32768  # the decode targets are stated for 32K cached tokens
+
+
+def decode_targets(payload: dict[str, Any], copy_bandwidth: float) -> list[dict[str, Any]]:
+    """The decode targets at the largest context measured, if it is at least 32K (issue 6):
+
+    * every variant reads its cache at >= half the measured copy bandwidth (bytes/s of a large
+      copy, read + write counted, as ``measure_copy_bandwidth`` reports it);
+    * MLA's absorbed decode: (mla time / mha time) <= 1.2 x (mla cache bytes / mha cache bytes).
+    """
+    top = max(payload["settings"]["contexts"])
+    if top < TARGET_CONTEXT:
+        return []
+    at_top = {r["label"]: r for r in payload["rows"] if r["context"] == top}
+    targets = []
+    for label, row in at_top.items():
+        fraction = row["gb_per_s"] * 1e9 / copy_bandwidth
+        targets.append({"target": "cache read >= 0.5 x copy bandwidth", "label": label, "context": top, "value": fraction, "met": fraction >= 0.5})
+    if "mha" in at_top:
+        for label, row in at_top.items():
+            if row["kind"] == "mla" and label == "mla":
+                time_ratio = row["median_s"] / at_top["mha"]["median_s"]
+                bytes_ratio = row["cache_bytes"] / at_top["mha"]["cache_bytes"]
+                targets.append(
+                    {
+                        "target": "mla/mha time ratio <= 1.2 x cache-bytes ratio", "label": label, "context": top,
+                        "value": time_ratio / bytes_ratio, "time_ratio": time_ratio, "bytes_ratio": bytes_ratio,
+                        "met": time_ratio <= 1.2 * bytes_ratio,
+                    }
+                )
+    return targets
+
+
+def decode_table(payload: dict[str, Any], copy_bandwidth: float) -> str:
+    """Human-readable table of a ``decode_sweep`` payload (times per token, cache bytes read)."""
+    rows = payload["rows"]
+    mha_time = {r["context"]: r["median_s"] for r in rows if r["label"] == "mha"}
+    header = f"{'variant':<16}{'context':>8}{'cache MiB':>11}{'vs mha':>8}  {'ms/token median (min-max)':<30}{'GB/s':>8}{'of copy':>9}{'time vs mha':>13}"
+    lines = [header, "-" * len(header)]
+    for r in sorted(rows, key=lambda r: (r["label"], r["context"])):
+        spread = f"{r['median_s'] * 1e3:.3f} ({r['min_s'] * 1e3:.3f}-{r['max_s'] * 1e3:.3f})"
+        vs_time = f"{r['median_s'] / mha_time[r['context']]:.3f}" if r["context"] in mha_time else "-"
+        lines.append(
+            f"{r['label']:<16}{r['context']:>8}{r['cache_bytes'] / 2**20:>11.2f}{r['cache_ratio_to_mha']:>8.3f}  {spread:<30}"
+            f"{r['gb_per_s']:>8.2f}{r['gb_per_s'] * 1e9 / copy_bandwidth:>9.2f}{vs_time:>13}"
+        )
+    return "\n".join(lines)
+
+
+def decode_figure(payload: dict[str, Any], copy_bandwidth: float):
+    """Two panels: ms per token against context, and cache GB/s against context beside the copy
+    bandwidth (and half of it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_bw) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = list(dict.fromkeys(r["label"] for r in payload["rows"]))
+    for label in labels:
+        rows = sorted((r for r in payload["rows"] if r["label"] == label), key=lambda r: r["context"])
+        ctx = [r["context"] for r in rows]
+        ax_time.plot(ctx, [r["median_s"] * 1e3 for r in rows], marker="o", label=label)
+        ax_bw.plot(ctx, [r["gb_per_s"] for r in rows], marker="o", label=label)
+    ax_bw.axhline(copy_bandwidth / 1e9, color="k", linestyle="--", label="copy bandwidth")
+    ax_bw.axhline(copy_bandwidth / 2e9, color="k", linestyle=":", label="half copy bandwidth")
+    s = payload["settings"]
+    title = f"{s['n_heads']}x{s['head_dim']} heads, d_model {s['d_model']}, batch {s['batch']}, {s['dtype']}"
+    for ax, ylabel in ((ax_time, "ms per decoded token"), (ax_bw, "cache GB/s (live cache bytes / time)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cached tokens")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.set_title(title, fontsize=9)
+    ax_time.set_yscale("log")
+    ax_bw.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: list[int], *, out_dir=None, **sweep_options: Any) -> dict[str, Any]:
+    """Measure the copy bandwidth, run ``decode_sweep``, print the table and the targets, write
+    ``<name>.json`` and ``<name>.png`` (``write_results``); returns the JSON payload."""
+    device = sweep_options.get("device", "cpu")
+    print(f"threads: {torch.get_num_threads()}; variants: " + ", ".join(f"{v.label} {v.options or ''}{v.attrs or ''}".strip() for v in variants))
+    copy_before = measure_copy_bandwidth(device=device)
+    payload = decode_sweep(variants, contexts, **sweep_options)
+    copy_after = measure_copy_bandwidth(device=device)
+    copy_bandwidth = max(copy_before, copy_after)
+    payload["copy_bandwidth"] = {
+        "bytes_per_s": copy_bandwidth,
+        "samples_bytes_per_s": [copy_before, copy_after],
+        "definition": "2 x bytes / time of a 256 MiB tensor copy (read + write), best of before/after the sweep",
+    }
+    payload["targets"] = decode_targets(payload, copy_bandwidth)
+    print(decode_table(payload, copy_bandwidth))
+    print(f"memory-copy bandwidth: {copy_bandwidth / 1e9:.2f} GB/s (read + write counted); "
+          "'of copy' = cache bytes read per second / that")
+    ran = sorted({r["kind"] for r in payload["rows"]})
+    print(f"kinds run: {', '.join(ran)}")
+    for skip in payload["skipped"]:
+        print(f"skipped {skip['label']} ({skip['kind']} {skip['options']}): {skip['reason']}")
+    if not payload["targets"]:
+        print(f"targets: stated for >= {TARGET_CONTEXT} cached tokens; not evaluated (largest context {max(contexts)})")
+    for t in payload["targets"]:
+        print(f"target [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['label']} at {t['context']}: {t['value']:.3f}")
+    path = write_results(name, payload, decode_figure(payload, copy_bandwidth), out_dir=out_dir)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return payload

@@ -1,0 +1,83 @@
+"""Timing and reporting helpers every benchmark uses (evaluation.md, "Speed benchmarks").
+
+Warm up, repeat, report median/min/max with the raw samples; record the machine, torch version and
+thread count beside the numbers; write JSON (and a PNG where a plot helps) under
+``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for queued device work (no-op on CPU) so wall-clock timings are honest."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 7, device: torch.device | str | None = None) -> dict[str, Any]:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed; seconds per call."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples), "samples_s": samples}
+
+
+def measure_copy_bandwidth(nbytes: int = 256 * 2**20, device: torch.device | str = "cpu", repeats: int = 7) -> float:
+    """Bytes/s of a large tensor copy (read + write both counted), the machine's memory-speed yardstick."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    stats = time_fn(lambda: dst.copy_(src), warmup=2, repeats=repeats, device=device)
+    return 2 * nbytes / stats["median_s"]
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            info["cpu_model"] = names[0]
+    except OSError:
+        pass
+    return info
+
+
+def write_results(name: str, payload: dict[str, Any], figure=None, out_dir: Path | None = None) -> Path:
+    """Write ``<name>.json`` (with machine info) and, if given, ``<name>.png``; returns the JSON path."""
+    out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    body = {"benchmark": name, "machine": machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **payload}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(body, indent=2))
+    os.replace(tmp, path)
+    if figure is not None:
+        figure.savefig(out_dir / f"{name}.png", dpi=120, bbox_inches="tight")
+    return path

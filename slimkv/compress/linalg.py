@@ -1,0 +1,376 @@
+"""Numerics of low-rank compression: activation statistics, factorizations, identity blocks, budgets.
+
+Conventions: a weight ``W`` is (d_out, d_in) and acts as ``y = W x``; a rank-r factorization is
+``W ~ B A`` with ``B`` (d_out, r) and ``A`` (r, d_in). Statistics are accumulated and every
+factorization is computed in float64 with exact ``torch.linalg`` routines (no randomized SVD).
+
+RootCov (the local activation-aware optimum of ||(W - BA) C^{1/2}||_F, C = E[x x^T]) is computed
+in its inversion-free form: U_r = top-r left singular vectors of W C^{1/2} (the top eigenvectors of
+W C W^T), B = U_r, A = U_r^T W. It needs no C^{-1/2} and stays correct when C is singular; any
+square root of C gives the same truncation (the tests check the Cholesky root against the
+symmetric one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class FactorizationError(RuntimeError):
+    """A factorization produced NaN/inf, hit a singular block, or broke an invariant."""
+
+
+def check_finite(name: str, *tensors: torch.Tensor) -> None:
+    """Raise FactorizationError naming ``name`` if any tensor holds NaN/inf."""
+    for tensor in tensors:
+        if not bool(torch.isfinite(tensor).all()):
+            raise FactorizationError(f"{name}: non-finite values (NaN/inf) in the factorization inputs or result")
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation statistics
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    """Second-moment statistics of a layer input over ``count`` tokens (float64).
+
+    ``cov`` is the uncentered E[x x^T] (d, d); ``mean`` E[x]; ``mean_abs`` E[|x|] per channel.
+    """
+
+    cov: torch.Tensor
+    mean: torch.Tensor
+    mean_abs: torch.Tensor
+    count: int
+
+    _roots: dict = field(default_factory=dict, repr=False)
+
+    def centered(self) -> torch.Tensor:
+        """E[(x - mu)(x - mu)^T]: the statistic to use when the layer has a bias (see ``bias_correction``)."""
+        return self.cov - torch.outer(self.mean, self.mean)
+
+    def root(self, centered: bool) -> torch.Tensor:
+        """Symmetric square root of the (centered) covariance, computed once and shared by the
+        projections that read this input."""
+        if centered not in self._roots:
+            self._roots[centered] = psd_sqrt(self.centered() if centered else self.cov)
+        return self._roots[centered]
+
+
+class StatsAccumulator:
+    """Accumulates ``Stats`` of vectors of size ``dim`` with chunked float64 ``addmm``.
+
+    Activations are cast to float64 before the product (not after), chunk by chunk, so the sums
+    are exact to float64 round-off and the float64 copy never exceeds ``chunk`` rows.
+    """
+
+    def __init__(self, dim: int, device: torch.device | str = "cpu", chunk: int = 2048):
+        self.dim = dim
+        self.chunk = chunk
+        self.xtx = torch.zeros(dim, dim, dtype=torch.float64, device=device)
+        self.total = torch.zeros(dim, dtype=torch.float64, device=device)
+        self.total_abs = torch.zeros(dim, dtype=torch.float64, device=device)
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add the vectors of ``x`` (..., dim)."""
+        rows = x.reshape(-1, self.dim)
+        for start in range(0, rows.shape[0], self.chunk):
+            block = rows[start:start + self.chunk].to(dtype=torch.float64, device=self.xtx.device)
+            self.xtx.addmm_(block.T, block)
+            self.total += block.sum(0)
+            self.total_abs += block.abs().sum(0)
+        self.count += rows.shape[0]
+
+    def finish(self, name: str = "activation statistics") -> Stats:
+        if self.count == 0:
+            raise FactorizationError(f"{name}: no calibration tokens reached this layer")
+        cov = self.xtx / self.count
+        cov = 0.5 * (cov + cov.T)
+        stats = Stats(cov=cov, mean=self.total / self.count, mean_abs=self.total_abs / self.count, count=self.count)
+        check_finite(name, stats.cov)
+        return stats
+
+
+class CrossAccumulator:
+    """Accumulates E[a b^T] (float64) for paired vectors a (..., dim_a) and b (..., dim_b)."""
+
+    def __init__(self, dim_a: int, dim_b: int, device: torch.device | str = "cpu", chunk: int = 2048):
+        self.dims = (dim_a, dim_b)
+        self.chunk = chunk
+        self.atb = torch.zeros(dim_a, dim_b, dtype=torch.float64, device=device)
+        self.total_a = torch.zeros(dim_a, dtype=torch.float64, device=device)
+        self.count = 0
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        rows_a, rows_b = a.reshape(-1, self.dims[0]), b.reshape(-1, self.dims[1])
+        if rows_a.shape[0] != rows_b.shape[0]:
+            raise ValueError(f"paired activations have {rows_a.shape[0]} and {rows_b.shape[0]} rows")
+        for start in range(0, rows_a.shape[0], self.chunk):
+            block_a = rows_a[start:start + self.chunk].to(dtype=torch.float64, device=self.atb.device)
+            block_b = rows_b[start:start + self.chunk].to(dtype=torch.float64, device=self.atb.device)
+            self.atb.addmm_(block_a.T, block_b)
+            self.total_a += block_a.sum(0)
+        self.count += rows_a.shape[0]
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E[a b^T], E[a])."""
+        if self.count == 0:
+            raise FactorizationError("no calibration tokens reached this layer")
+        return self.atb / self.count, self.total_a / self.count
+
+
+def damping_for(cov: torch.Tensor, eps: float) -> float:
+    """lambda = eps * mean(diag C): damping relative to the scale of C (0 for an all-zero C)."""
+    return float(eps * cov.diagonal().mean().clamp_min(0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Eigen helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def top_eigh(sym: torch.Tensor, r: int, name: str = "eigh") -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``r`` eigenpairs of a symmetric matrix: (values descending (r,), vectors as columns (n, r))."""
+    check_finite(name, sym)
+    try:
+        values, vectors = torch.linalg.eigh(0.5 * (sym + sym.T))
+    except RuntimeError as err:  # torch raises LinAlgError (a RuntimeError) on non-convergence
+        raise FactorizationError(f"{name}: eigendecomposition failed ({err})") from err
+    return values.flip(0)[:r], vectors.flip(1)[:, :r]
+
+
+def psd_sqrt(cov: torch.Tensor) -> torch.Tensor:
+    """The symmetric square root of a PSD matrix (negative round-off eigenvalues clamped to 0)."""
+    values, vectors = top_eigh(cov, cov.shape[0], "square root of C")
+    return (vectors * values.clamp_min(0).sqrt()) @ vectors.T
+
+
+def top_left_subspace(W: torch.Tensor, cov: torch.Tensor, r: int, root: torch.Tensor | None = None, name: str = "rootcov") -> torch.Tensor:
+    """Orthonormal basis (d_out, r) of the top-r left singular subspace of W C^{1/2}.
+
+    For d_out <= d_in it is the top eigenvectors of W C W^T (no root needed). Otherwise it is
+    QR(W S V_r) with V_r the top eigenvectors of S^T W^T W S, for any root S S^T = C (``root``, or
+    the symmetric root); the smaller Gram is always the one decomposed.
+    """
+    d_out, d_in = W.shape
+    check_finite(name, W, cov)
+    if d_out <= d_in:
+        _, basis = top_eigh(W @ cov @ W.T, r, name)
+        return basis
+    S = psd_sqrt(cov) if root is None else root
+    M = W @ S
+    _, V = top_eigh(M.T @ M, r, name)
+    basis, _ = torch.linalg.qr(M @ V)
+    check_finite(name, basis)
+    return basis
+
+
+# ----------------------------------------------------------------------------------------------
+# Factorizations
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Factors:
+    """W ~ B @ A with B (d_out, r), A (r, d_in), float64."""
+
+    B: torch.Tensor
+    A: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+    def product(self) -> torch.Tensor:
+        return self.B @ self.A
+
+
+def svd_factors(W: torch.Tensor, r: int) -> Factors:
+    """Plain truncated SVD of W (no activation statistics); singular values split evenly."""
+    check_finite("svd", W)
+    U, s, Vh = torch.linalg.svd(W, full_matrices=False)
+    root = s[:r].sqrt()
+    return Factors(B=U[:, :r] * root, A=root[:, None] * Vh[:r])
+
+
+def asvd_factors(W: torch.Tensor, mean_abs: torch.Tensor, r: int, alpha: float = 0.5) -> Factors:
+    """ASVD: SVD of W diag(s) with s = mean(|x|)^alpha per input channel, then unscale A."""
+    scale = mean_abs.clamp_min(0) ** alpha
+    scale = scale.clamp_min(1e-8 * float(scale.max().clamp_min(1e-300)))
+    factors = svd_factors(W * scale, r)
+    return Factors(B=factors.B, A=factors.A / scale)
+
+
+def rootcov_factors(W: torch.Tensor, cov: torch.Tensor, r: int, root: torch.Tensor | None = None, name: str = "rootcov") -> Factors:
+    """Inversion-free RootCov: B = U_r, A = U_r^T W (U_r from ``top_left_subspace``)."""
+    basis = top_left_subspace(W, cov, r, root=root, name=name)
+    factors = Factors(B=basis, A=basis.T @ W)
+    check_finite(name, factors.B, factors.A)
+    return factors
+
+
+def explicit_rootcov_product(W: torch.Tensor, cov: torch.Tensor, r: int) -> torch.Tensor:
+    """Reference form svd_r(W C^{1/2}) C^{-1/2} (needs a non-singular C); used by the tests."""
+    values, vectors = torch.linalg.eigh(cov)
+    root = (vectors * values.sqrt()) @ vectors.T
+    inv_root = (vectors / values.sqrt()) @ vectors.T
+    U, s, Vh = torch.linalg.svd(W @ root, full_matrices=False)
+    return (U[:, :r] * s[:r]) @ Vh[:r] @ inv_root
+
+
+def bias_correction(W: torch.Tensor, product: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """b' = b + (W - BA) mu: the bias that keeps the mean output exact once W is replaced by BA."""
+    return bias + (W - product) @ mean
+
+
+def solve_damped(rhs: torch.Tensor, cov: torch.Tensor, damping: float, name: str = "least squares") -> torch.Tensor:
+    """rhs (C + lambda I)^{-1} for a PSD C (Cholesky, float64); FactorizationError if it fails."""
+    system = cov + damping * torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
+    check_finite(name, rhs, system)
+    try:
+        chol = torch.linalg.cholesky(system)
+    except RuntimeError as err:
+        raise FactorizationError(f"{name}: the damped input covariance is not positive definite (lambda={damping:g}): {err}") from err
+    return torch.cholesky_solve(rhs.T, chol).T
+
+
+def fitted_target(target_cross: torch.Tensor, W: torch.Tensor, cov_in: torch.Tensor, damping: float) -> torch.Tensor:
+    """M* = W E[h h_hat^T] (E[h_hat h_hat^T] + lambda I)^{-1}: the full-rank map that best predicts
+    W h from the input h_hat a layer actually sees (cross covariance E[h h_hat^T] = ``target_cross``)."""
+    return solve_damped(W @ target_cross, cov_in, damping, "refit")
+
+
+# ----------------------------------------------------------------------------------------------
+# Identity-block factors
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IdentityBlockFactors:
+    """W ~ B' [I | A_rest] P^T: z = x[perm[:r]] + A_rest x[perm[r:]], y = B' z.
+
+    B' (d_out, r), ``perm`` (d_in,) a permutation, A_rest (r, d_in - r). Parameters
+    r (d_in + d_out) - r^2: the r x r identity is never stored.
+    """
+
+    B: torch.Tensor
+    perm: torch.Tensor
+    A_rest: torch.Tensor
+    pivot_ratio: float  # min |R_kk| / max |R_kk| of the pivoted QR: how well-conditioned the block was
+
+    @property
+    def rank(self) -> int:
+        return self.B.shape[1]
+
+    def dense_A(self) -> torch.Tensor:
+        """The (r, d_in) input factor with its identity block written out (for checks)."""
+        r = self.rank
+        A = torch.zeros(r, self.perm.numel(), dtype=self.B.dtype, device=self.B.device)
+        A[:, self.perm[:r]] = torch.eye(r, dtype=self.B.dtype, device=self.B.device)
+        A[:, self.perm[r:]] = self.A_rest
+        return A
+
+    def product(self) -> torch.Tensor:
+        return self.B @ self.dense_A()
+
+
+def pivoted_qr_columns(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column order of A (r, d) by QR with column pivoting (Businger-Golub greedy pivots).
+
+    Computed as the pivoted Cholesky factorization of the Gram matrix A^T A, which picks the same
+    columns in exact arithmetic (the residual column norms of QR are the residual diagonal of the
+    Gram), at O(d r^2 / 2) work instead of modified Gram-Schmidt's O(d r^2) with r passes over A.
+    Returns (perm (d,), |R_kk| (r,)); ``pivoted_qr_columns_reference`` is the plain MGS version.
+    """
+    r, d = A.shape
+    if r > d:
+        raise FactorizationError(f"identity block needs rank <= input size, got rank {r} > {d}")
+    gram = A.T @ A
+    residual = gram.diagonal().clone()
+    L = torch.zeros(d, r, dtype=A.dtype, device=A.device)
+    perm = torch.arange(d, device=A.device)
+    diag = torch.zeros(r, dtype=A.dtype, device=A.device)
+    chosen = torch.zeros(d, dtype=torch.bool, device=A.device)
+    for k in range(r):
+        j = int(torch.argmax(residual.masked_fill(chosen, -math.inf)))
+        pivot = float(residual[j])
+        if not pivot > 0:
+            break
+        diag[k] = math.sqrt(pivot)
+        column = (gram[:, j] - L[:, :k] @ L[j, :k]) / diag[k]
+        L[:, k] = column
+        residual -= column * column
+        chosen[j] = True
+        perm[k] = j
+    count = int(chosen.sum())
+    return torch.cat([perm[:count], torch.nonzero(~chosen).flatten()]), diag
+
+
+def pivoted_qr_columns_reference(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain QR with column pivoting by modified Gram-Schmidt (the reference the fast path is tested against)."""
+    R = A.clone()
+    r, d = R.shape
+    perm = torch.arange(d, device=A.device)
+    diag = torch.zeros(r, dtype=A.dtype, device=A.device)
+    for k in range(r):
+        norms = (R[:, k:] ** 2).sum(0)
+        j = k + int(torch.argmax(norms))
+        R[:, [k, j]] = R[:, [j, k]]
+        perm[[k, j]] = perm[[j, k]]
+        diag[k] = R[:, k].norm()
+        if not bool(diag[k] > 0):
+            break
+        q = R[:, k] / diag[k]
+        R[:, k + 1:] -= torch.outer(q, q @ R[:, k + 1:])
+    return perm, diag
+
+
+def identity_block(factors: Factors, name: str = "identity block") -> IdentityBlockFactors:
+    """Rewrite B A as (B J)(J^{-1} A) with J = the r columns of A picked by pivoted QR."""
+    B, A = factors.B, factors.A
+    r = A.shape[0]
+    check_finite(name, B, A)
+    perm, diag = pivoted_qr_columns(A)
+    scale = float(diag.abs().max())
+    ratio = float(diag.abs().min()) / scale if scale > 0 else 0.0
+    if not ratio > 1e-13:
+        raise FactorizationError(f"{name}: input factor is rank deficient (pivoted QR ratio {ratio:.3g}); cannot form an identity block")
+    J = A[:, perm[:r]]
+    try:
+        A_rest = torch.linalg.solve(J, A[:, perm[r:]])
+    except RuntimeError as err:
+        raise FactorizationError(f"{name}: singular pivot block ({err})") from err
+    result = IdentityBlockFactors(B=B @ J, perm=perm, A_rest=A_rest, pivot_ratio=ratio)
+    check_finite(name, result.B, result.A_rest)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Budget accounting
+# ----------------------------------------------------------------------------------------------
+
+
+def factor_params(d_in: int, d_out: int, rank: int, identity: bool) -> int:
+    """Stored weights of a rank-``rank`` factorization: r(d_in + d_out), minus r^2 with an identity block."""
+    return rank * (d_in + d_out) - (rank * rank if identity else 0)
+
+
+def rank_for_budget(d_in: int, d_out: int, keep_params: float, identity: bool) -> int:
+    """Largest rank whose factors fit ``keep_params`` weights (at most min(d_in, d_out); >= 0)."""
+    full = min(d_in, d_out)
+    if identity:
+        # r(d_in + d_out) - r^2 <= keep  <=>  r <= smaller root of r^2 - (d_in + d_out) r + keep = 0
+        s = d_in + d_out
+        disc = s * s - 4.0 * keep_params
+        rank = full if disc <= 0 else math.floor((s - math.sqrt(disc)) / 2 + 1e-9)
+    else:
+        rank = math.floor(keep_params / (d_in + d_out) + 1e-9)
+    rank = max(0, min(full, rank))
+    while rank > 0 and factor_params(d_in, d_out, rank, identity) > keep_params:
+        rank -= 1
+    return rank

@@ -1,0 +1,180 @@
+"""Methods x ratios in one run: perplexity, parameters, analytic FLOPs and measured CPU latency.
+
+Every compressed model is calibrated on the same calibration windows and evaluated on the same
+held-out tokens as the dense model, whose numbers come from the same run. Writes a markdown table,
+a JSON file and a PNG (perplexity against ratio per method, log scale: the shape of the
+LatentLLM paper's Table 2).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slimkv.bench.timing import RESULTS_DIR, write_results
+from slimkv.compress.cost import cost_summary, prefill_latency
+from slimkv.compress.models import LoadedModel, load_pretrained
+from slimkv.compress.pipeline import METHODS, CompressOptions
+from slimkv.compress.text import evaluation_text, text_sha256, tokenize
+from slimkv.compress.workflow import DEFAULT_CALIB_SEQ_LEN, calibration_set, compress_loaded
+from slimkv.eval.ppl import perplexity_of_ids
+
+# Method labels a sweep accepts: the four methods plus latentllm with one component switched off.
+VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
+    **{name: (name, {}) for name in METHODS},
+    "latentllm-no-joint-qk": ("latentllm", {"joint_qk": False}),
+    "latentllm-no-joint-mlp": ("latentllm", {"joint_mlp": False}),
+    "latentllm-no-identity-block": ("latentllm", {"identity_block": False}),
+}
+
+
+def parse_methods(text: str) -> list[str]:
+    labels = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in labels if m not in VARIANTS]
+    if unknown or not labels:
+        raise ValueError(f"--methods: unknown {unknown or text!r}; choose from {', '.join(VARIANTS)}")
+    return labels
+
+
+def parse_ratios(text: str) -> list[float]:
+    try:
+        ratios = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError as err:
+        raise ValueError(f"--ratios must be comma-separated numbers in [0, 1); got {text!r}") from err
+    if not ratios or any(not 0.0 <= r < 1.0 for r in ratios):
+        raise ValueError(f"--ratios must be comma-separated numbers in [0, 1); got {text!r}")
+    return ratios
+
+
+def _measure(model: torch.nn.Module, eval_ids: torch.Tensor, seq_len: int, prefill_len: int, repeats: int) -> dict[str, Any]:
+    ppl = perplexity_of_ids(model, eval_ids, seq_len, progress=True)
+    latency = prefill_latency(model, prefill_len, repeats=repeats) if repeats > 0 else None
+    return {"ppl": ppl["ppl"], "eval": ppl, **cost_summary(model, prefill_len), "latency": latency}
+
+
+def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, calib: str = "shakespeare", calib_tokens: int = 8192,
+              calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, text: str = "shakespeare-val", seq_len: int = 1024, max_tokens: int | None = 16384,
+              prefill_len: int = 256, repeats: int = 5, seed: int = 0, damping: float | None = None) -> dict[str, Any]:
+    """Compress copies of ``base`` with every method label at every ratio; measure each and the dense model."""
+    eval_text = evaluation_text(text)
+    eval_ids = torch.tensor(tokenize(base.tokenizer, eval_text), dtype=torch.long)
+    if max_tokens is not None:
+        eval_ids = eval_ids[:max_tokens]
+    calibration = calibration_set(base, calib, calib_tokens, calib_seq_len, seed)
+    print(f"dense model: evaluating {eval_ids.numel()} tokens of {text!r} ...", flush=True)
+    dense = _measure(base.model, eval_ids, seq_len, prefill_len, repeats)
+    rows = []
+    for label in methods:
+        method, overrides = VARIANTS[label]
+        for ratio in ratios:
+            options = CompressOptions(method=method, ratio=ratio, **overrides, **({"damping": damping} if damping is not None else {}))
+            model = LoadedModel(copy.deepcopy(base.model), base.tokenizer, dict(base.identity))
+            t0 = time.perf_counter()
+            manifest = compress_loaded(model, options, calib, calib_tokens, calib_seq_len=calib_seq_len, seed=seed, calibration=calibration)
+            compress_s = time.perf_counter() - t0
+            measured = _measure(model.model, eval_ids, seq_len, prefill_len, repeats)
+            row = {"method": label, "ratio": ratio, "achieved_ratio": manifest["achieved_ratio"], "compress_seconds": compress_s, **measured,
+                   "budget": manifest["budget"], "options": manifest["options"]}
+            rows.append(row)
+            print(format_row(row, dense), flush=True)
+            del model
+    return {
+        "model": base.identity,
+        "calibration": calibration[1],
+        "eval": {"text": text, "text_sha256": text_sha256(eval_text), "tokens": int(eval_ids.numel()), "seq_len": seq_len},
+        "prefill_len": prefill_len,
+        "threads": torch.get_num_threads(),
+        "dense": dense,
+        "rows": rows,
+    }
+
+
+def format_row(row: dict, dense: dict) -> str:
+    latency = row.get("latency")
+    speed = f"{dense['latency']['median_s'] / latency['median_s']:.2f}x" if latency and dense.get("latency") else "-"
+    lat = f"{latency['median_s'] * 1e3:.0f}" if latency else "-"
+    return (f"| {row['method']} | {row['ratio']:.2f} | {row['achieved_ratio']:.4f} | {row['ppl']:.2f} | {row['ppl'] / dense['ppl']:.2f}x | "
+            f"{row['parameters'] / 1e6:.2f} | {row['flops_per_token'] / 1e6:.1f} ({row['flops_per_token'] / dense['flops_per_token']:.3f}) | "
+            f"{lat} | {speed} | {row.get('compress_seconds', 0):.0f} |")
+
+
+def markdown_table(result: dict) -> str:
+    dense = result["dense"]
+    ev = result["eval"]
+    lines = [
+        f"Perplexity on {ev['tokens']} tokens of {ev['text']!r} ({ev['seq_len']}-token windows); calibration: {result['calibration'].get('tokens')} tokens "
+        f"of {result['calibration'].get('source')!r}; FLOPs per token and latency for a {result['prefill_len']}-token prefill, {result['threads']} CPU thread(s).",
+        "",
+        "| method | ratio | achieved | ppl | vs dense | params (M) | FLOPs/token (M, vs dense) | prefill ms | speedup | compress s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        format_row({"method": "dense", "ratio": 0.0, "achieved_ratio": 0.0, **dense}, dense),
+    ]
+    lines += [format_row(row, dense) for row in result["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict):
+    """Perplexity against ratio per method (log y), dense as a dashed line; returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for label in dict.fromkeys(row["method"] for row in result["rows"]):
+        rows = sorted((r for r in result["rows"] if r["method"] == label), key=lambda r: r["ratio"])
+        ax.plot([r["ratio"] for r in rows], [r["ppl"] for r in rows], marker="o", label=label)
+    ax.axhline(result["dense"]["ppl"], color="black", linestyle="--", linewidth=1, label=f"dense ({result['dense']['ppl']:.1f})")
+    ax.set_yscale("log")
+    ax.set_xlabel("compression ratio (weights removed from the block projections)")
+    ax.set_ylabel("perplexity (log scale)")
+    ax.set_title(f"{result['model'].get('name')}: held-out perplexity vs compression")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def write_sweep(result: dict, name: str, out_dir: Path | None = None) -> Path:
+    """``<name>.json`` + ``<name>.png`` (via ``write_results``) and ``<name>.md`` under ``out_dir``."""
+    out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    figure = plot(result)
+    path = write_results(name, result, figure=figure, out_dir=out_dir)
+    md = out_dir / f"{name}.md"
+    tmp = md.with_name(md.name + ".tmp")
+    tmp.write_text(markdown_table(result))
+    os.replace(tmp, md)
+    return path
+
+
+def demo_compression(out_dir: str | Path, *, model: str = "smollm2", ratio: float = 0.2, methods: tuple[str, ...] = ("rootcov", "latentllm"),
+                     calib_tokens: int = 2048, eval_tokens: int = 4096, seq_len: int = 1024, seed: int = 0) -> dict[str, Any]:
+    """The ``make demo`` step: compress SmolLM2 at ``ratio`` with each method, print perplexities beside
+    the dense model's (same run, same held-out tokens), write ``compression_demo.{json,md,png}``.
+
+    Small on purpose (a few minutes on 2 CPU cores): ``calib_tokens`` calibration tokens and the
+    first ``eval_tokens`` held-out tokens; the full sweep (``slimkv compress-sweep``) uses more.
+    """
+    from slimkv.compress.models import SMOLLM2, fetch_smollm2
+
+    if model == SMOLLM2:
+        fetch_smollm2()
+    base = load_pretrained(model)
+    print(f"compression demo: {model} at ratio {ratio} with {', '.join(methods)}; calibration {calib_tokens} tokens of the training plays, "
+          f"evaluation on the first {eval_tokens} tokens of the held-out plays (small so it runs in minutes on a CPU; "
+          f"`slimkv compress-sweep` measures more)", flush=True)
+    result = run_sweep(base, list(methods), [ratio], calib_tokens=calib_tokens, calib_seq_len=min(seq_len, calib_tokens), seq_len=seq_len,
+                       max_tokens=eval_tokens, repeats=0, seed=seed)
+    table = markdown_table(result)
+    print(table)
+    rows = {row["method"]: row["ppl"] for row in result["rows"]}
+    if "rootcov" in rows and "latentllm" in rows and math.isfinite(rows["rootcov"]):
+        print(f"latentllm vs rootcov: {100 * (1 - rows['latentllm'] / rows['rootcov']):+.1f}% perplexity change (negative = latentllm better)".replace("+-", "-"))
+    write_sweep(result, "compression_demo", Path(out_dir))
+    return result

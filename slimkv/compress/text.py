@@ -1,0 +1,88 @@
+"""Text sources for calibration and evaluation (never overlapping), and calibration windows.
+
+``shakespeare`` is the text of the training plays (calibration), ``shakespeare-val`` the text of
+the held-out plays (evaluation), anything else a local text file or a folder of ``*.txt`` files.
+Documents are joined with a blank line ("\\n\\n").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from pathlib import Path
+
+import torch
+
+CALIB_SHAKESPEARE = "shakespeare"
+EVAL_SHAKESPEARE = "shakespeare-val"
+DOC_SEPARATOR = "\n\n"
+
+
+def _shakespeare(split: str) -> list[str]:
+    from slimkv.data import shakespeare_plays, shakespeare_split
+
+    plays = shakespeare_plays()
+    train, val = shakespeare_split()
+    return [plays[name] for name in (train if split == "train" else val)]
+
+
+def _local_documents(spec: str) -> list[str]:
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return [path.read_text(encoding="utf-8", errors="replace")]
+    if path.is_dir():
+        files = sorted(path.rglob("*.txt"))
+        if not files:
+            raise FileNotFoundError(f"{path} holds no *.txt files")
+        return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    raise FileNotFoundError(f"text {spec!r} is neither a known source nor an existing file or folder")
+
+
+def calibration_documents(spec: str) -> list[str]:
+    """``shakespeare`` (the training plays) or a local PATH, as a list of documents."""
+    if spec == EVAL_SHAKESPEARE:
+        raise ValueError(f"--calib {spec!r} is the evaluation split; use {CALIB_SHAKESPEARE!r} or a PATH")
+    return _shakespeare("train") if spec == CALIB_SHAKESPEARE else _local_documents(spec)
+
+
+def evaluation_text(spec: str) -> str:
+    """``shakespeare-val`` (the held-out plays) or a local PATH, documents joined with a blank line."""
+    if spec == CALIB_SHAKESPEARE:
+        raise ValueError(f"--text {spec!r} is the calibration split; use {EVAL_SHAKESPEARE!r} or a PATH")
+    return DOC_SEPARATOR.join(_shakespeare("val") if spec == EVAL_SHAKESPEARE else _local_documents(spec))
+
+
+def text_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def tokenize(tokenizer, text: str) -> list[int]:
+    """Token ids of the whole text, tokenized once, without added special tokens."""
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def calibration_ids(tokenizer, documents: list[str], tokens: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """(ceil(tokens / seq_len), seq_len) LongTensor of calibration windows.
+
+    Each window is a random ``seq_len``-token span of a random document (seeded). Documents are
+    tokenized once each, lazily, so a small calibration set does not tokenize the whole corpus.
+    """
+    if tokens < 1 or seq_len < 2:
+        raise ValueError(f"calibration needs tokens >= 1 and seq_len >= 2; got tokens={tokens}, seq_len={seq_len}")
+    rng = random.Random(seed)
+    cache: dict[int, list[int]] = {}
+    windows = []
+    for _ in range(math.ceil(tokens / seq_len)):
+        for _attempt in range(100):
+            index = rng.randrange(len(documents))
+            if index not in cache:
+                cache[index] = tokenize(tokenizer, documents[index])
+            ids = cache[index]
+            if len(ids) >= seq_len:
+                start = rng.randrange(len(ids) - seq_len + 1)
+                windows.append(ids[start:start + seq_len])
+                break
+        else:
+            raise ValueError(f"calibration text has no document of at least {seq_len} tokens; lower --calib-seq-len")
+    return torch.tensor(windows, dtype=torch.long)

@@ -1,0 +1,144 @@
+"""Joint QK (Tucker) and joint MLP numerics on random matrices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimkv.compress.joint_mlp import SensitivityAccumulator, refit_factors, relu_ud, weighted_shared_factors
+from slimkv.compress.joint_qk import joint_qk
+from slimkv.compress.linalg import FactorizationError, rootcov_factors
+
+D64 = torch.float64
+
+
+def qk_problem(heads=4, kv_heads=2, head_dim=5, d=16, tokens=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Wq = torch.randn(heads * head_dim, d, generator=g, dtype=D64)
+    Wk = torch.randn(kv_heads * head_dim, d, generator=g, dtype=D64)
+    X = torch.randn(tokens, d, generator=g, dtype=D64) * torch.logspace(0, -1.5, d, dtype=D64)
+    return Wq, Wk, X
+
+
+def score_loss(Wq, Wk, q_product, k_product, X, heads, kv_heads):
+    """sum_i ||X Wq_i^T Wk_g(i) X^T - X Wq^_i^T Wk^_g(i) X^T||^2 / sum_i ||X Wq_i^T Wk_g(i) X^T||^2, explicitly."""
+    head_dim = Wq.shape[0] // heads
+    err = total = 0.0
+    for i in range(heads):
+        g = i // (heads // kv_heads)
+        rows_q, rows_k = slice(i * head_dim, (i + 1) * head_dim), slice(g * head_dim, (g + 1) * head_dim)
+        exact = (X @ Wq[rows_q].T) @ (X @ Wk[rows_k].T).T
+        approx = (X @ q_product[rows_q].T) @ (X @ k_product[rows_k].T).T
+        err += float(((exact - approx) ** 2).sum())
+        total += float((exact**2).sum())
+    return err / total
+
+
+def test_objective_is_monotone_and_matches_the_explicit_score_error():
+    Wq, Wk, X = qk_problem()
+    cov = X.T @ X / X.shape[0]
+    result = joint_qk(Wq, Wk, cov, 4, 2, rank_q=6, rank_k=4, iterations=8)
+    history = result.objective
+    assert 3 <= len(history) <= 17 and len(history) % 2 == 1
+    assert all(b <= a + 1e-12 for a, b in zip(history, history[1:]))
+    assert history[-1] < history[0] or history[0] < 1e-12
+    # the reduced-coordinate objective is the relative score error on the calibration tokens
+    explicit = score_loss(Wq, Wk, result.q.product(), result.k.product(), X, 4, 2)
+    assert abs(explicit - history[-1]) < 1e-9
+
+
+def test_joint_qk_preserves_scores_better_than_separate_rootcov():
+    Wq, Wk, X = qk_problem(seed=1)
+    cov = X.T @ X / X.shape[0]
+    joint = joint_qk(Wq, Wk, cov, 4, 2, rank_q=5, rank_k=4)
+    separate = score_loss(Wq, Wk, rootcov_factors(Wq, cov, 5).product(), rootcov_factors(Wk, cov, 4).product(), X, 4, 2)
+    assert joint.objective[-1] < separate
+
+
+def test_full_rank_joint_qk_is_exact_and_keeps_each_heads_basis():
+    Wq, Wk, X = qk_problem(d=24, seed=2)  # rank(W_q C W_q^T) = 20, rank(W_k ...) = 10
+    cov = X.T @ X / X.shape[0]
+    result = joint_qk(Wq, Wk, cov, 4, 2, rank_q=20, rank_k=10)
+    assert result.numerical_ranks == (20, 10)
+    assert torch.allclose(result.q.product(), Wq, atol=1e-8)
+    assert torch.allclose(result.k.product(), Wk, atol=1e-8)
+
+
+def test_mha_pairing_and_bad_head_counts():
+    Wq, Wk, X = qk_problem(heads=3, kv_heads=3, seed=3)
+    cov = X.T @ X / X.shape[0]
+    result = joint_qk(Wq, Wk, cov, 3, 3, rank_q=6, rank_k=6)
+    assert abs(score_loss(Wq, Wk, result.q.product(), result.k.product(), X, 3, 3) - result.objective[-1]) < 1e-9
+    with pytest.raises(ValueError, match="multiple"):
+        joint_qk(Wq, Wk, cov, 3, 2, 4, 4)
+    with pytest.raises(FactorizationError):
+        joint_qk(Wq * float("nan"), Wk, cov, 3, 3, 4, 4)
+
+
+def test_relu_alternation_objective_does_not_increase():
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(400, 10, generator=g, dtype=D64)
+    W_u, b_u = torch.randn(24, 10, generator=g, dtype=D64), torch.randn(24, generator=g, dtype=D64)
+    W_d = torch.randn(10, 24, generator=g, dtype=D64)
+    result = relu_ud(X, W_u, b_u, W_d, rank_up=5, rank_down=5, iterations=6)
+    history = result.objective
+    assert all(b <= a * (1 + 1e-6) + 1e-9 for a, b in zip(history, history[1:]))
+    assert result.up.rank == 5 and result.down.rank == 5
+
+
+def test_relu_alternation_is_exact_at_full_rank():
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(300, 6, generator=g, dtype=D64)
+    W_u, W_d = torch.randn(9, 6, generator=g, dtype=D64), torch.randn(6, 9, generator=g, dtype=D64)
+    result = relu_ud(X, W_u, None, W_d, rank_up=6, rank_down=6, iterations=2)
+    assert torch.allclose(result.up.product(), W_u, atol=1e-6)
+    assert result.objective[-1] < 1e-10
+
+
+def test_shared_input_factor_is_exact_at_full_rank_and_uses_one_A():
+    g = torch.Generator().manual_seed(6)
+    W_g, W_u = torch.randn(20, 8, generator=g, dtype=D64), torch.randn(20, 8, generator=g, dtype=D64)
+    X = torch.randn(200, 8, generator=g, dtype=D64)
+    cov = X.T @ X / 200
+    weights = [torch.rand(20, generator=g, dtype=D64) + 0.1, torch.rand(20, generator=g, dtype=D64) + 0.1]
+    stacked, rows = weighted_shared_factors([W_g, W_u], weights, cov, rank=8)
+    assert rows == [20, 20]
+    assert torch.allclose(stacked.product(), torch.cat([W_g, W_u]), atol=1e-9)
+    # at lower rank, the weighted objective beats the unweighted stack's
+    def weighted_err(product):
+        diff = (torch.cat(weights)[:, None]) * (torch.cat([W_g, W_u]) - product)
+        return float(torch.trace(diff @ cov @ diff.T))
+    low, _ = weighted_shared_factors([W_g, W_u], weights, cov, rank=3)
+    plain, _ = weighted_shared_factors([W_g, W_u], [torch.ones(20, dtype=D64)] * 2, cov, rank=3)
+    assert weighted_err(low.product()) < weighted_err(plain.product())
+
+
+def test_sensitivity_weights_follow_the_gated_product():
+    act = torch.nn.SiLU()
+    acc = SensitivityAccumulator(3, gated=True)
+    gate = torch.tensor([[0.0, 1.0, -2.0]], dtype=D64)
+    up = torch.tensor([[1.0, 2.0, 3.0]], dtype=D64)
+    acc.add(act, gate, up)
+    silu = gate * torch.sigmoid(gate)
+    dsilu = torch.sigmoid(gate) * (1 + gate * (1 - torch.sigmoid(gate)))
+    assert torch.allclose(acc.gate_sq, ((dsilu * up) ** 2)[0])
+    assert torch.allclose(acc.up_sq, (silu**2)[0])
+    weights = acc.row_weights(torch.ones(4, 3, dtype=D64) * 2)
+    assert torch.allclose(weights[1], (silu[0] ** 2 * 16).sqrt().clamp_min(1e-6 * float(weights[0].max())))
+
+
+def test_refit_recovers_the_original_output_from_perturbed_inputs():
+    g = torch.Generator().manual_seed(7)
+    H = torch.randn(500, 12, generator=g, dtype=D64)
+    mix = torch.eye(12, dtype=D64) + 0.2 * torch.randn(12, 12, generator=g, dtype=D64)
+    H_hat = H @ mix.T  # an invertible distortion of the inputs
+    W = torch.randn(7, 12, generator=g, dtype=D64)
+    cross, cov = H.T @ H_hat / 500, H_hat.T @ H_hat / 500
+    factors, lam = refit_factors(W, cross, cov, rank=7, eps=0.0)
+    assert lam == 0.0
+    assert torch.allclose(H_hat @ factors.product().T, H @ W.T, atol=1e-8)
+    # at low rank the refit beats compressing W itself for the distorted inputs
+    low, _ = refit_factors(W, cross, cov, rank=3, eps=1e-6)
+    local = rootcov_factors(W, cov, 3)
+    err = lambda p: float(((H @ W.T - H_hat @ p.T) ** 2).sum())  # noqa: E731
+    assert err(low.product()) < err(local.product())
