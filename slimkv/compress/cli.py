@@ -25,7 +25,7 @@ def _add_calibration_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-seq-len", type=int, default=DEFAULT_CALIB_SEQ_LEN, help=f"calibration window length (default {DEFAULT_CALIB_SEQ_LEN})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the calibration window sampling (default 0)")
     parser.add_argument("--damping", type=float, default=CompressOptions.damping,
-                        help=f"relative damping (x mean diag C) where latentllm inverts a covariance (default {CompressOptions.damping})")
+                        help=f"relative damping (x mean diag C) of the least-squares maps of latentllm's ReLU joint MLP (default {CompressOptions.damping:g})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads for this run (default: torch's choice)")
 
 

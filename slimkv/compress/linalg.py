@@ -96,34 +96,6 @@ class StatsAccumulator:
         return stats
 
 
-class CrossAccumulator:
-    """Accumulates E[a b^T] (float64) for paired vectors a (..., dim_a) and b (..., dim_b)."""
-
-    def __init__(self, dim_a: int, dim_b: int, device: torch.device | str = "cpu", chunk: int = 2048):
-        self.dims = (dim_a, dim_b)
-        self.chunk = chunk
-        self.atb = torch.zeros(dim_a, dim_b, dtype=torch.float64, device=device)
-        self.total_a = torch.zeros(dim_a, dtype=torch.float64, device=device)
-        self.count = 0
-
-    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        rows_a, rows_b = a.reshape(-1, self.dims[0]), b.reshape(-1, self.dims[1])
-        if rows_a.shape[0] != rows_b.shape[0]:
-            raise ValueError(f"paired activations have {rows_a.shape[0]} and {rows_b.shape[0]} rows")
-        for start in range(0, rows_a.shape[0], self.chunk):
-            block_a = rows_a[start:start + self.chunk].to(dtype=torch.float64, device=self.atb.device)
-            block_b = rows_b[start:start + self.chunk].to(dtype=torch.float64, device=self.atb.device)
-            self.atb.addmm_(block_a.T, block_b)
-            self.total_a += block_a.sum(0)
-        self.count += rows_a.shape[0]
-
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(E[a b^T], E[a])."""
-        if self.count == 0:
-            raise FactorizationError("no calibration tokens reached this layer")
-        return self.atb / self.count, self.total_a / self.count
-
-
 def damping_for(cov: torch.Tensor, eps: float) -> float:
     """lambda = eps * mean(diag C): damping relative to the scale of C (0 for an all-zero C)."""
     return float(eps * cov.diagonal().mean().clamp_min(0))
@@ -237,12 +209,6 @@ def solve_damped(rhs: torch.Tensor, cov: torch.Tensor, damping: float, name: str
     except RuntimeError as err:
         raise FactorizationError(f"{name}: the damped input covariance is not positive definite (lambda={damping:g}): {err}") from err
     return torch.cholesky_solve(rhs.T, chol).T
-
-
-def fitted_target(target_cross: torch.Tensor, W: torch.Tensor, cov_in: torch.Tensor, damping: float) -> torch.Tensor:
-    """M* = W E[h h_hat^T] (E[h_hat h_hat^T] + lambda I)^{-1}: the full-rank map that best predicts
-    W h from the input h_hat a layer actually sees (cross covariance E[h h_hat^T] = ``target_cross``)."""
-    return solve_damped(W @ target_cross, cov_in, damping, "refit")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,10 +36,9 @@ from tqdm import tqdm
 
 from slimkv.compress.arch import Architecture, Projection
 from slimkv.compress.factored import SharedInputFactor, SplitOutputLinear, build_factored, fill_input_factor, make_input_factor
-from slimkv.compress.joint_mlp import SensitivityAccumulator, refit_factors, relu_ud, weighted_shared_factors
-from slimkv.compress.joint_qk import joint_qk
+from slimkv.compress.joint_mlp import UD_DAMPING, SensitivityAccumulator, relu_ud, weighted_shared_factors
+from slimkv.compress.joint_qk import RANK_RTOL, joint_qk
 from slimkv.compress.linalg import (
-    CrossAccumulator,
     FactorizationError,
     Factors,
     IdentityBlockFactors,
@@ -64,7 +63,7 @@ class CompressOptions:
 
     method: str
     ratio: float
-    damping: float = 1e-2  # relative damping (x mean diag C) of the inverse in the down refit
+    damping: float = UD_DAMPING  # relative damping (x mean diag C) of the least-squares maps of the ReLU joint MLP
     asvd_alpha: float = 0.5
     qk_iterations: int = 8
     mlp_iterations: int = 4
@@ -160,7 +159,7 @@ class _Planned:
     proj: Projection
     factors: Factors | IdentityBlockFactors
     bias: torch.Tensor | None
-    how: str  # svd, asvd, rootcov, joint_qk, joint_mlp_shared, refit, relu_ud
+    how: str  # svd, asvd, rootcov, joint_qk, joint_mlp_shared, joint_mlp_weighted, relu_ud
     info: dict = field(default_factory=dict)
     shared: str | None = None  # key of a shared input factor (gate/up)
 
@@ -260,7 +259,7 @@ class BlockCompressor:
                 factors = rootcov_factors(W, cov, rank, root=root, name=label)
         except FactorizationError as err:
             raise FactorizationError(f"{label}: {err}") from err
-        info = {"statistics": "centered" if self._has_bias(name) and method == "rootcov" else "uncentered"} if stats is not None else {}
+        info = {"statistics": "centered" if self._has_bias(name) else "uncentered"} if method == "rootcov" else {}
         self._finish(name, factors, method, stats, info)
 
     # -- stages --------------------------------------------------------------------------------
@@ -303,15 +302,8 @@ class BlockCompressor:
         if self.options.full_rank:
             rank_q, rank_k = min(Wq.shape), min(Wk.shape)
         else:
-            rank_q, rank_k = self._rank("q", identity), self._rank("k", identity)
-            # Spend what the floor() left of the combined q+k budget on extra rank, K first (smaller rows).
-            budget = self._keep("q") + self._keep("k")
-            for _ in range(2):
-                for which in ("k", "q"):
-                    W = Wk if which == "k" else Wq
-                    trial = (rank_q + (which == "q"), rank_k + (which == "k"))
-                    if trial[which == "k"] <= min(W.shape) and factor_params(Wq.shape[1], Wq.shape[0], trial[0], identity) + factor_params(Wk.shape[1], Wk.shape[0], trial[1], identity) <= budget:
-                        rank_q, rank_k = trial
+            rank_q, rank_k = spend_leftover([self._rank("q", identity), self._rank("k", identity)], [Wq.shape, Wk.shape],
+                                            self._keep("q") + self._keep("k"), identity)
         centered = bq is not None or bk is not None
         cov = stats.centered() if centered else stats.cov
         label = f"{self._path('q')} + {self._path('k')} (joint QK)"
@@ -320,7 +312,7 @@ class BlockCompressor:
         except FactorizationError as err:
             raise FactorizationError(f"{label}: {err}") from err
         info = {"objective": result.objective, "numerical_ranks": list(result.numerical_ranks), "statistics": "centered" if centered else "uncentered",
-                "combined_budget": True}
+                "combined_budget": True, "damping": {"pseudo_inverse_rtol": RANK_RTOL}}
         self._finish("q", result.q, "joint_qk", stats, info)
         self._finish("k", result.k, "joint_qk", stats, info)
 
@@ -328,21 +320,20 @@ class BlockCompressor:
         layout = self.layout
         ins = [p.name for p in layout.mlp_in]
         down = layout.mlp_out.name
-        if not self.options.joint_mlp:
+        act = self.arch.activation(self.block, layout)
+        if self.options.joint_mlp and not layout.gated and isinstance(act, nn.ReLU):
+            self._relu_ud()
+            self._install([*ins, down])
+            return
+        if self.options.joint_mlp:
+            self._weighted_inputs(act)
+        else:
             stats = self._collect(ins, stop=ins[0])
             for name in ins:
                 self._local(name, stats[name])
-            self._install(ins)
-            self._local(down, self._collect([down], stop=down)[down])
-            self._install([down])
-            return
-        act = self.arch.activation(self.block, layout)
-        if not layout.gated and isinstance(act, nn.ReLU):
-            self._relu_ud(act)
-        else:
-            self._weighted_inputs(act)
         self._install(ins)
-        self._refit_down(act)
+        # down: RootCov under the covariance of its actual input (gate/up already compressed)
+        self._local(down, self._collect([down], stop=down)[down])
         self._install([down])
 
     def _mlp_pre(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -353,11 +344,6 @@ class BlockCompressor:
             W, b = self.original[proj.name]
             out.append(torch.nn.functional.linear(x, W.to(x.dtype), None if b is None else b.to(x.dtype)))
         return out
-
-    def _mlp_hidden(self, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Original hidden activation h (the input down would see in the uncompressed block)."""
-        pre = self._mlp_pre(x)
-        return act(pre[0]) * pre[1] if self.layout.gated else act(pre[0])
 
     def _weighted_inputs(self, act: nn.Module) -> None:
         """Gated: one shared, sensitivity-weighted input factor for gate and up. Plain: weighted up."""
@@ -400,7 +386,7 @@ class BlockCompressor:
             self.planned[name] = _Planned(self.layout.get(name), part, b, "joint_mlp_shared" if key else "joint_mlp_weighted",
                                           {"statistics": "centered" if centered else "uncentered", "row_weights": "sensitivity of the gated product" if layout.gated else "activation derivative"}, shared=key)
 
-    def _relu_ud(self, act: nn.Module) -> None:
+    def _relu_ud(self) -> None:
         """The paper's ReLU alternation (needs the MLP inputs themselves, not only their covariance)."""
         up_name = self.layout.mlp_in[0].name
         down = self.layout.mlp_out.name
@@ -412,46 +398,13 @@ class BlockCompressor:
         W_d = self.original[down][0]
         label = f"{self._path(up_name)} + {self._path(down)} (joint MLP, ReLU alternation)"
         try:
-            result = relu_ud(X, W_u, b_u, W_d, self._rank(up_name, identity), self._rank(down, identity), self.options.mlp_iterations)
+            result = relu_ud(X, W_u, b_u, W_d, self._rank(up_name, identity), self._rank(down, identity), self.options.mlp_iterations, self.options.damping)
         except FactorizationError as err:
             raise FactorizationError(f"{label}: {err}") from err
-        self._finish(up_name, result.up, "relu_ud", None, {"objective": result.objective, "penalties": {"alpha": 1.0, "beta": 1.0, "gamma": 1.0}})
-
-    def _refit_down(self, act: nn.Module) -> None:
-        """Refit down to its actual compressed-upstream input h_hat, preserving the original W_d h."""
-        layout = self.layout
-        down = layout.mlp_out.name
-        W_d, b_d = self.original[down]
-        width = W_d.shape[1]
-        pending: list[torch.Tensor] = []
-        hat = StatsAccumulator(width, self.device)
-        cross = CrossAccumulator(width, width, self.device)
-
-        def on_mlp_input(x: torch.Tensor) -> None:
-            pending.append(self._mlp_hidden(act, x))
-
-        def on_down_input(h_hat: torch.Tensor) -> None:
-            hat.add(h_hat)
-            cross.add(pending.pop(), h_hat)
-
-        run_block(self.block, self.inputs, [(self._leaf(layout.mlp_in[0].name), on_mlp_input), (self._leaf(down), on_down_input)], stop_at=self._leaf(down))
-        stats = hat.finish(f"{self._path(down)} input activations")
-        cross_moment, mean_h = cross.finish()
-        centered = b_d is not None
-        cov = stats.centered() if centered else stats.cov
-        if centered:
-            cross_moment = cross_moment - torch.outer(mean_h, stats.mean)
-        rank = self._rank(down, self.options.uses_identity_block)
-        label = f"{self._path(down)} (refit on compressed-upstream input)"
-        try:
-            factors, lam = refit_factors(W_d, cross_moment, cov, rank, self.options.damping)
-        except FactorizationError as err:
-            raise FactorizationError(f"{label}: {err}") from err
-        bias = None
-        if b_d is not None:
-            bias = b_d + W_d @ mean_h - factors.product() @ stats.mean
-        self.planned[down] = _Planned(layout.get(down), self._maybe_identity(factors, down), bias, "refit",
-                                      {"statistics": "centered" if centered else "uncentered", "damping": {"relative": self.options.damping, "lambda": lam}})
+        info = {"objective": result.objective, "penalties": {"alpha": 1.0, "beta": 1.0, "gamma": 1.0},
+                "damping": {"relative": self.options.damping, "lambda": result.damping}}
+        self._finish(up_name, result.up, "relu_ud", None, info)
+        self._finish(down, result.down, "relu_ud", None, info)
 
     # -- installation --------------------------------------------------------------------------
 
@@ -511,6 +464,20 @@ class BlockCompressor:
         return entry
 
 
+def spend_leftover(ranks: list[int], shapes: list[tuple[int, int]], budget: float, identity: bool) -> list[int]:
+    """Jointly factored matrices share one budget: starting from each matrix's own rank, raise the
+    ranks one step at a time (in order) while the combined weights still fit ``budget``."""
+    ranks = list(ranks)
+    grown = True
+    while grown:
+        grown = False
+        for i, (d_out, d_in) in enumerate(shapes):
+            trial = ranks[:i] + [ranks[i] + 1] + ranks[i + 1:]
+            if trial[i] <= min(d_out, d_in) and sum(factor_params(c, o, r, identity) for (o, c), r in zip(shapes, trial)) <= budget:
+                ranks, grown = trial, True
+    return ranks
+
+
 def _slice_rows(factors: Factors | IdentityBlockFactors, start: int, stop: int) -> Factors | IdentityBlockFactors:
     """The rows start:stop of a stacked factorization (same input factor)."""
     if isinstance(factors, IdentityBlockFactors):
@@ -565,7 +532,7 @@ def compress_model(model: nn.Module, calib_ids: torch.Tensor | None, options: Co
         "options": asdict(options),
         "family": arch.family,
         "propagation": PROPAGATION if needs_data else "none (svd uses no data)",
-        "within_block": "sequential (q/k/v, o, MLP input, down)" if options.latent else ("one pass on the block's inputs" if needs_data else "none"),
+        "within_block": "sequential (q/k/v, then o, then the MLP input, then down, each on the activations of the stages already compressed)" if options.latent else ("one pass on the block's inputs" if needs_data else "none"),
         "seconds": time.perf_counter() - t0,
         "modules": modules,
     }

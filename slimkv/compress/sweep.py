@@ -175,6 +175,8 @@ def demo_compression(out_dir: str | Path, *, model: str = "smollm2", ratio: floa
     print(table)
     rows = {row["method"]: row["ppl"] for row in result["rows"]}
     if "rootcov" in rows and "latentllm" in rows and math.isfinite(rows["rootcov"]):
-        print(f"latentllm vs rootcov: {100 * (1 - rows['latentllm'] / rows['rootcov']):+.1f}% perplexity change (negative = latentllm better)".replace("+-", "-"))
+        change = 100 * (rows["latentllm"] / rows["rootcov"] - 1)
+        print(f"latentllm perplexity is {abs(change):.1f}% {'below' if change < 0 else 'above'} rootcov's at the same ratio "
+              f"(dense {result['dense']['ppl']:.2f}; one calibration set, {result['eval']['tokens']} evaluation tokens)")
     write_sweep(result, "compression_demo", Path(out_dir))
     return result

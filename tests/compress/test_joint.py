@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimkv.compress.joint_mlp import SensitivityAccumulator, refit_factors, relu_ud, weighted_shared_factors
+from slimkv.compress.joint_mlp import SensitivityAccumulator, relu_ud, weighted_shared_factors
 from slimkv.compress.joint_qk import joint_qk
 from slimkv.compress.linalg import FactorizationError, rootcov_factors
 
@@ -92,7 +92,7 @@ def test_relu_alternation_is_exact_at_full_rank():
     W_u, W_d = torch.randn(9, 6, generator=g, dtype=D64), torch.randn(6, 9, generator=g, dtype=D64)
     result = relu_ud(X, W_u, None, W_d, rank_up=6, rank_down=6, iterations=2)
     assert torch.allclose(result.up.product(), W_u, atol=1e-6)
-    assert result.objective[-1] < 1e-10
+    assert result.objective[-1] < 1e-8  # zero up to the 1e-6 relative damping
 
 
 def test_shared_input_factor_is_exact_at_full_rank_and_uses_one_A():
@@ -125,20 +125,3 @@ def test_sensitivity_weights_follow_the_gated_product():
     assert torch.allclose(acc.up_sq, (silu**2)[0])
     weights = acc.row_weights(torch.ones(4, 3, dtype=D64) * 2)
     assert torch.allclose(weights[1], (silu[0] ** 2 * 16).sqrt().clamp_min(1e-6 * float(weights[0].max())))
-
-
-def test_refit_recovers_the_original_output_from_perturbed_inputs():
-    g = torch.Generator().manual_seed(7)
-    H = torch.randn(500, 12, generator=g, dtype=D64)
-    mix = torch.eye(12, dtype=D64) + 0.2 * torch.randn(12, 12, generator=g, dtype=D64)
-    H_hat = H @ mix.T  # an invertible distortion of the inputs
-    W = torch.randn(7, 12, generator=g, dtype=D64)
-    cross, cov = H.T @ H_hat / 500, H_hat.T @ H_hat / 500
-    factors, lam = refit_factors(W, cross, cov, rank=7, eps=0.0)
-    assert lam == 0.0
-    assert torch.allclose(H_hat @ factors.product().T, H @ W.T, atol=1e-8)
-    # at low rank the refit beats compressing W itself for the distorted inputs
-    low, _ = refit_factors(W, cross, cov, rank=3, eps=1e-6)
-    local = rootcov_factors(W, cov, 3)
-    err = lambda p: float(((H @ W.T - H_hat @ p.T) ** 2).sum())  # noqa: E731
-    assert err(low.product()) < err(local.product())
