@@ -23,7 +23,7 @@ from slimkv.train.config import TrainConfig
 # table (slimkv.bench.compare.default_options): lrkv at rank round(d_h (1/2 - 1/H)) = half of
 # MHA's cache, gqa with H/2 K/V heads, mla with a latent of half MHA's cache, swa window seq_len/2.
 DEMO_ENTRIES = ("mha", "gqa", "mqa", "swa", "mla", "lrkv", "kvm:schedule=fixed", "kvm:schedule=sqrt", "swa+kvm")
-DEMO_STEPS = 60  # per entry: about half a minute each on 2 CPU cores (quiet machine)
+DEMO_STEPS = 120  # per entry: the default recipe; about 40 s per entry with evaluation on 2 quiet CPU cores
 DEMO_EVAL_TOKENS = 16384  # val tokens scored per entry (windows spread over the held-out plays)
 DEMO_DECODE_CONTEXTS = (128, 512, 2048)
 DEMO_SEED = 0

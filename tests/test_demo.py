@@ -25,7 +25,7 @@ def test_every_demo_entry_builds_with_the_recipe():
             ratios[entry.label] = attn.cache_bytes(recipe.seq_len) / mha.cache_bytes(recipe.seq_len)
     assert ratios["lrkv"] == pytest.approx(0.5)  # the "lrkv at about 50% of MHA's cache"
     assert {e.label: e.options for e in entries}["kvm:schedule=sqrt"]["kvm"]["schedule"] == "sqrt"
-    assert recipe.steps < 120 and recipe.dataset == "shakespeare"
+    assert recipe.steps <= 120 and recipe.dataset == "shakespeare"  # short: at most the default recipe
 
 
 def test_unknown_demo_entry_is_refused_before_work(tmp_path):

@@ -134,6 +134,7 @@ class MultiHeadLatentAttention(Attention):
         self.v_head_dim = self.head_dim if v_head_dim is None else v_head_dim
         self.qk_dim = rope_dim + self.head_dim
         self.scale = 1.0 / math.sqrt(self.qk_dim)
+        # replaces the base class's per-head rotary: only the rope_dim leading channels of queries and k_pe turn
         self.rotary = Rotary(rope_dim, "full" if rope_dim else "none", theta=self.rope_theta)
         self.decode_path = "auto"  # per instance: "auto", "absorbed" or "expanded" (module docstring)
 

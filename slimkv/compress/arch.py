@@ -36,6 +36,7 @@ class BlockLayout:
     mlp_out: Projection  # down
     gated: bool  # MLP is down(act(gate x) * up x)
     activation_path: str  # the activation module inside the block
+    mlp_path: str | None  # a submodule computing the whole MLP from its input (None: the MLP is inlined in the block)
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -59,6 +60,7 @@ def _llama_layout(config) -> BlockLayout:
         mlp_out=proj("down", "mlp.down_proj"),
         gated=True,
         activation_path="mlp.act_fn",
+        mlp_path="mlp",
         num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
@@ -75,6 +77,7 @@ def _opt_layout(config) -> BlockLayout:
         mlp_out=Projection("down", "fc2"),
         gated=False,
         activation_path="activation_fn",
+        mlp_path=None,
         num_heads=heads,
         num_kv_heads=heads,
         head_dim=config.hidden_size // heads,
@@ -92,6 +95,7 @@ def _gpt2_layout(config) -> BlockLayout:
         mlp_out=Projection("down", "mlp.c_proj", conv1d=True),
         gated=False,
         activation_path="mlp.act",
+        mlp_path="mlp",
         num_heads=heads,
         num_kv_heads=heads,
         head_dim=d // heads,
@@ -154,6 +158,15 @@ class Architecture:
         parent_path, _, name = path.rpartition(".")
         parent = block.get_submodule(parent_path) if parent_path else block
         setattr(parent, name, module)
+
+    def rope_inv_freq(self) -> torch.Tensor | None:
+        """The rotary frequencies (head_dim / 2,) of a rotate-half RoPE covering the whole head, or
+        None (no RoPE: OPT, GPT-2; or a partial rotary this code does not model)."""
+        rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None) if self.family == "llama" else None
+        inv_freq = getattr(rotary, "inv_freq", None)
+        if inv_freq is None or 2 * inv_freq.numel() != self.layout.head_dim:
+            return None
+        return inv_freq.detach().to(torch.float64).cpu()
 
     def leaf_groups(self) -> dict[str, tuple[Projection, ...]]:
         """Leaf path -> its projections in output order (one for plain leaves, q/k/v for c_attn)."""

@@ -37,6 +37,7 @@ def _add_compress(subparsers) -> None:
     _add_calibration_options(parser)
     parser.add_argument("--out", required=True, help="output folder (config + safetensors + slimkv_compression.json)")
     parser.add_argument("--no-joint-qk", action="store_true", help="latentllm: factor q and k separately (ablation)")
+    parser.add_argument("--rope-blind-qk", action="store_true", help="latentllm: joint QK objective without RoPE's rotation (the paper's form; ablation)")
     parser.add_argument("--no-joint-mlp", action="store_true", help="latentllm: factor the MLP projections separately (ablation)")
     parser.add_argument("--no-identity-block", action="store_true", help="latentllm: dense factors instead of identity blocks (ablation)")
     parser.set_defaults(func=_run_compress)
@@ -53,7 +54,7 @@ def _add_sweep(subparsers) -> None:
     parser.add_argument("--text", default="shakespeare-val", help="evaluation text: `shakespeare-val` or a local text file/folder")
     parser.add_argument("--seq-len", type=int, default=1024, help="perplexity window (default 1024)")
     parser.add_argument("--max-tokens", type=int, default=16384, help="evaluate the first N held-out tokens (default 16384; 0 = all)")
-    parser.add_argument("--prefill-len", type=int, default=256, help="prefill length for FLOPs and latency (default 256)")
+    parser.add_argument("--prefill-len", type=int, default=512, help="prefill length for FLOPs and latency (default 512)")
     parser.add_argument("--repeats", type=int, default=5, help="timed prefill repeats (median reported; 0 = skip latency)")
     parser.add_argument("--name", default=None, help="results file stem (default compress_sweep_<model>)")
     parser.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
@@ -77,7 +78,7 @@ def _run_compress(args) -> int:
     from slimkv.compress.workflow import compress_pretrained
 
     _check_common(args)
-    options = CompressOptions(method=args.method, ratio=args.ratio, damping=args.damping, joint_qk=not args.no_joint_qk,
+    options = CompressOptions(method=args.method, ratio=args.ratio, damping=args.damping, joint_qk=not args.no_joint_qk, rope_aware_qk=not args.rope_blind_qk,
                               joint_mlp=not args.no_joint_mlp, identity_block=not args.no_identity_block)
     options.validate()
     try:

@@ -5,7 +5,7 @@ model's own attention, RoPE, GQA and generation code runs unchanged.
 
 - ``FactoredLinear``: y = B z + bias with z = input_factor(x) of size ``rank``.
 - input factors: ``DenseInputFactor`` (z = A x) or ``IdentityBlockInputFactor``
-  (z = x[head] + A_rest x[rest]: the r x r identity is implicit, saving r^2 weights);
+  (z = x[perm[:r]] + A_rest x[perm[r:]]: the r x r identity is implicit, saving r^2 weights);
   ``SharedInputFactor`` lets several leaves (gate and up) share one input factor, computed once
   when they read the same tensor.
 - ``SplitOutputLinear``: a fused leaf (GPT-2's c_attn = [q; k; v]) as the concatenation of parts.
@@ -36,26 +36,22 @@ class DenseInputFactor(nn.Module):
 
 
 class IdentityBlockInputFactor(nn.Module):
-    """z = x[..., head] + x[..., rest] @ A_rest^T: A = [I | A_rest] up to a column permutation.
+    """z = x[..., perm[:r]] + x[..., perm[r:]] @ A_rest^T: A = [I | A_rest] up to a column permutation.
 
-    ``head`` (rank,) and ``rest`` (in_features - rank,) are the permutation's two parts (buffers,
-    saved with the weights); ``rest_weight`` is A_rest (rank, in_features - rank).
+    ``perm`` (in_features,) is a buffer saved with the weights; ``rest_weight`` is A_rest
+    (rank, in_features - rank). One gather puts x in permuted order; the identity part is an add.
     """
 
     def __init__(self, in_features: int, rank: int):
         super().__init__()
         self.in_features, self.rank = in_features, rank
-        self.register_buffer("head", torch.arange(rank))
-        self.register_buffer("rest", torch.arange(rank, in_features))
+        self.register_buffer("perm", torch.arange(in_features))
         self.rest_weight = nn.Parameter(torch.empty(rank, in_features - rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        return torch.addmm(
-            x.index_select(-1, self.head).reshape(rows, self.rank),
-            x.index_select(-1, self.rest).reshape(rows, self.in_features - self.rank),
-            self.rest_weight.T,
-        ).reshape(*x.shape[:-1], self.rank)
+        permuted = x.index_select(-1, self.perm).reshape(-1, self.in_features)
+        z = torch.addmm(permuted[:, :self.rank], permuted[:, self.rank:], self.rest_weight.T)
+        return z.reshape(*x.shape[:-1], self.rank)
 
     def num_weights(self) -> int:
         return self.rest_weight.numel()
@@ -129,9 +125,7 @@ def make_input_factor(in_features: int, rank: int, identity: bool) -> nn.Module:
 def fill_input_factor(module: nn.Module, factors: Factors | IdentityBlockFactors) -> None:
     """Copy an input factor's values (float64 -> the module's dtype)."""
     if isinstance(module, IdentityBlockInputFactor):
-        r = factors.rank
-        module.head.copy_(factors.perm[:r])
-        module.rest.copy_(factors.perm[r:])
+        module.perm.copy_(factors.perm)
         module.rest_weight.copy_(factors.A_rest)
     else:
         module.weight.copy_(factors.A)

@@ -183,7 +183,12 @@ def add_models_command(subparsers) -> None:
     fetch.add_argument("name", choices=[SMOLLM2], help="model to fetch")
     fetch.add_argument("--force", action="store_true", help="convert again even if the cached copy exists")
     fetch.set_defaults(func=_run_fetch)
-    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+
+    def usage(_args) -> int:
+        parser.print_help()
+        return 2
+
+    parser.set_defaults(func=usage)
 
 
 def _run_fetch(args) -> int:

@@ -10,9 +10,11 @@ Methods (``METHODS``):
 - ``svd``: truncated SVD of each weight (needs no data).
 - ``asvd``: SVD of W diag(mean|x|^alpha), unscaled.
 - ``rootcov``: local activation-aware RootCov, all of a block's statistics from one pass.
-- ``latentllm``: RootCov with identity-block factors, joint QK (Tucker) and joint MLP, calibrated
+- ``latentllm``: RootCov with identity-block factors, joint QK (Tucker; averaged over RoPE offsets
+  for RoPE models unless ``rope_aware_qk=False``) and joint MLP (``joint_mlp``), calibrated
   sequentially inside the block (q/k/v -> o -> gate/up -> down, each stage on the activations of
-  the already-compressed stages before it).
+  the already-compressed stages before it). v and o always use RootCov (the paper's joint VO
+  proxy did not help there).
 
 What ``ratio`` means: weights removed from the compressed projections of the blocks
 (q, k, v, o, gate, up, down) divided by their original count (biases, norms, embeddings and the LM
@@ -37,7 +39,7 @@ from tqdm import tqdm
 from slimkv.compress.arch import Architecture, Projection
 from slimkv.compress.factored import SharedInputFactor, SplitOutputLinear, build_factored, fill_input_factor, make_input_factor
 from slimkv.compress.joint_mlp import UD_DAMPING, SensitivityAccumulator, relu_ud, weighted_shared_factors
-from slimkv.compress.joint_qk import RANK_RTOL, joint_qk
+from slimkv.compress.joint_qk import RANK_RTOL, RopeAverage, joint_qk
 from slimkv.compress.linalg import (
     FactorizationError,
     Factors,
@@ -68,6 +70,7 @@ class CompressOptions:
     qk_iterations: int = 8
     mlp_iterations: int = 4
     joint_qk: bool = True  # latentllm components (ablations switch them off)
+    rope_aware_qk: bool = True  # average the joint QK objective over RoPE offsets (models with RoPE)
     joint_mlp: bool = True
     identity_block: bool = True
     full_rank: bool = False  # keep every matrix at full rank: a check of the machinery
@@ -307,34 +310,55 @@ class BlockCompressor:
         centered = bq is not None or bk is not None
         cov = stats.centered() if centered else stats.cov
         label = f"{self._path('q')} + {self._path('k')} (joint QK)"
+        inv_freq = self.arch.rope_inv_freq() if self.options.rope_aware_qk else None
+        seq_len = self.inputs[0][0].shape[1]
+        rope = RopeAverage(inv_freq, seq_len) if inv_freq is not None else None
         try:
-            result = joint_qk(Wq, Wk, cov, layout.num_heads, layout.num_kv_heads, rank_q, rank_k, self.options.qk_iterations)
+            result = joint_qk(Wq, Wk, cov, layout.num_heads, layout.num_kv_heads, rank_q, rank_k, self.options.qk_iterations, rope=rope)
         except FactorizationError as err:
             raise FactorizationError(f"{label}: {err}") from err
         info = {"objective": result.objective, "numerical_ranks": list(result.numerical_ranks), "statistics": "centered" if centered else "uncentered",
-                "combined_budget": True, "damping": {"pseudo_inverse_rtol": RANK_RTOL}}
+                "combined_budget": True, "damping": {"pseudo_inverse_rtol": RANK_RTOL},
+                "rope": f"aware (offsets 0..{seq_len - 1}, pair-count weights)" if rope is not None else ("blind" if self.arch.rope_inv_freq() is not None else "none")}
         self._finish("q", result.q, "joint_qk", stats, info)
         self._finish("k", result.k, "joint_qk", stats, info)
 
     def _latent_mlp(self) -> None:
+        """MLP stages: capture the MLP input once (attention already compressed), factor the input
+        projections (jointly or not), then down on its actual, compressed-upstream input."""
         layout = self.layout
         ins = [p.name for p in layout.mlp_in]
         down = layout.mlp_out.name
         act = self.arch.activation(self.block, layout)
+        mlp_inputs: list[torch.Tensor] = []
+        run_block(self.block, self.inputs, [(self._leaf(ins[0]), mlp_inputs.append)], stop_at=self._leaf(ins[0]))
         if self.options.joint_mlp and not layout.gated and isinstance(act, nn.ReLU):
-            self._relu_ud()
+            self._relu_ud(mlp_inputs)
             self._install([*ins, down])
             return
+        stats_acc = StatsAccumulator(mlp_inputs[0].shape[-1], self.device)
+        for x in mlp_inputs:
+            stats_acc.add(x)
+        stats = stats_acc.finish(f"{self.arch.block_prefix(self.index)} mlp_in activations")
         if self.options.joint_mlp:
-            self._weighted_inputs(act)
+            self._weighted_inputs(act, mlp_inputs, stats)
         else:
-            stats = self._collect(ins, stop=ins[0])
             for name in ins:
-                self._local(name, stats[name])
+                self._local(name, stats)
         self._install(ins)
-        # down: RootCov under the covariance of its actual input (gate/up already compressed)
-        self._local(down, self._collect([down], stop=down)[down])
+        self._local(down, self._down_stats(mlp_inputs))
         self._install([down])
+
+    def _down_stats(self, mlp_inputs: list[torch.Tensor]) -> Stats:
+        """Stats of down's input with gate/up compressed: from the stored MLP inputs through the MLP
+        submodule alone when the family has one, else through the whole block again."""
+        down_leaf = self._leaf(self.layout.mlp_out.name)
+        acc = StatsAccumulator(self.original[self.layout.mlp_out.name][0].shape[1], self.device)
+        if self.layout.mlp_path is not None:
+            run_block(self.block.get_submodule(self.layout.mlp_path), [(x, (), {}) for x in mlp_inputs], [(down_leaf, acc.add)], stop_at=down_leaf)
+        else:
+            run_block(self.block, self.inputs, [(down_leaf, acc.add)], stop_at=down_leaf)
+        return acc.finish(f"{self._path(self.layout.mlp_out.name)} input activations")
 
     def _mlp_pre(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Original pre-activations [gate, up] (gated) or [up] of MLP input x, in the model's dtype
@@ -345,28 +369,19 @@ class BlockCompressor:
             out.append(torch.nn.functional.linear(x, W.to(x.dtype), None if b is None else b.to(x.dtype)))
         return out
 
-    def _weighted_inputs(self, act: nn.Module) -> None:
+    def _weighted_inputs(self, act: nn.Module, mlp_inputs: list[torch.Tensor], stats: Stats) -> None:
         """Gated: one shared, sensitivity-weighted input factor for gate and up. Plain: weighted up."""
         layout = self.layout
         ins = [p.name for p in layout.mlp_in]
-        width = self.original[ins[0]][0].shape[0]
-        d_in = self.original[ins[0]][0].shape[1]
-        stats_acc = StatsAccumulator(d_in, self.device)
-        sens = SensitivityAccumulator(width, layout.gated, self.device)
-
-        def hook(x: torch.Tensor) -> None:
-            stats_acc.add(x)
+        mats = [self.original[n][0] for n in ins]
+        sens = SensitivityAccumulator(mats[0].shape[0], layout.gated, self.device)
+        for x in mlp_inputs:
             pre = self._mlp_pre(x)
             sens.add(act, pre[0], pre[1] if layout.gated else None)
-
-        run_block(self.block, self.inputs, [(self._leaf(ins[0]), hook)], stop_at=self._leaf(ins[0]))
-        stats = stats_acc.finish(f"{self.arch.block_prefix(self.index)} mlp_in activations")
-        W_down = self.original[layout.mlp_out.name][0]
-        weights = sens.row_weights(W_down)
-        mats = [self.original[n][0] for n in ins]
+        weights = sens.row_weights(self.original[layout.mlp_out.name][0])
         identity = self.options.uses_identity_block
-        keep = sum(self._keep(n) for n in ins)
-        rank = min(d_in, sum(W.shape[0] for W in mats)) if self.options.full_rank else self._rank(ins[0], identity, keep=keep, d_out=sum(W.shape[0] for W in mats))
+        d_in, stacked_out = mats[0].shape[1], sum(W.shape[0] for W in mats)
+        rank = min(d_in, stacked_out) if self.options.full_rank else self._rank(ins[0], identity, keep=sum(self._keep(n) for n in ins), d_out=stacked_out)
         centered = self._has_bias(*ins)
         cov = stats.centered() if centered else stats.cov
         label = f"{self.arch.block_prefix(self.index)} MLP input (joint, {'shared gate/up' if layout.gated else 'weighted'})"
@@ -376,6 +391,8 @@ class BlockCompressor:
         except FactorizationError as err:
             raise FactorizationError(f"{label}: {err}") from err
         key = "+".join(self._path(n) for n in ins) if len(ins) > 1 else None
+        info = {"statistics": "centered" if centered else "uncentered",
+                "row_weights": "first-order sensitivity of the gated product" if layout.gated else "activation derivative", "combined_budget": key is not None}
         start = 0
         for name, count in zip(ins, rows):
             part = _slice_rows(shared_factors, start, start + count)
@@ -383,16 +400,13 @@ class BlockCompressor:
             W, b = self.original[name]
             if b is not None:
                 b = bias_correction(W, part.product(), b, stats.mean)
-            self.planned[name] = _Planned(self.layout.get(name), part, b, "joint_mlp_shared" if key else "joint_mlp_weighted",
-                                          {"statistics": "centered" if centered else "uncentered", "row_weights": "sensitivity of the gated product" if layout.gated else "activation derivative"}, shared=key)
+            self.planned[name] = _Planned(self.layout.get(name), part, b, "joint_mlp_shared" if key else "joint_mlp_weighted", dict(info), shared=key)
 
-    def _relu_ud(self) -> None:
+    def _relu_ud(self, mlp_inputs: list[torch.Tensor]) -> None:
         """The paper's ReLU alternation (needs the MLP inputs themselves, not only their covariance)."""
         up_name = self.layout.mlp_in[0].name
         down = self.layout.mlp_out.name
-        rows: list[torch.Tensor] = []
-        run_block(self.block, self.inputs, [(self._leaf(up_name), lambda x: rows.append(x.reshape(-1, x.shape[-1]).double()))], stop_at=self._leaf(up_name))
-        X = torch.cat(rows)
+        X = torch.cat([x.reshape(-1, x.shape[-1]).double() for x in mlp_inputs])
         identity = self.options.uses_identity_block
         W_u, b_u = self.original[up_name]
         W_d = self.original[down][0]

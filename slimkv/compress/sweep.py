@@ -31,6 +31,7 @@ VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
     "latentllm-no-joint-qk": ("latentllm", {"joint_qk": False}),
     "latentllm-no-joint-mlp": ("latentllm", {"joint_mlp": False}),
     "latentllm-no-identity-block": ("latentllm", {"identity_block": False}),
+    "latentllm-rope-blind-qk": ("latentllm", {"rope_aware_qk": False}),
 }
 
 
@@ -60,7 +61,7 @@ def _measure(model: torch.nn.Module, eval_ids: torch.Tensor, seq_len: int, prefi
 
 def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, calib: str = "shakespeare", calib_tokens: int = 8192,
               calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, text: str = "shakespeare-val", seq_len: int = 1024, max_tokens: int | None = 16384,
-              prefill_len: int = 256, repeats: int = 5, seed: int = 0, damping: float | None = None) -> dict[str, Any]:
+              prefill_len: int = 512, repeats: int = 5, seed: int = 0, damping: float | None = None) -> dict[str, Any]:
     """Compress copies of ``base`` with every method label at every ratio; measure each and the dense model."""
     eval_text = evaluation_text(text)
     eval_ids = torch.tensor(tokenize(base.tokenizer, eval_text), dtype=torch.long)

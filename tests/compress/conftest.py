@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig, Qwen2Config
 
 VOCAB = 99  # = the character tokenizer below
 
 
 def tiny_config(family: str):
-    """A 2-layer model of ``family`` (llama with GQA, OPT with ReLU, GPT-2 with fused Conv1D qkv)."""
+    """A 2-layer model of ``family`` (llama with GQA, qwen2 with biases, OPT with ReLU, GPT-2 with fused Conv1D qkv)."""
     if family == "llama":
         return LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=12, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if family == "qwen2":  # Llama layout with q/k/v biases
+        return Qwen2Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if family == "opt":
         return OPTConfig(vocab_size=VOCAB, hidden_size=48, ffn_dim=80, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=48,
                          max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slimkv.compress.joint_mlp import SensitivityAccumulator, relu_ud, weighted_shared_factors
-from slimkv.compress.joint_qk import joint_qk
+from slimkv.compress.joint_qk import RopeAverage, joint_qk
 from slimkv.compress.linalg import FactorizationError, rootcov_factors
 
 D64 = torch.float64
@@ -125,3 +125,59 @@ def test_sensitivity_weights_follow_the_gated_product():
     assert torch.allclose(acc.up_sq, (silu**2)[0])
     weights = acc.row_weights(torch.ones(4, 3, dtype=D64) * 2)
     assert torch.allclose(weights[1], (silu[0] ** 2 * 16).sqrt().clamp_min(1e-6 * float(weights[0].max())))
+
+
+def rotation(offset: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """R_offset of rotate-half RoPE (pairs k, k + d_h/2)."""
+    angle = offset * inv_freq.double()
+    c, s = torch.diag(angle.cos()), torch.diag(angle.sin())
+    return torch.cat([torch.cat([c, -s], 1), torch.cat([s, c], 1)], 0)
+
+
+def test_rope_average_equals_the_explicit_offset_sum():
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, 6, 2, dtype=torch.float64) / 6))
+    seq_len = 9
+    rope = RopeAverage(inv_freq, seq_len)
+    M = torch.randn(6, 6, generator=torch.Generator().manual_seed(8), dtype=D64)
+    weights = torch.arange(seq_len, 0, -1, dtype=D64)
+    weights /= weights.sum()
+    explicit = sum(w * rotation(-m, inv_freq) @ M @ rotation(-m, inv_freq).T for m, w in enumerate(weights))
+    explicit_t = sum(w * rotation(-m, inv_freq).T @ M @ rotation(-m, inv_freq) for m, w in enumerate(weights))
+    assert torch.allclose(rope.average(M), explicit, atol=1e-12)
+    assert torch.allclose(rope.average(M, transpose=True), explicit_t, atol=1e-12)
+
+
+def test_rope_convention_matches_transformers_llama():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    positions = torch.tensor([5.0, 2.0], dtype=D64)
+    freqs = positions[:, None] * inv_freq[None]
+    emb = torch.cat([freqs, freqs], -1)
+    q, k = torch.randn(1, 1, 2, 8, dtype=D64), torch.randn(1, 1, 2, 8, dtype=D64)
+    q_rot, k_rot = apply_rotary_pos_emb(q, k, emb.cos()[None], emb.sin()[None])
+    # query at t = 5, key at s = 2: score = q^T R_{s - t} k
+    assert torch.allclose(q_rot[0, 0, 0] @ k_rot[0, 0, 1], q[0, 0, 0] @ rotation(-3, inv_freq) @ k[0, 0, 1])
+
+
+def test_rope_aware_objective_is_monotone_and_matches_explicit_rotated_scores():
+    Wq, Wk, X = qk_problem(head_dim=6, d=20, seed=9)
+    cov = X.T @ X / X.shape[0]
+    inv_freq = 1.0 / (50.0 ** (torch.arange(0, 6, 2, dtype=torch.float64) / 6))
+    seq_len = 7
+    result = joint_qk(Wq, Wk, cov, 4, 2, rank_q=7, rank_k=5, rope=RopeAverage(inv_freq, seq_len))
+    history = result.objective
+    assert all(b <= a + 1e-12 for a, b in zip(history, history[1:]))
+    # explicit: sum_m w_m sum_i ||C^1/2 (Wq_i^T R Wk_g - Wq^_i^T R Wk^_g) C^1/2||^2 / (same for the originals)
+    root = torch.linalg.cholesky(cov)
+    weights = torch.arange(seq_len, 0, -1, dtype=D64)
+    err = total = 0.0
+    for m, w in enumerate(weights):
+        R = rotation(-m, inv_freq)
+        for i in range(4):
+            g = i // 2
+            exact = root.T @ Wq[i * 6:(i + 1) * 6].T @ R @ Wk[g * 6:(g + 1) * 6] @ root
+            approx = root.T @ result.q.product()[i * 6:(i + 1) * 6].T @ R @ result.k.product()[g * 6:(g + 1) * 6] @ root
+            err += float(w * ((exact - approx) ** 2).sum())
+            total += float(w * (exact**2).sum())
+    assert abs(err / total - history[-1]) < 1e-9
