@@ -53,10 +53,16 @@ def parse_ratios(text: str) -> list[float]:
     return ratios
 
 
-def _measure(model: torch.nn.Module, eval_ids: torch.Tensor, seq_len: int, prefill_len: int, repeats: int) -> dict[str, Any]:
+def _measure(model: torch.nn.Module, eval_ids: torch.Tensor, seq_len: int, prefill_len: int, repeats: int, dense: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Perplexity, costs and prefill latency. With ``dense``, the dense model is timed right before
+    (``dense_latency``) so the speedup compares measurements taken under the same machine load."""
     ppl = perplexity_of_ids(model, eval_ids, seq_len, progress=True)
-    latency = prefill_latency(model, prefill_len, repeats=repeats) if repeats > 0 else None
-    return {"ppl": ppl["ppl"], "eval": ppl, **cost_summary(model, prefill_len), "latency": latency}
+    latency = dense_latency = None
+    if repeats > 0:
+        dense_latency = prefill_latency(dense, prefill_len, repeats=repeats) if dense is not None else None
+        latency = prefill_latency(model, prefill_len, repeats=repeats)
+    return {"ppl": ppl["ppl"], "eval": ppl, **cost_summary(model, prefill_len), "latency": latency, "dense_latency": dense_latency,
+            "speedup": dense_latency["median_s"] / latency["median_s"] if dense_latency else None}
 
 
 def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, calib: str = "shakespeare", calib_tokens: int = 8192,
@@ -79,7 +85,7 @@ def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, cal
             t0 = time.perf_counter()
             manifest = compress_loaded(model, options, calib, calib_tokens, calib_seq_len=calib_seq_len, seed=seed, calibration=calibration)
             compress_s = time.perf_counter() - t0
-            measured = _measure(model.model, eval_ids, seq_len, prefill_len, repeats)
+            measured = _measure(model.model, eval_ids, seq_len, prefill_len, repeats, dense=base.model)
             row = {"method": label, "ratio": ratio, "achieved_ratio": manifest["achieved_ratio"], "compress_seconds": compress_s, **measured,
                    "budget": manifest["budget"], "options": manifest["options"]}
             rows.append(row)
@@ -98,7 +104,7 @@ def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, cal
 
 def format_row(row: dict, dense: dict) -> str:
     latency = row.get("latency")
-    speed = f"{dense['latency']['median_s'] / latency['median_s']:.2f}x" if latency and dense.get("latency") else "-"
+    speed = f"{row['speedup']:.2f}x" if row.get("speedup") else ("1.00x" if row.get("method") == "dense" and latency else "-")
     lat = f"{latency['median_s'] * 1e3:.0f}" if latency else "-"
     return (f"| {row['method']} | {row['ratio']:.2f} | {row['achieved_ratio']:.4f} | {row['ppl']:.2f} | {row['ppl'] / dense['ppl']:.2f}x | "
             f"{row['parameters'] / 1e6:.2f} | {row['flops_per_token'] / 1e6:.1f} ({row['flops_per_token'] / dense['flops_per_token']:.3f}) | "
@@ -110,7 +116,8 @@ def markdown_table(result: dict) -> str:
     ev = result["eval"]
     lines = [
         f"Perplexity on {ev['tokens']} tokens of {ev['text']!r} ({ev['seq_len']}-token windows); calibration: {result['calibration'].get('tokens')} tokens "
-        f"of {result['calibration'].get('source')!r}; FLOPs per token and latency for a {result['prefill_len']}-token prefill, {result['threads']} CPU thread(s).",
+        f"of {result['calibration'].get('source')!r}; FLOPs per token and latency for a {result['prefill_len']}-token prefill, {result['threads']} CPU thread(s); "
+        "speedup = dense prefill time measured right before each row / that row's (median of repeats).",
         "",
         "| method | ratio | achieved | ppl | vs dense | params (M) | FLOPs/token (M, vs dense) | prefill ms | speedup | compress s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -71,6 +71,7 @@ def test_sweep_writes_table_json_and_png(tiny_folder, tmp_path, capsys):
     data = json.loads((tmp_path / "results" / "sweep.json").read_text())
     assert [(r["method"], r["ratio"]) for r in data["rows"]] == [("rootcov", 0.2), ("rootcov", 0.4), ("latentllm", 0.2), ("latentllm", 0.4)]
     assert data["dense"]["latency"]["median_s"] > 0 and all(r["flops_per_token"] < data["dense"]["flops_per_token"] for r in data["rows"])
+    assert all(r["speedup"] == r["dense_latency"]["median_s"] / r["latency"]["median_s"] for r in data["rows"])
     assert (tmp_path / "results" / "sweep.png").stat().st_size > 0
     table = (tmp_path / "results" / "sweep.md").read_text()
     assert sum(line.startswith("| ") for line in table.splitlines()) == 7  # header, rule, dense, 4 rows
