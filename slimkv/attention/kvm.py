@@ -83,7 +83,7 @@ class KVMAttention(MultiHeadAttention):
     schedule, min_rows, sqrt_coef, saturating_rows, max_rows, sink_len, value_norm, routing_dtype,
     gate_appends), plus ``n_kv_heads`` (GQA: rows and gates per KV head, temperatures per query
     head) and the ablation switches ``use_temperatures`` and ``merge_gate``. (A callable
-    ``schedule`` works for a module, but a ``ModelConfig`` holding one cannot be saved as JSON.)"""
+    ``schedule`` works for a module built here; a ``ModelConfig`` refuses one, since its options are saved as JSON.)"""
 
     kind = "kvm"
 

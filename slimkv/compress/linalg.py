@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -37,62 +38,100 @@ def check_finite(name: str, *tensors: torch.Tensor) -> None:
 
 @dataclass
 class Stats:
-    """Second-moment statistics of a layer input over ``count`` tokens (float64).
+    """Statistics of a layer input x over ``count`` tokens (float64).
 
-    ``cov`` is the uncentered E[x x^T] (d, d); ``mean`` E[x]; ``mean_abs`` E[|x|] per channel.
+    ``cov`` is the uncentered E[x x^T] (d, d); ``mean`` E[x]; ``mean_abs`` E[|x|] per channel
+    (ASVD's scale). ``out_gram`` is W E[x x^T] W^T for the one weight ``out_weight`` the
+    statistics were projected through (d_out, d_out): all RootCov needs when d_out < d_in, at a
+    fraction of the cost of the d x d covariance. Fields that were not accumulated are None.
     """
 
-    cov: torch.Tensor
+    cov: torch.Tensor | None
     mean: torch.Tensor
-    mean_abs: torch.Tensor
+    mean_abs: torch.Tensor | None
     count: int
+    out_gram: torch.Tensor | None = None
+    out_weight: torch.Tensor | None = field(default=None, repr=False)
 
     _roots: dict = field(default_factory=dict, repr=False)
 
     def centered(self) -> torch.Tensor:
         """E[(x - mu)(x - mu)^T]: the statistic to use when the layer has a bias (see ``bias_correction``)."""
-        return self.cov - torch.outer(self.mean, self.mean)
+        return self._need("cov") - torch.outer(self.mean, self.mean)
 
     def root(self, centered: bool) -> torch.Tensor:
         """Symmetric square root of the (centered) covariance, computed once and shared by the
         projections that read this input."""
         if centered not in self._roots:
-            self._roots[centered] = psd_sqrt(self.centered() if centered else self.cov)
+            self._roots[centered] = psd_sqrt(self.centered() if centered else self._need("cov"))
         return self._roots[centered]
+
+    def weighted_gram(self, W: torch.Tensor, centered: bool) -> torch.Tensor:
+        """W C W^T (C centered or not): from ``out_gram`` when W is the projected weight, else from ``cov``."""
+        if self.out_gram is not None and W is self.out_weight:
+            gram = self.out_gram
+            if centered:
+                projected_mean = W @ self.mean
+                gram = gram - torch.outer(projected_mean, projected_mean)
+            return gram
+        cov = self.centered() if centered else self._need("cov")
+        return W @ cov @ W.T
+
+    def _need(self, name: str) -> torch.Tensor:
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"these statistics were accumulated without {name!r}")
+        return value
 
 
 class StatsAccumulator:
     """Accumulates ``Stats`` of vectors of size ``dim`` with chunked float64 ``addmm``.
 
     Activations are cast to float64 before the product (not after), chunk by chunk, so the sums
-    are exact to float64 round-off and the float64 copy never exceeds ``chunk`` rows.
+    are exact to float64 round-off and the float64 copy never exceeds ``chunk`` rows. Only what
+    the caller asks for is accumulated: ``cov`` (d x d, the costly part), ``mean_abs`` and/or
+    ``out_weight`` W (d_out, d): the Gram (X W^T)^T (X W^T) of the projected inputs, which equals
+    W (X^T X) W^T and costs d_out (d + d_out) instead of d^2 per token.
     """
 
-    def __init__(self, dim: int, device: torch.device | str = "cpu", chunk: int = 2048):
+    def __init__(self, dim: int, device: torch.device | str = "cpu", chunk: int = 2048, *, cov: bool = True, mean_abs: bool = True,
+                 out_weight: torch.Tensor | None = None):
         self.dim = dim
         self.chunk = chunk
-        self.xtx = torch.zeros(dim, dim, dtype=torch.float64, device=device)
+        self.xtx = torch.zeros(dim, dim, dtype=torch.float64, device=device) if cov else None
         self.total = torch.zeros(dim, dtype=torch.float64, device=device)
-        self.total_abs = torch.zeros(dim, dtype=torch.float64, device=device)
+        self.total_abs = torch.zeros(dim, dtype=torch.float64, device=device) if mean_abs else None
+        self.out_weight = out_weight
+        self.out_weight64 = out_weight.to(dtype=torch.float64, device=device) if out_weight is not None else None
+        self.out_gram = torch.zeros(out_weight.shape[0], out_weight.shape[0], dtype=torch.float64, device=device) if out_weight is not None else None
         self.count = 0
 
     def add(self, x: torch.Tensor) -> None:
         """Add the vectors of ``x`` (..., dim)."""
         rows = x.reshape(-1, self.dim)
         for start in range(0, rows.shape[0], self.chunk):
-            block = rows[start:start + self.chunk].to(dtype=torch.float64, device=self.xtx.device)
-            self.xtx.addmm_(block.T, block)
+            block = rows[start:start + self.chunk].to(dtype=torch.float64, device=self.total.device)
+            if self.xtx is not None:
+                self.xtx.addmm_(block.T, block)
+            if self.out_gram is not None:
+                projected = block @ self.out_weight64.T
+                self.out_gram.addmm_(projected.T, projected)
             self.total += block.sum(0)
-            self.total_abs += block.abs().sum(0)
+            if self.total_abs is not None:
+                self.total_abs += block.abs().sum(0)
         self.count += rows.shape[0]
 
     def finish(self, name: str = "activation statistics") -> Stats:
         if self.count == 0:
             raise FactorizationError(f"{name}: no calibration tokens reached this layer")
-        cov = self.xtx / self.count
-        cov = 0.5 * (cov + cov.T)
-        stats = Stats(cov=cov, mean=self.total / self.count, mean_abs=self.total_abs / self.count, count=self.count)
-        check_finite(name, stats.cov)
+
+        def symmetrised(total: torch.Tensor | None) -> torch.Tensor | None:
+            return None if total is None else 0.5 * (total + total.T) / self.count
+
+        stats = Stats(cov=symmetrised(self.xtx), mean=self.total / self.count,
+                      mean_abs=self.total_abs / self.count if self.total_abs is not None else None, count=self.count,
+                      out_gram=symmetrised(self.out_gram), out_weight=self.out_weight)
+        check_finite(name, *(t for t in (stats.cov, stats.out_gram, stats.mean) if t is not None))
         return stats
 
 
@@ -122,18 +161,21 @@ def psd_sqrt(cov: torch.Tensor) -> torch.Tensor:
     return (vectors * values.clamp_min(0).sqrt()) @ vectors.T
 
 
-def top_left_subspace(W: torch.Tensor, cov: torch.Tensor, r: int, root: torch.Tensor | None = None, name: str = "rootcov") -> torch.Tensor:
+def top_left_subspace(W: torch.Tensor, cov: torch.Tensor | None, r: int, root: torch.Tensor | None = None, name: str = "rootcov",
+                      gram: torch.Tensor | None = None) -> torch.Tensor:
     """Orthonormal basis (d_out, r) of the top-r left singular subspace of W C^{1/2}.
 
-    For d_out <= d_in it is the top eigenvectors of W C W^T (no root needed). Otherwise it is
-    QR(W S V_r) with V_r the top eigenvectors of S^T W^T W S, for any root S S^T = C (``root``, or
-    the symmetric root); the smaller Gram is always the one decomposed.
+    For d_out <= d_in it is the top eigenvectors of W C W^T (no root needed; pass that matrix as
+    ``gram`` if it is already known). Otherwise it is QR(W S V_r) with V_r the top eigenvectors of
+    S^T W^T W S, for any root S S^T = C (``root``, or the symmetric root); the smaller Gram is
+    always the one decomposed. Non-finite inputs surface in the decomposed matrix (FactorizationError).
     """
     d_out, d_in = W.shape
-    check_finite(name, W, cov)
     if d_out <= d_in:
-        _, basis = top_eigh(W @ cov @ W.T, r, name)
+        _, basis = top_eigh(W @ cov @ W.T if gram is None else gram, r, name)
         return basis
+    if cov is None and root is None:
+        raise ValueError(f"{name}: d_out > d_in needs the input covariance or its root")
     S = psd_sqrt(cov) if root is None else root
     M = W @ S
     _, V = top_eigh(M.T @ M, r, name)
@@ -178,9 +220,10 @@ def asvd_factors(W: torch.Tensor, mean_abs: torch.Tensor, r: int, alpha: float =
     return Factors(B=factors.B, A=factors.A / scale)
 
 
-def rootcov_factors(W: torch.Tensor, cov: torch.Tensor, r: int, root: torch.Tensor | None = None, name: str = "rootcov") -> Factors:
-    """Inversion-free RootCov: B = U_r, A = U_r^T W (U_r from ``top_left_subspace``)."""
-    basis = top_left_subspace(W, cov, r, root=root, name=name)
+def rootcov_factors(W: torch.Tensor, cov: torch.Tensor | None, r: int, root: torch.Tensor | None = None, name: str = "rootcov",
+                    gram: torch.Tensor | None = None) -> Factors:
+    """Inversion-free RootCov: B = U_r, A = U_r^T W (U_r from ``top_left_subspace``; ``gram`` = W C W^T if known)."""
+    basis = top_left_subspace(W, cov, r, root=root, name=name, gram=gram)
     factors = Factors(B=basis, A=basis.T @ W)
     check_finite(name, factors.B, factors.A)
     return factors
@@ -251,30 +294,33 @@ def pivoted_qr_columns(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Computed as the pivoted Cholesky factorization of the Gram matrix A^T A, which picks the same
     columns in exact arithmetic (the residual column norms of QR are the residual diagonal of the
     Gram), at O(d r^2 / 2) work instead of modified Gram-Schmidt's O(d r^2) with r passes over A.
-    Returns (perm (d,), |R_kk| (r,)); ``pivoted_qr_columns_reference`` is the plain MGS version.
+    The r sequential pivot steps run in float64 NumPy on the CPU, where a step costs microseconds
+    rather than a handful of framework calls. Returns (perm (d,), |R_kk| (r,)) on A's device;
+    ``pivoted_qr_columns_reference`` is the plain MGS version.
     """
     r, d = A.shape
     if r > d:
         raise FactorizationError(f"identity block needs rank <= input size, got rank {r} > {d}")
-    gram = A.T @ A
-    residual = gram.diagonal().clone()
-    L = torch.zeros(d, r, dtype=A.dtype, device=A.device)
-    perm = torch.arange(d, device=A.device)
-    diag = torch.zeros(r, dtype=A.dtype, device=A.device)
-    chosen = torch.zeros(d, dtype=torch.bool, device=A.device)
+    gram = (A.T @ A).to(device="cpu", dtype=torch.float64).numpy()
+    residual = gram.diagonal().copy()
+    L = np.zeros((r, d))  # row k: the k-th Cholesky column
+    perm = np.arange(d)
+    diag = np.zeros(r)
+    chosen = np.zeros(d, dtype=bool)
     for k in range(r):
-        j = int(torch.argmax(residual.masked_fill(chosen, -math.inf)))
-        pivot = float(residual[j])
+        j = int(np.argmax(np.where(chosen, -np.inf, residual)))
+        pivot = residual[j]
         if not pivot > 0:
             break
         diag[k] = math.sqrt(pivot)
-        column = (gram[:, j] - L[:, :k] @ L[j, :k]) / diag[k]
-        L[:, k] = column
+        column = (gram[:, j] - L[:k, j] @ L[:k]) / diag[k]
+        L[k] = column
         residual -= column * column
         chosen[j] = True
         perm[k] = j
     count = int(chosen.sum())
-    return torch.cat([perm[:count], torch.nonzero(~chosen).flatten()]), diag
+    order = np.concatenate([perm[:count], np.flatnonzero(~chosen)])
+    return torch.from_numpy(order).to(A.device), torch.from_numpy(diag).to(device=A.device, dtype=A.dtype)
 
 
 def pivoted_qr_columns_reference(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,18 +214,29 @@ class BlockCompressor:
                 return group, self.arch.leaf(self.block, projs[0])
         raise KeyError(name)
 
+    def _accumulator(self, names: list[str]) -> StatsAccumulator:
+        """What the method needs of the statistics of one input read by ``names``: ASVD only E|x|
+        (and the mean); RootCov the covariance, or just W C W^T when the input is read by a
+        single projection with d_out < d_in (the MLP down projection: a 576 x 576 instead of a
+        1536 x 1536 accumulation for SmolLM2)."""
+        W = self.original[names[0]][0]
+        if self.options.method == "asvd":
+            return StatsAccumulator(W.shape[1], self.device, cov=False, mean_abs=True)
+        if len(names) == 1 and W.shape[0] < W.shape[1]:
+            return StatsAccumulator(W.shape[1], self.device, cov=False, mean_abs=False, out_weight=W)
+        return StatsAccumulator(W.shape[1], self.device, mean_abs=False)
+
     def _collect(self, names: list[str], stop: str | None) -> dict[str, Stats]:
         """Stats of the inputs of ``names``: one float64 accumulator per input group (q/k/v share one)."""
-        accumulators: dict[str, StatsAccumulator] = {}
-        hooks = []
+        groups: dict[str, list[str]] = {}
+        leaves: dict[str, nn.Module] = {}
         for name in names:
-            group, leaf = self._group_leaf(name)
-            if group not in accumulators:
-                accumulators[group] = StatsAccumulator(self.original[name][0].shape[1], self.device)
-                hooks.append((leaf, accumulators[group].add))
-        run_block(self.block, self.inputs, hooks, stop_at=self._leaf(stop) if stop else None)
+            group, leaves[group] = self._group_leaf(name)
+            groups.setdefault(group, []).append(name)
+        accumulators = {group: self._accumulator(members) for group, members in groups.items()}
+        run_block(self.block, self.inputs, [(leaves[group], acc.add) for group, acc in accumulators.items()], stop_at=self._leaf(stop) if stop else None)
         finished = {group: acc.finish(f"{self.arch.block_prefix(self.index)} {group} activations") for group, acc in accumulators.items()}
-        return {name: finished[self._group_leaf(name)[0]] for name in names}
+        return {name: finished[group] for group, members in groups.items() for name in members}
 
     # -- factor helpers ------------------------------------------------------------------------
 
@@ -257,9 +268,10 @@ class BlockCompressor:
                 factors = asvd_factors(W, stats.mean_abs, rank, self.options.asvd_alpha)
             else:
                 centered = self._has_bias(name)
-                cov = stats.centered() if centered else stats.cov
-                root = stats.root(centered) if W.shape[0] > W.shape[1] else None  # only the d_out > d_in path needs a root
-                factors = rootcov_factors(W, cov, rank, root=root, name=label)
+                if W.shape[0] > W.shape[1]:  # the d_out > d_in path needs a root of C (shared by the group)
+                    factors = rootcov_factors(W, None, rank, root=stats.root(centered), name=label)
+                else:
+                    factors = rootcov_factors(W, None, rank, gram=stats.weighted_gram(W, centered), name=label)
         except FactorizationError as err:
             raise FactorizationError(f"{label}: {err}") from err
         info = {"statistics": "centered" if self._has_bias(name) else "uncentered"} if method == "rootcov" else {}
@@ -336,7 +348,7 @@ class BlockCompressor:
             self._relu_ud(mlp_inputs)
             self._install([*ins, down])
             return
-        stats_acc = StatsAccumulator(mlp_inputs[0].shape[-1], self.device)
+        stats_acc = StatsAccumulator(mlp_inputs[0].shape[-1], self.device, mean_abs=False)
         for x in mlp_inputs:
             stats_acc.add(x)
         stats = stats_acc.finish(f"{self.arch.block_prefix(self.index)} mlp_in activations")
@@ -353,7 +365,7 @@ class BlockCompressor:
         """Stats of down's input with gate/up compressed: from the stored MLP inputs through the MLP
         submodule alone when the family has one, else through the whole block again."""
         down_leaf = self._leaf(self.layout.mlp_out.name)
-        acc = StatsAccumulator(self.original[self.layout.mlp_out.name][0].shape[1], self.device)
+        acc = self._accumulator([self.layout.mlp_out.name])
         if self.layout.mlp_path is not None:
             run_block(self.block.get_submodule(self.layout.mlp_path), [(x, (), {}) for x in mlp_inputs], [(down_leaf, acc.add)], stop_at=down_leaf)
         else:

@@ -11,7 +11,9 @@ Each prompt is exactly ``length`` tokens: haystack with the needle line ("One of
 magic numbers for {key} is: {value}.") at the line boundary nearest the requested depth, then the
 question (``slimkv.data.needles``). The model continues it greedily (``generate()``, through its
 own caches) for ``max_new_tokens``; a sample scores 1 when the value appears in the continuation
-(case-insensitive, as a whole). For each (task, length, sample) the key, value and haystack are
+(case-insensitive, as a whole). Beside that exact match, each cell reports the teacher-forced
+accuracy and NLL of the value's tokens (``value_token_scores``): a graded measure that still
+moves when a small model retrieves some digits but never the whole value. For each (task, length, sample) the key, value and haystack are
 drawn once from ``(seed, task, length, sample)``, so across depths only the needle's place changes.
 
 Small models trained here retrieve only when trained with the needle mixture
@@ -102,6 +104,33 @@ def greedy_continuations(model: Any, prompts: list[list[int]], max_new_tokens: i
     return outputs
 
 
+@torch.no_grad()
+def value_token_scores(model: Any, builder: NeedleBuilder, docs: list[NeedleDocument], batch_size: int) -> tuple[float, float]:
+    """Teacher-forced scores of the value's tokens after each prompt: (fraction predicted exactly by
+    argmax, mean NLL in nats). A graded view of retrieval that still moves when greedy exact match
+    is 0 (chance for one digit of a number is 0.1). The scored tokens are the answer's
+    ``" {value}"`` tokens, fed one after another (the model sees the true earlier ones)."""
+    device = next(model.parameters()).device
+    scored = [(d, builder.pieces(d.key, d.value, answer=True)[2], len(builder.encode(f" {d.value}"))) for d in docs]
+    by_length: dict[int, list] = {}
+    for item in scored:  # rows of one forward must have equal lengths
+        by_length.setdefault(len(item[0].ids) + len(item[1]), []).append(item)
+    correct, total, nll = 0, 0, 0.0
+    for items in by_length.values():
+        for first in range(0, len(items), batch_size):
+            part = items[first : first + batch_size]
+            ids = torch.tensor([d.ids + tail for d, tail, _ in part], dtype=torch.long, device=device)
+            log_probs = model(ids[:, :-1]).logits.float().log_softmax(-1)
+            for row, (doc, _, count) in enumerate(part):
+                positions = torch.arange(len(doc.ids) - 1, len(doc.ids) - 1 + count, device=device)
+                targets = ids[row, positions + 1]
+                predicted = log_probs[row, positions]
+                correct += int((predicted.argmax(-1) == targets).sum())
+                nll += float(-predicted.gather(1, targets[:, None]).sum())
+                total += count
+    return correct / total, nll / total
+
+
 def evaluate_niah(
     model: Any,
     dataset: Any,
@@ -130,25 +159,34 @@ def evaluate_niah(
     results: dict[str, Any] = {}
     bar = tqdm(total=len(tasks) * len(lengths) * len(depths), desc="niah", unit="cell", disable=not progress)
     for task in tasks:
-        grid, actual_depth, examples, value_tokens = [], [], [], 0
+        grid, token_grid, nll_grid, actual_depth, examples, value_tokens = [], [], [], [], [], 0
         for length in lengths:
-            row, row_depth = [], []
+            row, token_row, nll_row, row_depth = [], [], [], []
             for depth, docs in zip(depths, prompts[task, length]):
                 outputs = [dataset.decode(ids) for ids in greedy_continuations(model, [d.ids for d in docs], max_new_tokens, batch_size)]
                 hits = [value_found(d.value, text) for d, text in zip(docs, outputs)]
                 row.append(sum(hits) / len(hits))
+                token_accuracy, token_nll = value_token_scores(model, builder, docs, batch_size)
+                token_row.append(token_accuracy)
+                nll_row.append(token_nll)
                 row_depth.append(float(np.mean([d.depth for d in docs])))
                 value_tokens = max(value_tokens, *(len(dataset.encode(f" {d.value}")) for d in docs))
                 if depth == min(depths, key=lambda x: abs(x - EXAMPLE_DEPTH)):
                     examples.append({"length": length, "depth": depth, "key": docs[0].key, "value": docs[0].value, "output": outputs[0], "hit": hits[0]})
                 bar.update()
             grid.append(row)
+            token_grid.append(token_row)
+            nll_grid.append(nll_row)
             actual_depth.append(row_depth)
         results[task] = {
             **TASKS[task],
             "accuracy": grid,
             "mean_per_length": [float(np.mean(r)) for r in grid],
             "mean": float(np.mean(grid)),
+            "value_token_accuracy": token_grid,
+            "value_token_accuracy_per_length": [float(np.mean(r)) for r in token_grid],
+            "value_token_nll": nll_grid,
+            "value_token_nll_per_length": [float(np.mean(r)) for r in nll_grid],
             "needle_depth_actual": actual_depth,
             "value_tokens_max": value_tokens,
             "examples": examples,
@@ -181,6 +219,7 @@ def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: 
         "max_new_tokens": max_new_tokens,
         "decoding": "greedy",
         "score": "value appears in the continuation (case-insensitive, not inside a longer alphanumeric run)",
+        "value_token_score": "teacher-forced: fraction of the ' {value}' tokens predicted exactly by argmax given the prompt and the true earlier tokens; NLL in nats per token",
         "seed": seed,
         "tasks": results,
     }
@@ -246,6 +285,8 @@ def format_table(report: dict[str, Any]) -> str:
         for j, depth in enumerate(report["depths"]):
             lines.append(f"  {depth:>6.0%} " + " ".join(f"{grid[i, j]:>7.2f}" for i in range(len(report["lengths"]))))
         lines.append(f"  {'mean':>6} " + " ".join(f"{m:>7.2f}" for m in result["mean_per_length"]))
+        lines.append(f"  {'tokens':>6} " + " ".join(f"{m:>7.2f}" for m in result["value_token_accuracy_per_length"])
+                     + "   (teacher-forced value-token accuracy, mean over depths)")
         if result["value_tokens_max"] > report["max_new_tokens"]:
             lines.append(f"  WARNING: {task} values take up to {result['value_tokens_max']} tokens but only {report['max_new_tokens']} are generated; raise --max-new-tokens")
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -101,3 +102,10 @@ class ModelConfig(PretrainedConfig):
                         f"unknown option {name!r} for attention kind {kind!r}{close_matches(name, allowed)}; "
                         f"allowed options: {', '.join(allowed)}"
                     )
+                try:
+                    json.dumps(self.layer_options(layer)[name])
+                except (TypeError, ValueError):
+                    raise ValueError(
+                        f"attention option {name}={self.layer_options(layer)[name]!r} cannot be saved: a ModelConfig holds JSON values only "
+                        "(a callable KVM schedule works when the layer is built directly with build_attention)"
+                    ) from None

@@ -176,3 +176,23 @@ def test_fast_pivoted_qr_picks_the_same_columns_as_the_reference(shape, seed):
     assert torch.equal(fast_perm[:r], ref_perm[:r])
     assert sorted(fast_perm.tolist()) == list(range(shape[1]))
     assert torch.allclose(fast_diag, ref_diag, rtol=1e-8)
+
+
+def test_projected_statistics_equal_the_weighted_covariance():
+    """out_weight accumulates W C W^T directly (what RootCov needs when d_out < d_in)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(700, 12, generator=g) + 0.5
+    W = torch.randn(5, 12, generator=g, dtype=torch.float64)
+    full = StatsAccumulator(12, chunk=64)
+    projected = StatsAccumulator(12, chunk=64, cov=False, mean_abs=False, out_weight=W)
+    full.add(x)
+    projected.add(x)
+    a, b = full.finish(), projected.finish()
+    assert b.cov is None and b.mean_abs is None
+    for centered in (False, True):
+        assert torch.allclose(b.weighted_gram(W, centered), a.weighted_gram(W, centered), atol=1e-12)
+        reference = W @ (a.centered() if centered else a.cov) @ W.T
+        assert torch.allclose(b.weighted_gram(W, centered), reference, atol=1e-12)
+    assert torch.allclose(rootcov_factors(W, None, 3, gram=b.weighted_gram(W, False)).product(), rootcov_factors(W, a.cov, 3).product(), atol=1e-10)
+    with pytest.raises(ValueError, match="without 'cov'"):
+        b.centered()

@@ -4,6 +4,7 @@ training-data needle mixture (deterministic, train text only, resume-exact)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 from slimkv.cli import main
 from slimkv.data import load_dataset
 from slimkv.data.needles import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, NeedleBuilder, NeedleMixture, value_found
-from slimkv.eval.niah import TASKS, parse_lengths
+from slimkv.eval.niah import TASKS, parse_lengths, value_token_scores
 from slimkv.train import train
 from tests.train.tiny import one_thread, tiny_cache, tiny_config, tiny_env  # noqa: F401  (fixtures)
 
@@ -101,6 +102,8 @@ def test_niah_cli_writes_the_grid_json_and_png(kvm_run, tmp_path, capsys):
         assert result["mean_per_length"] == pytest.approx(grid.mean(axis=1).tolist())
         assert result["description"] == TASKS[task]["description"]
         assert all(e["hit"] == value_found(e["value"], e["output"]) for e in result["examples"])
+        tokens = np.asarray(result["value_token_accuracy"])
+        assert tokens.shape == (2, 3) and ((tokens >= 0) & (tokens <= 1)).all() and (np.asarray(result["value_token_nll"]) > 0).all()
     assert report["tasks"]["s3"]["value_tokens_max"] > 3  # a UUID cannot fit in 3 new tokens: the table says so
     assert (out / "niah.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
@@ -167,3 +170,34 @@ def test_training_with_the_mixture_resumes_exactly(tmp_path):
     assert first_loss["straight"] != first_loss["plain"]  # the mixture changed what the model trained on
     with pytest.raises(ValueError, match="needle_mix"):
         tiny_config(needle_mix=1.5)
+
+
+class _NextTokenOracle(torch.nn.Module):
+    """Logits that put all mass on the true next token (``right``) or on a wrong one: it knows the sequences."""
+
+    def __init__(self, sequences: list[list[int]], vocab: int, right: bool):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.sequences, self.vocab, self.right = sequences, vocab, right
+
+    def forward(self, ids):
+        logits = torch.zeros(*ids.shape, self.vocab)
+        for b, row in enumerate(ids.tolist()):
+            full = next(seq for seq in self.sequences if seq[: len(row)] == row)
+            for t in range(len(row)):
+                target = full[t + 1] if self.right else (full[t + 1] + 1) % self.vocab
+                logits[b, t, target] = 30.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_value_token_scores_score_exactly_the_value_tokens():
+    """An oracle that predicts every next token scores 1 (NLL ~0); one that is always wrong scores 0."""
+    encode = lambda text: [ord(c) for c in text]  # noqa: E731  (character-level ids)
+    builder = NeedleBuilder(encode, np.array([ord("\n")]))
+    source = np.array(encode("a line of prose\n" * 40))
+    docs = [builder.build(source, 0, 160, depth, key, value) for depth, key, value in ((0.3, "apple", "1234567"), (0.8, "river", "7654321"))]
+    sequences = [d.ids + builder.pieces(d.key, d.value, answer=True)[2] for d in docs]
+    accuracy, nll = value_token_scores(_NextTokenOracle(sequences, 256, right=True), builder, docs, batch_size=2)
+    assert accuracy == 1.0 and nll < 1e-6
+    accuracy, nll = value_token_scores(_NextTokenOracle(sequences, 256, right=False), builder, docs, batch_size=1)
+    assert accuracy == 0.0 and nll == pytest.approx(30.0, rel=1e-3)

@@ -99,6 +99,7 @@ def test_loss_is_next_token_cross_entropy():
         ({"mlp": "gelu"}, "mlp"),
         ({"n_layers": 0}, "n_layers"),
         ({"d_model": 30, "n_heads": 4}, "n_heads"),
+        ({"attention": "kvm", "attention_options": {"chunk_size": 4, "schedule": lambda ctx: 3}}, "schedule"),
     ],
 )
 def test_config_errors_name_the_option(kwargs, name):

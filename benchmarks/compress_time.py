@@ -1,0 +1,57 @@
+"""Calibration + factorization time of SmolLM2-135M per method (issue 7 target: under 2 minutes on 2 CPU cores).
+
+Times ``compress_loaded`` (tokenizing the calibration text, the layer-by-layer calibration passes,
+the float64 statistics, every factorization and the module swaps; not loading the model, not
+saving) for each method at each calibration size, in one process, one after another. The
+1-minute load average before and after each run is recorded: other processes' load slows these
+numbers.
+
+    .venv/bin/python benchmarks/compress_time.py [--methods rootcov latentllm] [--calib-tokens 4096 8192] [--threads 2]
+
+Writes ``benchmarks/results/compress_time_smollm2.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from slimkv.bench.timing import write_results
+from slimkv.compress.models import fetch_smollm2, load_pretrained
+from slimkv.compress.pipeline import METHODS, CompressOptions
+from slimkv.compress.workflow import compress_loaded
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=["rootcov", "latentllm"], choices=METHODS)
+    parser.add_argument("--calib-tokens", nargs="+", type=int, default=[8192])
+    parser.add_argument("--ratio", type=float, default=0.2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--name", default="compress_time_smollm2")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    fetch_smollm2()
+    rows = []
+    for tokens in args.calib_tokens:
+        for method in args.methods:
+            loaded = load_pretrained("smollm2")
+            load_before = os.getloadavg()[0]
+            started = time.perf_counter()
+            manifest = compress_loaded(loaded, CompressOptions(method=method, ratio=args.ratio), "shakespeare", tokens, progress=False)
+            seconds = time.perf_counter() - started
+            row = {"method": method, "calib_tokens": tokens, "ratio": args.ratio, "achieved_ratio": manifest["achieved_ratio"], "seconds": seconds,
+                   "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}}
+            rows.append(row)
+            print(f"{method:<10} calib {tokens:>6} tokens, ratio {args.ratio}: {seconds:6.1f} s "
+                  f"(load {load_before:.2f} -> {row['load_average_1min']['after']:.2f})", flush=True)
+            del loaded
+    path = write_results(args.name, {"model": "smollm2", "threads": args.threads, "cpu_count": os.cpu_count(), "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
