@@ -298,7 +298,7 @@ def _train(cfg: TrainConfig, run_dir: Path, device: torch.device, amp_dtype: tor
 
     model.train()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {_kind_label(cfg)}", unit="step", disable=not (progress and ddp.is_main), dynamic_ncols=True)
-    start_step, train_seconds, started = step, 0.0, time.perf_counter()
+    start_step, train_seconds, first_step_seconds, started = step, 0.0, None, time.perf_counter()
     try:
         while step < cfg.steps:
             t0 = time.perf_counter()
@@ -319,6 +319,8 @@ def _train(cfg: TrainConfig, run_dir: Path, device: torch.device, amp_dtype: tor
             step += 1
             tokens_seen += cfg.tokens_per_step
             train_seconds += time.perf_counter() - t0
+            if first_step_seconds is None:
+                first_step_seconds = train_seconds  # kernel selection and allocator warm-up: kept out of the steady rate
             if on_step is not None:
                 on_step(step, model)
 
@@ -345,6 +347,8 @@ def _train(cfg: TrainConfig, run_dir: Path, device: torch.device, amp_dtype: tor
         bar.close()
 
     invocation_tokens = (step - start_step) * cfg.tokens_per_step
+    steady_steps = step - start_step - 1
+    steady_seconds = train_seconds - (first_step_seconds or 0.0)
     summary = {
         "status": "finished",
         "step": step,
@@ -363,7 +367,10 @@ def _train(cfg: TrainConfig, run_dir: Path, device: torch.device, amp_dtype: tor
         "threads": torch.get_num_threads(),
         "resumed_from_step": start_step if restored is not None else None,
         "train_seconds": train_seconds,
-        "train_tokens_per_s": invocation_tokens / train_seconds if train_seconds else None,
+        "train_tokens_per_s": steady_steps * cfg.tokens_per_step / steady_seconds if steady_steps > 0 and steady_seconds > 0 else None,
+        "train_tokens_per_s_note": "steps after this invocation's first (the first step's warm-up is excluded)",
+        "first_step_seconds": first_step_seconds,
+        "train_tokens_per_s_with_first_step": invocation_tokens / train_seconds if train_seconds else None,
         "wall_seconds": time.perf_counter() - started,
     }
     if ddp.is_main:
