@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from slimkv.attention import attention_options, kind_spec
+from slimkv.files import save_figure, write_text
 from slimkv.train.config import TrainConfig
 
 REPORT_FORMAT = 1
@@ -276,7 +277,8 @@ def train_and_evaluate(cfg: TrainConfig, run_dir: Path, *, eval_tokens: int | No
     measure cache and head diversity. A run whose ``compare_run.json`` matches is reused."""
     from slimkv.eval.diversity import model_diversity
     from slimkv.eval.lm import evaluate_run
-    from slimkv.train.checkpoint import load_run, read_json, write_json
+    from slimkv.files import read_json, write_json
+    from slimkv.train.checkpoint import load_run
     from slimkv.train.trainer import train
 
     marker = run_dir / RUN_FILE
@@ -567,34 +569,23 @@ def plot_decode(report: dict[str, Any]):
     return fig
 
 
-def _save_figure(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
-
-
 def write_report_files(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write report.md and the PNGs of ``report`` into ``out_dir``; the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "report.md"
-    tmp = md.with_name(".report.md.tmp")
-    tmp.write_text(render_markdown(report), encoding="utf-8")
-    tmp.replace(md)
+    write_text(md, render_markdown(report))
     written = [md]
-    _save_figure(plot_bpb_vs_cache(report), out_dir / PLOT_BPB)
+    save_figure(plot_bpb_vs_cache(report), out_dir / PLOT_BPB, tight=False)
     written.append(out_dir / PLOT_BPB)
     if report["decode"]["contexts"]:
-        _save_figure(plot_decode(report), out_dir / PLOT_DECODE)
+        save_figure(plot_decode(report), out_dir / PLOT_DECODE, tight=False)
         written.append(out_dir / PLOT_DECODE)
     return written
 
 
 def load_report(path: str | Path) -> dict[str, Any]:
     """A ``report.json`` written by ``run_compare``."""
-    from slimkv.train.checkpoint import read_json
+    from slimkv.files import read_json
 
     path = Path(path)
     if not path.is_file():
@@ -626,7 +617,7 @@ def run_compare(
 
     ``prepare``: a callable run once before training (e.g. preparing the dataset)."""
     from slimkv.bench.timing import machine_info
-    from slimkv.train.checkpoint import write_json
+    from slimkv.files import write_json
 
     configs = {(e.label, s): config_for(e, recipe, s) for e in entries for s in seeds}  # every error before any work
     out_dir = Path(out_dir)

@@ -7,7 +7,6 @@ thread count beside the numbers; write JSON (and a PNG where a plot helps) under
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from slimkv.files import save_figure, write_json
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -75,9 +76,7 @@ def write_results(name: str, payload: dict[str, Any], figure=None, out_dir: Path
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     body = {"benchmark": name, "machine": machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **payload}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(body, indent=2))
-    os.replace(tmp, path)
+    write_json(path, body)
     if figure is not None:
-        figure.savefig(out_dir / f"{name}.png", dpi=120, bbox_inches="tight")
+        save_figure(figure, out_dir / f"{name}.png")
     return path

@@ -101,8 +101,8 @@ class StatsAccumulator:
         self.xtx = torch.zeros(dim, dim, dtype=torch.float64, device=device) if cov else None
         self.total = torch.zeros(dim, dtype=torch.float64, device=device)
         self.total_abs = torch.zeros(dim, dtype=torch.float64, device=device) if mean_abs else None
-        self.out_weight = out_weight
-        self.out_weight64 = out_weight.to(dtype=torch.float64, device=device) if out_weight is not None else None
+        # a float64 weight on ``device`` (what the pipeline passes) is kept as is: ``Stats.weighted_gram`` recognises it by identity
+        self.out_weight = out_weight.to(dtype=torch.float64, device=device) if out_weight is not None else None
         self.out_gram = torch.zeros(out_weight.shape[0], out_weight.shape[0], dtype=torch.float64, device=device) if out_weight is not None else None
         self.count = 0
 
@@ -114,7 +114,7 @@ class StatsAccumulator:
             if self.xtx is not None:
                 self.xtx.addmm_(block.T, block)
             if self.out_gram is not None:
-                projected = block @ self.out_weight64.T
+                projected = block @ self.out_weight.T
                 self.out_gram.addmm_(projected.T, projected)
             self.total += block.sum(0)
             if self.total_abs is not None:

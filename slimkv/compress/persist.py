@@ -14,7 +14,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -22,20 +21,12 @@ from torch import nn
 
 from slimkv.compress.arch import Architecture
 from slimkv.compress.factored import FactoredLinear, SharedInputFactor, SplitOutputLinear, make_input_factor
+from slimkv.files import write_json
 
 MANIFEST_NAME = "slimkv_compression.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT = "slimkv-compressed"
 FORMAT_VERSION = 1
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON through a temporary file and ``os.replace`` (never a half-written file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, path)
 
 
 def save(model: nn.Module, tokenizer, manifest: dict, out_dir: str | Path) -> Path:
@@ -52,7 +43,7 @@ def save(model: nn.Module, tokenizer, manifest: dict, out_dir: str | Path) -> Pa
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": FORMAT})
-        write_json_atomic(tmp / MANIFEST_NAME, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest})
+        write_json(tmp / MANIFEST_NAME, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest})
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from slimkv.compress.pipeline import METHODS, CompressOptions
 from slimkv.compress.text import evaluation_text, text_sha256, tokenize
 from slimkv.compress.workflow import DEFAULT_CALIB_SEQ_LEN, calibration_set, compress_loaded
 from slimkv.eval.ppl import perplexity_of_ids
+from slimkv.files import write_text
 
 # Method labels a sweep accepts: the four methods plus latentllm with one component switched off.
 VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
@@ -154,10 +154,7 @@ def write_sweep(result: dict, name: str, out_dir: Path | None = None) -> Path:
     out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
     figure = plot(result)
     path = write_results(name, result, figure=figure, out_dir=out_dir)
-    md = out_dir / f"{name}.md"
-    tmp = md.with_name(md.name + ".tmp")
-    tmp.write_text(markdown_table(result))
-    os.replace(tmp, md)
+    write_text(out_dir / f"{name}.md", markdown_table(result))
     return path
 
 

@@ -42,6 +42,7 @@ from slimkv.data.dataset import (
 )
 from slimkv.data.shakespeare import VAL_PLAYS, play_files, shakespeare_plays, shakespeare_split
 from slimkv.data.tokenizer import check_vocab_size, encode_long, token_byte_lengths, train_byte_bpe
+from slimkv.files import write_json
 
 FORMAT_VERSION = 1
 SEPARATOR = "\n\n"  # between documents of a split; plain text, no special token
@@ -158,7 +159,7 @@ def build_or_reuse(
         staging = Path(tempfile.mkdtemp(prefix="build-", dir=workspace))
         manifest = _build(staging, name, train, val, split, vocab_size, progress)
         manifest.update(build_key=build_key, versions={**_versions(), **(extra_versions or {})})
-        _write_json(staging / MANIFEST, manifest)
+        write_json(staging / MANIFEST, manifest)
         _move_into_place(staging, folder, workspace)
     _say(progress, f"wrote {folder}: {manifest['train']['tokens']:,} train / {manifest['val']['tokens']:,} val tokens, vocab {manifest['vocab_size']}")
     return folder
@@ -256,12 +257,6 @@ def _move_into_place(staging: Path, folder: Path, workspace: Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
     else:
         os.replace(staging, folder)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _read_utf8(path: Path) -> str:

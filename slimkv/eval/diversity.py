@@ -19,15 +19,14 @@ lies in [1, H].
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from slimkv.attention import Attention
+from slimkv.files import write_json
 
 # Eigenvalues of G or G_c below this fraction of H count as zero (round-off of a rank-deficient Gram).
 EIGEN_TOLERANCE = 1e-10
@@ -139,13 +138,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         mean = sum(r["r_eff_over_heads"] for r in done) / len(done)
         lines.append(f"mean r_eff/H over {len(done)} layers: {mean:.1%}")
     return "\n".join(lines)
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON atomically (tmp + replace)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, path)
 
 
 def run_diversity(args: argparse.Namespace) -> int:

@@ -138,7 +138,8 @@ def evaluate_run(
     ``context``: tokens per window (default: the training ``seq_len``). ``max_tokens``: evaluate
     about this many tokens, in windows spread over the split (default: the whole split).
     """
-    from slimkv.train.checkpoint import load_run, write_json
+    from slimkv.files import write_json
+    from slimkv.train.checkpoint import load_run
 
     run_dir = Path(run_dir)
     if max_tokens is not None:

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from slimkv.attention.base import check_int
 from slimkv.data.needles import NEUTRAL_TEXT, NeedleBuilder, NeedleDocument, random_key, random_value, value_found
+from slimkv.files import save_figure
 
 TASKS: dict[str, dict[str, str]] = {
     "s1": {"haystack": "neutral", "value": "number", "description": "repeated neutral sentences, 7-digit number"},
@@ -198,7 +199,8 @@ def evaluate_niah(
 
 def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: str, samples: int, max_new_tokens: int, seed: int, batch_size: int, out_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Evaluate a run directory; writes ``niah.json`` and ``niah.png`` into ``out_dir`` (default RUN_DIR)."""
-    from slimkv.train.checkpoint import load_run, write_json
+    from slimkv.files import write_json
+    from slimkv.train.checkpoint import load_run
 
     run_dir = Path(run_dir)
     model, cfg, dataset = load_run(run_dir)
@@ -255,19 +257,7 @@ def plot_grids(report: dict[str, Any], path: Path) -> None:
     kind = report["attention"] if isinstance(report["attention"], str) else "/".join(report["attention"])
     fig.suptitle(f"NIAH {kind}, trained at {report['train_seq_len']} tokens (needle_mix {report['needle_mix']}), {report['samples']} samples per cell", fontsize=10)
     fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03)
-    save_png(fig, path)
-
-
-def save_png(fig: Any, path: Path) -> None:
-    """Save a matplotlib figure as PNG via a temporary file and ``os.replace``; closes it."""
-    import os
-
-    import matplotlib.pyplot as plt
-
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -70,7 +70,8 @@ def bucket_means(nll: torch.Tensor, buckets: int) -> list[dict[str, Any]]:
 def positions_report(run_dir: str | Path, *, length: str, buckets: int, max_sequences: int, batch_size: int, out_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Evaluate a run directory; writes ``positions.json`` and ``positions.png`` into ``out_dir`` (default RUN_DIR)."""
     from slimkv.eval.lm import eval_windows
-    from slimkv.train.checkpoint import load_run, write_json
+    from slimkv.files import write_json
+    from slimkv.train.checkpoint import load_run
 
     check_int("--max-sequences", max_sequences, 1)
     check_int("--batch-size", batch_size, 1)
@@ -111,7 +112,7 @@ def plot_positions(reports: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from slimkv.eval.niah import save_png
+    from slimkv.files import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for report in reports:
@@ -125,7 +126,7 @@ def plot_positions(reports: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("mean next-token NLL (nats)")
     ax.set_title(f"Position-wise val loss ({reports[0]['dataset']})", fontsize=10)
     ax.legend(fontsize=8)
-    save_png(fig, path)
+    save_figure(fig, path)
 
 
 def format_table(report: dict[str, Any]) -> str:

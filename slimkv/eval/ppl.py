@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from pathlib import Path
 
-        from slimkv.compress.persist import write_json_atomic
+        from slimkv.files import write_json
 
-        write_json_atomic(Path(args.json), {"text": args.text, "text_sha256": text_sha256(text), "model": loaded.identity, "results": [{"model": n, **r} for n, r in rows]})
+        write_json(Path(args.json), {"text": args.text, "text_sha256": text_sha256(text), "model": loaded.identity, "results": [{"model": n, **r} for n, r in rows]})
     return 0

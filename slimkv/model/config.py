@@ -96,16 +96,16 @@ class ModelConfig(PretrainedConfig):
                 raise ValueError(f"kind_options names {kind!r}, which no layer uses{close_matches(kind, kinds)}; layers use: {', '.join(sorted(set(kinds)))}")
         for layer, kind in enumerate(self.layer_kinds()):
             allowed = attention_options(kind)
-            for name in self.layer_options(layer):
+            for name, value in self.layer_options(layer).items():
                 if name not in allowed:
                     raise ValueError(
                         f"unknown option {name!r} for attention kind {kind!r}{close_matches(name, allowed)}; "
                         f"allowed options: {', '.join(allowed)}"
                     )
                 try:
-                    json.dumps(self.layer_options(layer)[name])
+                    json.dumps(value)
                 except (TypeError, ValueError):
                     raise ValueError(
-                        f"attention option {name}={self.layer_options(layer)[name]!r} cannot be saved: a ModelConfig holds JSON values only "
+                        f"attention option {name}={value!r} cannot be saved: a ModelConfig holds JSON values only "
                         "(a callable KVM schedule works when the layer is built directly with build_attention)"
                     ) from None

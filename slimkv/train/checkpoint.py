@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from slimkv.files import read_json, write_json
 from slimkv.train.config import TrainConfig
 
 CHECKPOINT_FORMAT = 1
@@ -35,19 +36,7 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 
 
-# ---------------------------------------------------------------- atomic files and folders
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write ``data`` as indented JSON via a temporary file and ``os.replace``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+# ---------------------------------------------------------------- atomic folders (files: slimkv.files)
 
 
 def _retired(target: Path) -> Path:

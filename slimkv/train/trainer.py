@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from slimkv.data.needles import NeedleMixture
 from slimkv.eval.lm import eval_windows, lm_metrics, score_windows
+from slimkv.files import read_json, write_json, write_text
 from slimkv.model import SlimKVForCausalLM
 from slimkv.train.checkpoint import (
     CONFIG_FILE,
@@ -37,11 +38,9 @@ from slimkv.train.checkpoint import (
     SUMMARY_FILE,
     dataset_key,
     load_checkpoint,
-    read_json,
     read_run_config,
     save_checkpoint,
     save_model_dir,
-    write_json,
 )
 from slimkv.train.config import TrainConfig
 
@@ -391,6 +390,4 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text(path, "".join(line + "\n" for line in kept))
