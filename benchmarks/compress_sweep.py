@@ -1,4 +1,4 @@
-"""LatentLLM and its baselines on SmolLM2-135M-Instruct (issue 7 targets).
+"""LatentLLM and its baselines on SmolLM2-135M-Instruct (targets in docs/compression.md).
 
 Writes under benchmarks/results/:
 - compress_sweep_smollm2.{json,md,png}: svd/asvd/rootcov/latentllm x ratios 0.1..0.5 on held-out
@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-from slimkv.bench.timing import write_results
-from slimkv.compress.models import fetch_smollm2, load_pretrained
+from slimkv.common.timing import write_results
 from slimkv.compress.sweep import markdown_table, run_sweep, write_sweep
 from slimkv.eval.ppl import perplexity
+from slimkv.pretrained import fetch_smollm2, load_pretrained
+
+RESULTS = Path(__file__).resolve().parent / "results"  # where this repository keeps benchmark results
 
 
 @torch.no_grad()
@@ -36,8 +39,8 @@ def rope_diagnostic(base, ratio: float = 0.2, layers: tuple[int, ...] = (0, 7, 1
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from slimkv.compress.joint_qk import RopeAverage, joint_qk
+    from slimkv.compress.latent import spend_leftover
     from slimkv.compress.linalg import StatsAccumulator, rank_for_budget, rootcov_factors
-    from slimkv.compress.pipeline import spend_leftover
     from slimkv.compress.workflow import calibration_set
 
     model, config = base.model, base.model.config
@@ -127,23 +130,23 @@ def main(argv: list[str] | None = None) -> int:
         text = "\n\n".join(shakespeare_plays().values())
         check = perplexity(base.model, base.tokenizer, text, seq_len=1024, max_tokens=16384, progress=True)
         print(f"dense SmolLM2 on the first {check['tokens_predicted']} predicted tokens of all plays: ppl {check['ppl']:.2f} (assets.md: about 42)")
-        write_results("compress_dense_check_smollm2", {"text": "all 38 plays joined, first 16384 tokens", "threads": torch.get_num_threads(), **check})
+        write_results("compress_dense_check_smollm2", {"text": "all 38 plays joined, first 16384 tokens", "threads": torch.get_num_threads(), **check}, RESULTS)
 
     if "rope" not in skip:
         result = rope_diagnostic(base)
-        path = write_results("compress_rope_smollm2", result)
+        path = write_results("compress_rope_smollm2", result, RESULTS)
         path.with_suffix(".md").write_text(result["table"])
         print(result["table"])
 
     common = {"calib_tokens": args.calib_tokens, "max_tokens": max_tokens}
     if "sweep" not in skip:
         result = run_sweep(base, ["svd", "asvd", "rootcov", "latentllm"], ratios, **common)
-        write_sweep(result, "compress_sweep_smollm2")
+        write_sweep(result, "compress_sweep_smollm2", RESULTS)
         print(markdown_table(result))
     if "ablation" not in skip:
         labels = ["rootcov", "latentllm", "latentllm-rope-blind-qk", "latentllm-no-joint-qk", "latentllm-no-joint-mlp", "latentllm-no-identity-block"]
         result = run_sweep(base, labels, [0.2], repeats=0, **common)
-        path = write_results("compress_ablation_smollm2", result)
+        path = write_results("compress_ablation_smollm2", result, RESULTS)
         path.with_suffix(".md").write_text(markdown_table(result))
         print(markdown_table(result))
     return 0

@@ -1,4 +1,4 @@
-"""Calibration + factorization time of SmolLM2-135M per method (issue 7 target: under 2 minutes on 2 CPU cores).
+"""Calibration + factorization time of SmolLM2-135M per method (target: under 2 minutes on 2 CPU cores).
 
 Times ``compress_loaded`` (tokenizing the calibration text, the layer-by-layer calibration passes,
 the float64 statistics, every factorization and the module swaps; not loading the model, not
@@ -16,13 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import torch
 
-from slimkv.bench.timing import write_results
-from slimkv.compress.models import fetch_smollm2, load_pretrained
-from slimkv.compress.pipeline import METHODS, CompressOptions
+from slimkv.common.timing import write_results
+from slimkv.compress import METHODS, CompressOptions
 from slimkv.compress.workflow import compress_loaded
+from slimkv.pretrained import fetch_smollm2, load_pretrained
+
+RESULTS = Path(__file__).resolve().parent / "results"  # where this repository keeps benchmark results
 
 
 def main() -> None:
@@ -49,7 +52,7 @@ def main() -> None:
             print(f"{method:<10} calib {tokens:>6} tokens, ratio {args.ratio}: {seconds:6.1f} s "
                   f"(load {load_before:.2f} -> {row['load_average_1min']['after']:.2f})", flush=True)
             del loaded
-    path = write_results(args.name, {"model": "smollm2", "threads": args.threads, "cpu_count": os.cpu_count(), "rows": rows})
+    path = write_results(args.name, {"model": "smollm2", "threads": args.threads, "cpu_count": os.cpu_count(), "rows": rows}, RESULTS)
     print(f"wrote {path}")
 
 

@@ -1,4 +1,4 @@
-"""Decode speed of every registered attention kind at matched width (issue 6).
+"""Decode speed of every registered attention kind at matched width.
 
 One layer per kind (default 8 heads x 64, d_model 512, batch 1, float32), caches filled to each
 context by the kind's own prefill, then per-token decode time, the live cache bytes a step reads,
@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
 from slimkv.attention import ATTENTION_KINDS
 from slimkv.bench.decode import matched_width_variants, run_decode_benchmark
+
+RESULTS = Path(__file__).resolve().parent / "results"  # where this repository keeps benchmark results
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CONTEXTS = "1024,2048,4096,8192,16384,32768"
@@ -60,7 +63,7 @@ def parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--kind-options", type=json.loads, default=None, help='JSON {kind: options} replacing the matched-width options')
     p.add_argument("--quick", action="store_true", help=f"smoke run: contexts {QUICK_CONTEXTS}, 1 round of 3 calls")
     p.add_argument("--name", default="decode_all", help="results file name (default decode_all)")
-    p.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--out-dir", default=str(RESULTS), help="results folder (default benchmarks/results)")
     p.add_argument("--seed", type=int, default=0)
     return p
 

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from slimkv.bench.decode import DecodeVariant, decode_sweep, decode_table
-from slimkv.bench.timing import measure_copy_bandwidth, write_results
+from slimkv.common.plotting import new_figure
+from slimkv.common.timing import measure_copy_bandwidth, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help=f"smoke run: shape 8x64, contexts {QUICK_CONTEXTS}, 1 round of 3 calls")
-    p.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"), help="results folder (default benchmarks/results)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("repeats", "rounds"):
@@ -95,12 +96,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def figure(results: list[dict[str, Any]]):
     """Per shape: ms/token against context, and lrkv/mha time ratio beside the cache-bytes ratio."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 8), squeeze=False)
+    fig, axes = new_figure(2, len(results), figsize=(6 * len(results), 8), squeeze=False)
     for col, res in enumerate(results):
         s = res["settings"]
         title = f"{s['n_heads']}x{s['head_dim']} (lrkv rank {res['rank']}), batch {s['batch']}, {s['dtype']}, {res['threads']} threads"
@@ -143,8 +139,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"shape {heads}x{head_dim}: lrkv rank {rank} (cache {1 / heads + rank / head_dim:.1%} of mha), threads {torch.get_num_threads()}")
         variants = [
             DecodeVariant("mha", "mha", {}),
-            DecodeVariant("lrkv-factored", "lrkv", {"rank": rank}, {"decode_path": "factored"}),
-            DecodeVariant("lrkv-expanded", "lrkv", {"rank": rank}, {"decode_path": "expanded"}),
+            DecodeVariant("lrkv-factored", "lrkv", {"rank": rank, "decode_path": "factored"}),
+            DecodeVariant("lrkv-expanded", "lrkv", {"rank": rank, "decode_path": "expanded"}),
         ]
         sweep = decode_sweep(
             variants, contexts, d_model=heads * head_dim, n_heads=heads, head_dim=head_dim, batch=1, dtype=torch.float32,
@@ -181,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shapes": results,
         "targets": targets,
     }
-    path = write_results("decode_lrkv_quick" if args.quick else "decode_lrkv", payload, figure(results), out_dir=args.out_dir)
+    path = write_results("decode_lrkv_quick" if args.quick else "decode_lrkv", payload, args.out_dir, figure=figure(results))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return payload
 

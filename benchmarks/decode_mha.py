@@ -1,4 +1,4 @@
-"""Per-token decode time of one ``mha`` layer (issue 2's measurement).
+"""Per-token decode time of one ``mha`` layer (the MHA decode measurement).
 
 8 heads x 64 (d_model 512), batch 1, float32, at 1K, 8K and 32K cached tokens, and the GB/s that
 implies for reading the cache, beside the machine's memory-copy bandwidth. The same sweep as

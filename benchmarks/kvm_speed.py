@@ -30,14 +30,16 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 import slimkv  # noqa: F401  (registers everything; keeps import order canonical)
-from slimkv.attention.cache import GrowableBuffer
-from slimkv.bench.timing import measure_copy_bandwidth, time_fn, write_results
+from slimkv.common.buffer import GrowableBuffer
+from slimkv.common.plotting import new_figure
+from slimkv.common.timing import measure_copy_bandwidth, time_fn, write_results
 from slimkv.ops.attention import attend
 from slimkv.ops.kvm import KVMParams, KVMSettings, KVMState, kvm_attention, kvm_step
 
@@ -225,12 +227,7 @@ def ratios(stats: dict[str, dict]) -> dict[str, float]:
 
 
 def plot(results: list[dict], args) -> object:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(args.ops) + 1, figsize=(4.6 * (len(args.ops) + 1), 4.0))
+    fig, axes = new_figure(1, len(args.ops) + 1, figsize=(4.6 * (len(args.ops) + 1), 4.0))
     ctx = [r["context"] for r in results]
     for ax, op in zip(axes, args.ops):
         for variant in VARIANTS:
@@ -310,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bandwidth_bytes_per_s": measure_copy_bandwidth(device=device),
         "results": results,
     }
-    path = write_results(args.name, payload, figure=plot(results, args))
+    path = write_results(args.name, payload, Path(__file__).resolve().parent / "results", figure=plot(results, args))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 

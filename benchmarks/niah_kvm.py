@@ -22,17 +22,14 @@ import argparse
 import time
 from pathlib import Path
 
-import matplotlib
+import torch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-
-from slimkv.bench.timing import write_results  # noqa: E402
-from slimkv.eval.niah import evaluate_niah  # noqa: E402
-from slimkv.eval.positions import positions_report  # noqa: E402
-from slimkv.paths import cache_dir  # noqa: E402
-from slimkv.train import TrainConfig, load_run, train  # noqa: E402
+from slimkv.common.paths import cache_dir
+from slimkv.common.plotting import new_figure
+from slimkv.common.timing import write_results
+from slimkv.eval.niah import evaluate_niah
+from slimkv.eval.positions import positions_report
+from slimkv.train import TrainConfig, load_run, train
 
 CHUNK = 32
 KINDS = {
@@ -116,7 +113,7 @@ def main() -> None:
         token_cells = " ".join(f"{v:>11.2f}" for t in tasks for v in row["niah"][t]["value_token_accuracy_per_length"])
         print(f"{label:<10} {cells} |{token_cells} {row['mean_nll_within_train_len']:>7.3f} {row['mean_nll_beyond_train_len']:>7.3f}")
 
-    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.2 * (len(tasks) + 1), 3.6))
+    fig, axes = new_figure(1, len(tasks) + 1, figsize=(4.2 * (len(tasks) + 1), 3.6))
     for ax, task in zip(axes, tasks):
         for index, (label, row) in enumerate(rows.items()):
             color = f"C{index}"
@@ -139,8 +136,7 @@ def main() -> None:
     axes[-1].legend(fontsize=8)
     settings = {**{k: v for k, v in vars(args).items() if k != "kinds"}, "kinds": args.kinds, "lengths": lengths, "max_new_tokens": max_new_tokens,
                 "recipe": recipe(args), "note": "models trained with the needle mixture: the retrieval mechanism, not model scale, is measured"}
-    path = write_results(args.name, {"settings": settings, "results": rows}, figure=fig)
-    plt.close(fig)
+    path = write_results(args.name, {"settings": settings, "results": rows}, Path(__file__).resolve().parent / "results", figure=fig)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 

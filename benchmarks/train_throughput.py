@@ -13,12 +13,13 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from slimkv.attention import ATTENTION_KINDS
-from slimkv.bench.compare import default_options
-from slimkv.bench.timing import write_results
+from slimkv.attention import ATTENTION_KINDS, kind_spec
+from slimkv.bench.entries import recipe_shape
+from slimkv.common.timing import write_results
 from slimkv.demo import demo_recipe
 from slimkv.model import SlimKVForCausalLM
 from slimkv.train.config import TrainConfig
@@ -26,7 +27,7 @@ from slimkv.train.trainer import accumulate_gradients, make_optimizer
 
 
 def build_step(kind: str, recipe: TrainConfig, vocab_size: int):
-    cfg = TrainConfig.from_dict({**recipe.to_dict(), "attention": kind, "attention_options": default_options(kind, recipe)[0]})
+    cfg = TrainConfig.from_dict({**recipe.to_dict(), "attention": kind, "attention_options": kind_spec(kind).comparable(recipe_shape(recipe))[0]})
     torch.manual_seed(0)
     model = SlimKVForCausalLM(cfg.model_config(vocab_size)).train()
     optimizer = make_optimizer(model, cfg)
@@ -71,7 +72,7 @@ def main() -> None:
     for kind, times in samples.items():
         median = statistics.median(times)
         results[kind] = {
-            "options": default_options(kind, recipe)[0],
+            "options": kind_spec(kind).comparable(recipe_shape(recipe))[0],
             "parameters": steps[kind][1],
             "median_s": median,
             "min_s": min(times),
@@ -81,7 +82,7 @@ def main() -> None:
         }
         print(f"{kind:<6} {steps[kind][1]:>10,} {median:>14.3f} {tokens / median:>18,.0f} {tokens / max(times):>9,.0f}..{tokens / min(times):<9,.0f}")
     path = write_results(args.name, {"settings": {**recipe.to_dict(), "vocab_size": args.vocab_size, "threads": args.threads, "repeats": args.repeats, "warmup": args.warmup, "tokens_per_step": tokens},
-                                         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}, "results": results})
+                                         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}, "results": results}, Path(__file__).resolve().parent / "results")
     print(f"1-minute load average before/after: {load_before:.2f}/{os.getloadavg()[0]:.2f} (other processes' load slows these numbers: rerun on a quiet machine)")
     print(f"wrote {path}")
 

@@ -7,9 +7,10 @@ Importing the package registers every attention kind and the ``slimkv`` model ty
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from slimkv.attention import ATTENTION_KINDS, build_attention
+from slimkv.common.version import VERSION
 from slimkv.model import ModelConfig, SlimKVCache, SlimKVForCausalLM
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 AutoConfig.register(ModelConfig.model_type, ModelConfig, exist_ok=True)
 AutoModelForCausalLM.register(ModelConfig, SlimKVForCausalLM, exist_ok=True)

@@ -17,16 +17,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slimkv.attention import ATTENTION_KINDS, kind_spec
+from slimkv.bench.compare import run_compare
+from slimkv.bench.entries import parse_entries
+from slimkv.compress import demo_compression
+from slimkv.data import prepare_shakespeare
 from slimkv.train.config import TrainConfig
 
-# The demo's entries (``slimkv compare`` syntax); options not given come from the compare default
-# table (slimkv.bench.compare.default_options): lrkv at rank round(d_h (1/2 - 1/H)) = half of
-# MHA's cache, gqa with H/2 K/V heads, mla with a latent of half MHA's cache, swa window seq_len/2.
-DEMO_ENTRIES = ("mha", "gqa", "mqa", "swa", "mla", "lrkv", "kvm:schedule=fixed", "kvm:schedule=sqrt", "swa+kvm")
 DEMO_STEPS = 120  # per entry: the default recipe; about 40 s per entry with evaluation on 2 quiet CPU cores
 DEMO_EVAL_TOKENS = 16384  # val tokens scored per entry (windows spread over the held-out plays)
 DEMO_DECODE_CONTEXTS = (128, 512, 2048)
 DEMO_SEED = 0
+
+
+def demo_entries() -> tuple[str, ...]:
+    """The demo's entries: every registered kind's ``demo`` presets (its own file), in registration
+    order; options not given come from each kind's comparable preset (tunable kinds at about half
+    of MHA's cache)."""
+    return tuple(entry for kind in ATTENTION_KINDS for entry in kind_spec(kind).presets.demo)
 
 
 def demo_recipe(steps: int | None = None) -> TrainConfig:
@@ -49,14 +57,12 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the small comparison (and then the compression demo); returns the compare report.
 
-    ``kinds``: a subset of ``DEMO_ENTRIES`` (default all of them)."""
-    from slimkv.bench.compare import parse_entries, run_compare
-    from slimkv.data import prepare_shakespeare
-
-    specs = list(DEMO_ENTRIES) if kinds is None else list(kinds)
+    ``kinds``: a subset of ``demo_entries()`` (default all of them)."""
+    entries_allowed = demo_entries()
+    specs = list(entries_allowed) if kinds is None else list(kinds)
     for spec in specs:
-        if spec not in DEMO_ENTRIES:
-            raise ValueError(f"--kinds: {spec!r} is not a demo entry; allowed values: {', '.join(DEMO_ENTRIES)} (use `slimkv compare` for others)")
+        if spec not in entries_allowed:
+            raise ValueError(f"--kinds: {spec!r} is not a demo entry; allowed values: {', '.join(entries_allowed)} (use `slimkv compare` for others)")
     recipe = demo_recipe(steps)
     entries = parse_entries(specs, recipe)
     out_dir = Path(out_dir)
@@ -83,7 +89,5 @@ def run_demo(
 
 def run_compression_demo(out_dir: Path) -> None:
     """The LatentLLM step: SmolLM2 at ratio 0.2 with rootcov and latentllm beside the dense model."""
-    from slimkv.compress import demo_compression
-
     print(f"\n== compression demo (SmolLM2, ratio 0.2, rootcov and latentllm) into {out_dir}", flush=True)
     demo_compression(out_dir, ratio=0.2, methods=("rootcov", "latentllm"))

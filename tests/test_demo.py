@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from slimkv.attention import ATTENTION_KINDS, build_attention
-from slimkv.bench.compare import parse_entries
-from slimkv.demo import DEMO_ENTRIES, demo_recipe, run_demo
+from slimkv.bench.entries import parse_entries
+from slimkv.demo import demo_entries, demo_recipe, run_demo
 
 
 def test_every_demo_entry_builds_with_the_recipe():
     recipe = demo_recipe()
-    entries = parse_entries(list(DEMO_ENTRIES), recipe)
+    entries = parse_entries(list(demo_entries()), recipe)
     kinds = {k for e in entries for k in e.kinds}
     assert kinds == {"mha", "gqa", "mqa", "swa", "mla", "lrkv", "kvm"} and kinds <= set(ATTENTION_KINDS)
     mha = build_attention("mha", recipe.d_model, recipe.n_heads)
@@ -23,7 +23,7 @@ def test_every_demo_entry_builds_with_the_recipe():
         for kind in entry.kinds:
             attn = build_attention(kind, recipe.d_model, recipe.n_heads, **entry.options[kind])
             ratios[entry.label] = attn.cache_bytes(recipe.seq_len) / mha.cache_bytes(recipe.seq_len)
-    assert ratios["lrkv"] == pytest.approx(0.5)  # the "lrkv at about 50% of MHA's cache"
+    assert ratios["lrkv"] == pytest.approx(0.5)  # lrkv at about 50% of MHA's cache
     assert {e.label: e.options for e in entries}["kvm:schedule=sqrt"]["kvm"]["schedule"] == "sqrt"
     assert recipe.steps <= 120 and recipe.dataset == "shakespeare"  # short: at most the default recipe
 

@@ -9,14 +9,15 @@ Every mechanism subclasses ``Attention`` and implements three things:
 
 Mechanisms are registered with ``register_attention`` and built with ``build_attention``; the
 registry also carries small ``example_options`` per kind, which the shared test runner uses, so a
-newly registered kind is tested against the contract's oracles without writing new tests.
+newly registered kind is tested against the contract's oracles without writing new tests, and its
+``Presets`` (comparable options, decode-benchmark variants, cache sizes, demo entries), so compare,
+the benchmarks and the demo need no per-kind code. docs/contract.md explains the contract.
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,43 +25,12 @@ import torch
 from torch import nn
 
 from slimkv.attention.cache import AttentionCache
+from slimkv.common.checks import Checked, check_bool, check_choice, check_float, check_int, close_matches
 from slimkv.ops.attention import BACKENDS
 from slimkv.ops.norm import RMSNorm
 from slimkv.ops.rope import ROPE_MODES, Rotary
 
-COMMON_OPTIONS = ("rope", "rope_fraction", "rope_theta", "qk_norm", "bias")
-
-
-# ---------------------------------------------------------------- validation helpers
-
-
-def close_matches(word: str, choices) -> str:
-    """' (did you mean ...?)' suffix for error messages, or ''."""
-    near = difflib.get_close_matches(str(word), [str(c) for c in choices], n=3)
-    return f" (did you mean {', '.join(near)}?)" if near else ""
-
-
-def check_choice(name: str, value: Any, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not allowed; allowed values: {', '.join(map(str, choices))}")
-
-
-def check_int(name: str, value: Any, minimum: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def check_float(name: str, value: Any, low: float = -math.inf, high: float = math.inf, *, open_low: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if open_low else value >= low) and value <= high
-    if not ok:
-        bound = f"> {low}" if open_low else f">= {low}"
-        raise ValueError(f"{name} must be a finite number {bound} and <= {high}, got {value!r}")
-
-
-def check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+COMMON_OPTIONS = ("rope", "rope_fraction", "rope_theta", "qk_norm", "bias", "backend")
 
 
 # ---------------------------------------------------------------- the base class
@@ -74,6 +44,10 @@ class Attention(nn.Module):
     """
 
     kind = "attention"
+    # Options that choose HOW the layer computes (a kernel, an exact decode path), never its
+    # weights or cache: ``set_runtime_options`` may change them on a built layer.
+    RUNTIME_OPTIONS: tuple[str, ...] = ("backend",)
+    backend = Checked(check_choice, BACKENDS)  # "sdpa" (fused kernels) or "reference" (the plain implementation tests compare against)
 
     def __init__(
         self,
@@ -86,6 +60,7 @@ class Attention(nn.Module):
         rope_theta: float = 10000.0,
         qk_norm: bool = False,
         bias: bool = False,
+        backend: str = "sdpa",
     ) -> None:
         check_int("d_model", d_model, 1)
         check_int("n_heads", n_heads, 1)
@@ -99,12 +74,22 @@ class Attention(nn.Module):
         check_float("rope_theta", rope_theta, 1.0, open_low=True)
         check_bool("qk_norm", qk_norm)
         check_bool("bias", bias)
+        check_choice("backend", backend, BACKENDS)
         super().__init__()
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
         self.rope_mode, self.rope_fraction, self.rope_theta = rope, rope_fraction, float(rope_theta)
         self.rotary = Rotary(head_dim, rope, rope_fraction, rope_theta)
         self.use_qk_norm, self.use_bias = qk_norm, bias
-        self.backend = "sdpa"  # per instance: "sdpa" (fused kernel) or "reference" (explicit softmax)
+        self.backend = backend
+
+    def set_runtime_options(self, **options: Any) -> None:
+        """Change runtime options (``RUNTIME_OPTIONS``: kernel or decode path) of this layer in place;
+        ValueError for any other option. Benchmarks and tests use it to time or compare two exact
+        paths on the same weights and cache."""
+        for name, value in options.items():
+            if name not in self.RUNTIME_OPTIONS:
+                raise ValueError(f"{name!r} is not a runtime option of attention kind {self.kind!r}; runtime options: {', '.join(self.RUNTIME_OPTIONS)}")
+            setattr(self, name, value)
 
     # -- the contract ---------------------------------------------------------------
 
@@ -112,8 +97,6 @@ class Attention(nn.Module):
         """x (batch, time, d_model) -> (batch, time, d_model); updates ``cache`` in place if given."""
         if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[1] < 1:
             raise ValueError(f"expected input of shape (batch, time>=1, {self.d_model}), got {tuple(x.shape)}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is not allowed; allowed values: {', '.join(BACKENDS)}")
         if cache is not None:
             cache.check_compatible(self.cache_spec(), x)
         return self._forward(x, cache)
@@ -179,36 +162,95 @@ class Attention(nn.Module):
 # ---------------------------------------------------------------- registry
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """The shape presets are computed for: one layer of ``n_heads`` x ``head_dim`` in a model of
+    width ``d_model`` trained (or measured) at ``seq_len`` tokens of context."""
+
+    d_model: int
+    n_heads: int
+    head_dim: int
+    seq_len: int = 4096
+
+
+@dataclass(frozen=True)
+class Presets:
+    """Ready-made options of a kind, so that ``compare``, the decode benchmark, the demo and the
+    recall frontier need no per-kind code (a kind without presets falls back to its first
+    example options there).
+
+    ``comparable(shape, explicit)``: (options, why) putting the kind at a setting comparable with
+    the others (tunable kinds at about half of MHA's cache); ``explicit`` are the options an
+    entry sets itself, for presets that depend on them.
+    ``decode(shape)``: [(label, options), ...] variants timed by the decode benchmark at the
+    width of an n_heads x head_dim MHA layer (e.g. a second decode path).
+    ``sizes(shape)``: [(label, options), ...] the kind at several cache sizes (frontier sweeps).
+    ``demo``: entry texts the demo runs for this kind (``slimkv.common.spec`` grammar).
+    """
+
+    comparable: Callable[[LayerShape, dict[str, Any]], tuple[dict[str, Any], str]] | None = None
+    decode: Callable[[LayerShape], list[tuple[str, dict[str, Any]]]] | None = None
+    sizes: Callable[[LayerShape], list[tuple[str, dict[str, Any]]]] | None = None
+    demo: tuple[str, ...] = ()
+
+
 @dataclass
 class KindSpec:
-    """How to build one kind: its class, the options it accepts, options fixed by the kind, and
-    small example configurations the shared contract tests run it with."""
+    """How to build one kind: its class, small example configurations the shared contract tests
+    run it with, a one-line description and its presets."""
 
     cls: type[Attention]
-    fixed: dict[str, Any] = field(default_factory=dict)
     example_options: list[dict[str, Any]] = field(default_factory=lambda: [{}])
     description: str = ""
+    presets: Presets = field(default_factory=Presets)
 
     def own_options(self) -> tuple[str, ...]:
         params = inspect.signature(self.cls.__init__).parameters.values()
         names = (p.name for p in params if p.kind == p.KEYWORD_ONLY)
-        return tuple(n for n in names if n not in COMMON_OPTIONS and n not in self.fixed)
+        return tuple(n for n in names if n not in COMMON_OPTIONS)
+
+    def comparable(self, shape: LayerShape, explicit: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+        """The kind's comparable options for ``shape`` (or its first example options)."""
+        if self.presets.comparable is not None:
+            return self.presets.comparable(shape, dict(explicit or {}))
+        return dict(self.example_options[0]), "the kind's first registered example options (it has no comparable preset)"
+
+    def decode_variants(self, shape: LayerShape, kind: str) -> list[tuple[str, dict[str, Any]]]:
+        """The kind's decode-benchmark variants for ``shape`` (or one with its first example options)."""
+        if self.presets.decode is not None:
+            return self.presets.decode(shape)
+        return [(kind, dict(self.example_options[0]))]
+
+    def size_variants(self, shape: LayerShape, kind: str) -> list[tuple[str, dict[str, Any]]]:
+        """The kind at several cache sizes for ``shape`` (or once, with its comparable options)."""
+        if self.presets.sizes is not None:
+            return self.presets.sizes(shape)
+        return [(kind, self.comparable(shape)[0])]
 
 
 _REGISTRY: dict[str, KindSpec] = {}
 ATTENTION_KINDS: list[str] = []
 
 
-def register_attention(kind: str, cls: type[Attention], *, fixed: dict | None = None, example_options: list[dict] | None = None, description: str = "") -> None:
-    """Add a kind to the registry (and so to ``ATTENTION_KINDS`` and the contract tests)."""
+def register_attention(kind: str, cls: type[Attention], *, example_options: list[dict] | None = None, description: str = "",
+                       presets: Presets | None = None) -> None:
+    """Add a kind to the registry (and so to ``ATTENTION_KINDS``, the contract tests, compare,
+    the decode benchmark and the demo)."""
     if kind in _REGISTRY:
         raise ValueError(f"attention kind {kind!r} is already registered")
-    _REGISTRY[kind] = KindSpec(cls, dict(fixed or {}), list(example_options or [{}]), description)
+    _REGISTRY[kind] = KindSpec(cls, list(example_options or [{}]), description, presets or Presets())
     ATTENTION_KINDS.append(kind)
 
 
+def unregister_attention(kind: str) -> None:
+    """Remove a kind registered with ``register_attention`` (tests that register toy kinds)."""
+    kind_spec(kind)
+    del _REGISTRY[kind]
+    ATTENTION_KINDS.remove(kind)
+
+
 def kind_spec(kind: str) -> KindSpec:
-    if kind not in _REGISTRY:
+    if not isinstance(kind, str) or kind not in _REGISTRY:
         raise ValueError(f"unknown attention kind {kind!r}{close_matches(kind, ATTENTION_KINDS)}; registered kinds: {', '.join(ATTENTION_KINDS)}")
     return _REGISTRY[kind]
 
@@ -219,7 +261,9 @@ def attention_options(kind: str) -> tuple[str, ...]:
 
 
 def build_attention(kind: str, d_model: int, n_heads: int, head_dim: int | None = None, **options: Any) -> Attention:
-    """Build an attention module of a registered ``kind``; unknown options raise ValueError."""
+    """Build an attention module of a registered ``kind``. This is the one validator of kinds and
+    options: an unknown kind or option, a missing required option or a bad value raises
+    ValueError naming it (with close matches and the allowed names) before any tensor is made."""
     spec = kind_spec(kind)
     allowed = attention_options(kind)
     for name in options:
@@ -228,6 +272,10 @@ def build_attention(kind: str, d_model: int, n_heads: int, head_dim: int | None 
                 f"unknown option {name!r} for attention kind {kind!r}{close_matches(name, allowed)}; "
                 f"allowed options: {', '.join(allowed)}"
             )
-    module = spec.cls(d_model, n_heads, head_dim, **spec.fixed, **options)
+    try:
+        inspect.signature(spec.cls.__init__).bind(None, d_model, n_heads, head_dim, **options)
+    except TypeError as err:
+        raise ValueError(f"attention kind {kind!r} cannot be built with options {options}: {err}") from None
+    module = spec.cls(d_model, n_heads, head_dim, **options)
     module.kind = kind
     return module

@@ -1,4 +1,4 @@
-"""``kvm``: key-value means attention (spec: ``shared/specs/kvm.md``).
+"""``kvm``: key-value means attention (docs/kvm.md).
 
 The layer is the usual projections (+ QK-norm and RoPE), a merge gate g = 1 + ELU(x W_g) per token
 and KV head, LN_s and two per-query-head temperatures, around the functional core in
@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimkv.attention.base import Attention, check_bool, register_attention
+from slimkv.attention.base import Attention, LayerShape, Presets, register_attention
 from slimkv.attention.cache import AttentionCache
 from slimkv.attention.mha import MultiHeadAttention
+from slimkv.common.checks import check_bool
 from slimkv.ops.kvm import (
     KVMParams,
     KVMSettings,
@@ -71,10 +72,6 @@ class KVMCache(AttentionCache):
 
     def tensors(self):
         return iter(self.state.tensors())
-
-    def reorder(self, index: torch.Tensor) -> None:
-        self.state.select_batch(index)
-        self.batch_size = int(index.numel())
 
 
 class KVMAttention(MultiHeadAttention):
@@ -194,6 +191,28 @@ class KVMAttention(MultiHeadAttention):
         )
 
 
+def _kvm_comparable(shape: LayerShape, explicit: dict) -> tuple[dict, str]:
+    """KVM at the recipe's scale: chunks of seq_len/8, so it compresses within one training window
+    (the paper's 256-token chunks and 256 rows would never compress a 128-token window)."""
+    chunk = max(2, shape.seq_len // 8)
+    schedule = explicit.get("schedule", "fixed")
+    options: dict = {"chunk_size": chunk, "schedule": schedule}
+    if schedule == "sqrt":
+        options.update(min_rows=max(1, chunk // 2), sqrt_coef=2.0)
+        return options, f"chunk_size = seq_len/8 = {chunk}; rows = max(2 sqrt(N), {chunk // 2})"
+    if schedule == "fixed":
+        options["min_rows"] = chunk
+        return options, f"chunk_size = seq_len/8 = {chunk}; {chunk} state rows"
+    return options, f"chunk_size = seq_len/8 = {chunk}"
+
+
+def _kvm_sizes(shape: LayerShape) -> list[tuple[str, dict]]:
+    chunk = max(2, shape.seq_len // 8)
+    sizes = [(f"kvm:chunk_size={chunk},min_rows={rows}", {"chunk_size": chunk, "schedule": "fixed", "min_rows": rows}) for rows in dict.fromkeys((max(1, chunk // 2), chunk, 2 * chunk))]
+    sizes.append((f"kvm:chunk_size={chunk},schedule=sqrt", {"chunk_size": chunk, "schedule": "sqrt", "min_rows": max(1, chunk // 2), "sqrt_coef": 2.0}))
+    return sizes
+
+
 register_attention(
     "kvm",
     KVMAttention,
@@ -205,4 +224,10 @@ register_attention(
         {"chunk_size": 4, "min_rows": 5, "sink_len": 0, "value_norm": "count", "merge_gate": False, "use_temperatures": False},
     ],
     description="key-value means: exact window + compressed growing state",
+    presets=Presets(
+        comparable=_kvm_comparable,
+        decode=lambda shape: [("kvm-fixed", {"chunk_size": 256, "schedule": "fixed"}), ("kvm-sqrt", {"chunk_size": 256, "schedule": "sqrt"})],
+        sizes=_kvm_sizes,
+        demo=("kvm:schedule=fixed", "kvm:schedule=sqrt", "swa+kvm"),
+    ),
 )

@@ -1,6 +1,6 @@
 """Low-rank key-value attention (LRKV): one shared K/V projection plus per-head low-rank residuals.
 
-Spec: ``shared/specs/lrkv.md``. Head h uses the effective maps
+docs/lrkv.md explains the design. Head h uses the effective maps
 
     W^K_h = W^K_shared + U^K_h (B^K_h)^T        W^V_h = W^V_shared + U^V_h (B^V_h)^T
 
@@ -33,7 +33,7 @@ s = 1 / rms(k_h) per token and head, and q . (g * s k_h) = s ((q * g) . k_s + ((
 Paths: without a cache (training), and for a call into an empty cache (a prompt), the per-head
 K/V of the call's own tokens are materialised with batched tensor ops and fed to the fused SDPA
 kernel. Calls with cached context (decode, any number of tokens) follow ``decode_path`` (per
-instance): ``"factored"`` (default; factored logits and values, or the block rebuild for
+the option): ``"factored"`` (default; factored logits and values, or the block rebuild for
 ``full``), never forming a past token's per-head key or value, or ``"expanded"`` (rebuild every
 cached per-head K/V and use SDPA), which the tests and the decode benchmark compare against.
 Shapes: activations (batch, time, heads, dim); kernels and caches (batch, heads, time, dim), the
@@ -49,9 +49,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from slimkv.attention.base import Attention, check_choice, check_float, check_int, register_attention
-from slimkv.attention.cache import AttentionCache, GrowableBuffer, dtype_bytes
+from slimkv.attention.base import Attention, LayerShape, Presets, register_attention
+from slimkv.attention.cache import AttentionCache
 from slimkv.attention.mha import MultiHeadAttention
+from slimkv.common.buffer import GrowableBuffer, dtype_bytes
+from slimkv.common.checks import Checked, check_choice, check_float, check_int
 from slimkv.ops.attention import attend, visibility_mask
 from slimkv.ops.norm import compute_dtype
 from slimkv.ops.rope import Rotary
@@ -168,6 +170,9 @@ class LowRankKVAttention(Attention):
     """``lrkv``: shared K/V plus per-head rank-r residuals (see the module docstring)."""
 
     kind = "lrkv"
+    RUNTIME_OPTIONS = (*Attention.RUNTIME_OPTIONS, "decode_path", "rebuild_block_tokens")
+    decode_path = Checked(check_choice, DECODE_PATHS)  # "factored" (the compact cache read directly) or "expanded" (the reference)
+    rebuild_block_tokens = Checked(check_int, 1)  # keys rebuilt per block by the ``full`` rope decode (bounds its memory)
 
     def __init__(
         self,
@@ -180,6 +185,8 @@ class LowRankKVAttention(Attention):
         rank_v: int | None = None,
         rope_mode: str = "decoupled",
         residual_init: float = 0.1,
+        decode_path: str = "factored",
+        rebuild_block_tokens: int = 512,
         **common,
     ) -> None:
         rank_k, rank_v = resolve_ranks(rank, rank_k, rank_v)
@@ -204,8 +211,8 @@ class LowRankKVAttention(Attention):
         self.o_proj = nn.Linear(n_heads * hd, d_model, bias=bias)
         self._make_qk_norms(hd, hd)
         self._init_residual_factors()
-        self.decode_path = "factored"  # per instance: "factored" (compact cache) or "expanded" (materialise)
-        self.rebuild_block_tokens = 512  # keys rebuilt per block by the ``full`` rope decode
+        self.decode_path = decode_path
+        self.rebuild_block_tokens = rebuild_block_tokens
 
     # -- construction helpers -------------------------------------------------------------
 
@@ -321,7 +328,6 @@ class LowRankKVAttention(Attention):
         return self._with_qk_gains(wq, wk)
 
     def _forward(self, x: torch.Tensor, cache: LRKVCache | None) -> torch.Tensor:
-        check_choice("decode_path", self.decode_path, DECODE_PATHS)
         start = cache.seq_len if cache is not None else 0
         q, new = self._project(x, start)
         if cache is None:
@@ -496,6 +502,23 @@ class LowRankKVAttention(Attention):
         return super().extra_repr() + f", rank_k={self.rank_k}, rank_v={self.rank_v}, rope_placement={self.rope_placement}, rot_dim={self.rotary.rot_dim}"
 
 
+def _rank_for(shape: LayerShape, fraction: float) -> int:
+    """The rank whose cache 1/H + r/d_h is closest to ``fraction`` of MHA's (at least 0)."""
+    return max(0, round(shape.head_dim * (fraction - 1 / shape.n_heads)))
+
+
+def _lrkv_comparable(shape: LayerShape, explicit: dict) -> tuple[dict, str]:
+    if "rank_k" in explicit or "rank_v" in explicit:
+        return {}, "ranks set by the entry"
+    rank = _rank_for(shape, 0.5)
+    return {"rank": rank}, f"rank = round(d_h (1/2 - 1/H)) = {rank}: cache 1/H + r/d_h = {1 / shape.n_heads + rank / shape.head_dim:.3f} of MHA"
+
+
+def _lrkv_sizes(shape: LayerShape) -> list[tuple[str, dict]]:
+    ranks = dict.fromkeys(_rank_for(shape, f) for f in (0.25, 0.5, 0.75))
+    return [(f"lrkv:rank={r}", {"rank": r}) for r in ranks]
+
+
 register_attention(
     "lrkv",
     LowRankKVAttention,
@@ -506,4 +529,10 @@ register_attention(
         {"rank": 0},
     ],
     description="low-rank key-value attention",
+    presets=Presets(
+        comparable=_lrkv_comparable,
+        decode=lambda shape: [("lrkv", {"rank": max(1, shape.head_dim // 4)}), ("lrkv-expanded", {"rank": max(1, shape.head_dim // 4), "decode_path": "expanded"})],
+        sizes=_lrkv_sizes,
+        demo=("lrkv",),
+    ),
 )

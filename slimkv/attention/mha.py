@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slimkv.attention.base import Attention, check_int, register_attention
-from slimkv.attention.cache import AttentionCache, GrowableBuffer, dtype_bytes
+from slimkv.attention.base import Attention, LayerShape, Presets, register_attention
+from slimkv.attention.cache import AttentionCache
+from slimkv.common.buffer import GrowableBuffer, dtype_bytes
+from slimkv.common.checks import check_int
 from slimkv.ops.attention import attend
 
 
@@ -132,6 +134,42 @@ class MQA(MultiHeadAttention):
         super().__init__(d_model, n_heads, head_dim, n_kv_heads=1, **common)
 
 
-register_attention("mha", MHA, description="multi-head attention")
-register_attention("gqa", GQA, example_options=[{"n_kv_heads": 2}], description="grouped-query attention")
-register_attention("mqa", MQA, description="multi-query attention")
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    """The largest divisor of ``n`` that is at most ``cap`` (at least 1)."""
+    return max(d for d in range(1, max(cap, 1) + 1) if n % d == 0)
+
+
+def _gqa_comparable(shape: LayerShape, explicit: dict) -> tuple[dict, str]:
+    kv = largest_divisor_at_most(shape.n_heads, shape.n_heads // 2)
+    return {"n_kv_heads": kv}, f"n_kv_heads = H/2 ({kv} of {shape.n_heads}): half of MHA's cache"
+
+
+def _gqa_sizes(shape: LayerShape) -> list[tuple[str, dict]]:
+    counts = [d for d in range(2, shape.n_heads) if shape.n_heads % d == 0] or [largest_divisor_at_most(shape.n_heads, shape.n_heads // 2)]
+    return [(f"gqa:n_kv_heads={d}", {"n_kv_heads": d}) for d in counts]
+
+
+register_attention(
+    "mha",
+    MHA,
+    description="multi-head attention",
+    presets=Presets(comparable=lambda shape, explicit: ({}, "no options"), demo=("mha",)),
+)
+register_attention(
+    "gqa",
+    GQA,
+    example_options=[{"n_kv_heads": 2}],
+    description="grouped-query attention",
+    presets=Presets(
+        comparable=_gqa_comparable,
+        decode=lambda shape: [("gqa", {"n_kv_heads": largest_divisor_at_most(shape.n_heads, shape.n_heads // 4)})],
+        sizes=_gqa_sizes,
+        demo=("gqa",),
+    ),
+)
+register_attention(
+    "mqa",
+    MQA,
+    description="multi-query attention",
+    presets=Presets(comparable=lambda shape, explicit: ({}, "no options"), demo=("mqa",)),
+)

@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA, DeepSeek-V2), the latent-cache baseline.
 
-Spec: ``shared/specs/mla.md``. Per token, one matmul maps x (d_model) to a latent c (``kv_rank``)
+docs/mla.md explains the design. Per token, one matmul maps x (d_model) to a latent c (``kv_rank``)
 and a rotary key k_pe (``rope_dim``) shared by every head. c is RMS-normalised; head h reads
 
     key_h   = [rotate(k_pe) | c W_UK_h]      (rope_dim + head_dim channels)
@@ -33,7 +33,7 @@ Cache: the normalised latent and the rotated rotary key, (kv_rank + rope_dim) el
 per layer, in one buffer of kernel layout (batch, 1, time, rope_dim + kv_rank) whose rows are
 [k_pe | c]. No per-head tensor is ever cached.
 
-Two exact paths, picked per instance by the attribute ``decode_path``:
+Two exact paths, picked by the option ``decode_path``:
 
 * ``"absorbed"``: queries absorb W_UK (q~_h = q_nope,h W_UK_h^T, kv_rank wide), so the logits are
   [q_pe,h | q~_h] . [k_pe,t | c_t] against the cache rows themselves, one key/value head shared by
@@ -52,8 +52,10 @@ import math
 import torch
 from torch import nn
 
-from slimkv.attention.base import Attention, check_choice, check_int, register_attention
-from slimkv.attention.cache import AttentionCache, GrowableBuffer, dtype_bytes
+from slimkv.attention.base import Attention, LayerShape, Presets, register_attention
+from slimkv.attention.cache import AttentionCache
+from slimkv.common.buffer import GrowableBuffer, dtype_bytes
+from slimkv.common.checks import Checked, check_choice, check_int
 from slimkv.ops.attention import attend
 from slimkv.ops.norm import RMSNorm
 from slimkv.ops.rope import Rotary, rotary_dim
@@ -108,6 +110,8 @@ class MultiHeadLatentAttention(Attention):
     """``mla``: keys and values rebuilt per head from a cached low-rank latent (module docstring)."""
 
     kind = "mla"
+    RUNTIME_OPTIONS = (*Attention.RUNTIME_OPTIONS, "decode_path")
+    decode_path = Checked(check_choice, DECODE_PATHS)  # "auto", "absorbed" or "expanded" (module docstring)
 
     def __init__(
         self,
@@ -119,6 +123,7 @@ class MultiHeadLatentAttention(Attention):
         q_rank: int | None = None,
         rope_dim: int | None = None,
         v_head_dim: int | None = None,
+        decode_path: str = "auto",
         **common,
     ) -> None:
         if kv_rank is None:
@@ -136,7 +141,7 @@ class MultiHeadLatentAttention(Attention):
         self.scale = 1.0 / math.sqrt(self.qk_dim)
         # replaces the base class's per-head rotary: only the rope_dim leading channels of queries and k_pe turn
         self.rotary = Rotary(rope_dim, "full" if rope_dim else "none", theta=self.rope_theta)
-        self.decode_path = "auto"  # per instance: "auto", "absorbed" or "expanded" (module docstring)
+        self.decode_path = decode_path
 
         h, bias = n_heads, self.use_bias
         if q_rank is None:
@@ -190,7 +195,6 @@ class MultiHeadLatentAttention(Attention):
         return wq, wk
 
     def _forward(self, x: torch.Tensor, cache: LatentCache | None) -> torch.Tensor:
-        check_choice("decode_path", self.decode_path, DECODE_PATHS)
         b, t, _ = x.shape
         start = cache.seq_len if cache is not None else 0
         q = self.queries(x, start)
@@ -257,9 +261,40 @@ class MultiHeadLatentAttention(Attention):
         )
 
 
+def _rope_dim_for(head_dim: int) -> int:
+    return max(2, head_dim // 2 - head_dim // 2 % 2)
+
+
+def _mla_at(shape: LayerShape, fraction: float) -> dict:
+    """kv_rank and rope_dim (half of head_dim, even) for a cache of ``fraction`` of MHA's."""
+    rope_dim = _rope_dim_for(shape.head_dim)
+    total = max(rope_dim + 1, round(2 * shape.n_heads * shape.head_dim * fraction))
+    return {"kv_rank": total - rope_dim, "rope_dim": rope_dim}
+
+
+def _mla_comparable(shape: LayerShape, explicit: dict) -> tuple[dict, str]:
+    options = _mla_at(shape, 0.5)
+    return options, f"kv_rank + rope_dim = H d_h = {options['kv_rank'] + options['rope_dim']}: half of MHA's cache"
+
+
+def _mla_decode(shape: LayerShape) -> list[tuple[str, dict]]:
+    """As DeepSeek-V2: kv_rank 4 head_dim, rope_dim head_dim / 2; both exact paths."""
+    options = {"kv_rank": 4 * shape.head_dim, "rope_dim": _rope_dim_for(shape.head_dim)}
+    return [("mla", options), ("mla-expanded", {**options, "decode_path": "expanded"})]
+
+
+def _mla_sizes(shape: LayerShape) -> list[tuple[str, dict]]:
+    sizes = {}
+    for fraction in (0.125, 0.25, 0.5):
+        options = _mla_at(shape, fraction)
+        sizes[options["kv_rank"]] = (f"mla:kv_rank={options['kv_rank']},rope_dim={options['rope_dim']}", options)
+    return list(sizes.values())
+
+
 register_attention(
     "mla",
     MultiHeadLatentAttention,
     example_options=[{"kv_rank": 6}, {"kv_rank": 12, "q_rank": 10, "v_head_dim": 6}],
     description="multi-head latent attention (DeepSeek-V2)",
+    presets=Presets(comparable=_mla_comparable, decode=_mla_decode, sizes=_mla_sizes, demo=("mla",)),
 )

@@ -1,31 +1,21 @@
 """Per-token decode latency of one attention layer with a filled cache, and sweeps of it over
-attention kinds and contexts (``decode_sweep``, used by benchmarks/decode_all.py and decode_mha.py)."""
+attention kinds and contexts (``decode_sweep``, used by ``slimkv compare`` and benchmarks/decode_all.py)."""
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from slimkv.attention import Attention, AttentionCache, build_attention, kind_spec
-from slimkv.attention.base import check_int
-from slimkv.bench.timing import measure_copy_bandwidth, time_fn, write_results
-
-
-@torch.no_grad()
-def prefill(attn: Attention, context: int, *, batch: int = 1, dtype: torch.dtype = torch.float32, chunk: int = 2048, seed: int = 0) -> AttentionCache:
-    """A cache holding ``context`` tokens, filled by the mechanism's own prefill, in chunks."""
-    gen = torch.Generator().manual_seed(seed)
-    device = next(attn.parameters()).device
-    cache = attn.new_cache(batch, dtype=dtype, device=device)
-    for start in range(0, context, chunk):
-        n = min(chunk, context - start)
-        attn(torch.randn(batch, n, attn.d_model, generator=gen, dtype=dtype).to(device), cache=cache)
-    return cache
+from slimkv.attention import Attention, AttentionCache, LayerShape, build_attention, kind_spec
+from slimkv.common.checks import check_int
+from slimkv.common.plotting import new_figure
+from slimkv.common.timing import measure_copy_bandwidth, time_fn, write_results
 
 
 @torch.no_grad()
@@ -47,67 +37,28 @@ def decode_latency(attn: Attention, cache: AttentionCache, *, warmup: int = 3, r
 
 @dataclass
 class DecodeVariant:
-    """One row of a decode benchmark: a kind, its options, per-instance attributes to set before
-    timing (e.g. ``{"decode_path": "expanded"}``) and where the options came from."""
+    """One row of a decode benchmark: a label, a kind and its options (a second decode path is an
+    option too, e.g. ``{"decode_path": "expanded"}``), and where the options came from."""
 
     label: str
     kind: str
     options: dict[str, Any]
-    attrs: dict[str, Any] = field(default_factory=dict)
-    source: str = "matched-width table"
-
-
-def _largest_divisor_at_most(n: int, cap: int) -> int:
-    return max(d for d in range(1, max(cap, 1) + 1) if n % d == 0)
-
-
-def _matched_width_table(n_heads: int, head_dim: int) -> dict[str, list[DecodeVariant]]:
-    """Benchmark configurations per kind for a layer of n_heads x head_dim (an MHA of that width is
-    the reference): GQA with a quarter of the K/V heads, a 4K window, MLA as DeepSeek-V2
-    (kv_rank 4 head_dim, rope_dim head_dim / 2), LRKV with rank head_dim / 4, KVM with the
-    paper's 256-token chunks. Kinds with a second decode path are timed on both."""
-    mla = {"kv_rank": 4 * head_dim, "rope_dim": max(2, head_dim // 2 - head_dim // 2 % 2)}
-    lrkv = {"rank": max(1, head_dim // 4)}
-    return {
-        "mha": [DecodeVariant("mha", "mha", {})],
-        "gqa": [DecodeVariant("gqa", "gqa", {"n_kv_heads": _largest_divisor_at_most(n_heads, n_heads // 4)})],
-        "mqa": [DecodeVariant("mqa", "mqa", {})],
-        "swa": [DecodeVariant("swa", "swa", {"window": 4096})],
-        "mla": [
-            DecodeVariant("mla", "mla", mla),
-            DecodeVariant("mla-expanded", "mla", mla, {"decode_path": "expanded"}),
-        ],
-        "lrkv": [
-            DecodeVariant("lrkv", "lrkv", lrkv),
-            DecodeVariant("lrkv-expanded", "lrkv", lrkv, {"decode_path": "expanded"}),
-        ],
-        "kvm": [
-            DecodeVariant("kvm-fixed", "kvm", {"chunk_size": 256, "schedule": "fixed"}),
-            DecodeVariant("kvm-sqrt", "kvm", {"chunk_size": 256, "schedule": "sqrt"}),
-        ],
-    }
+    source: str = "the kind's decode preset"
 
 
 def matched_width_variants(kinds: list[str], n_heads: int, head_dim: int, overrides: dict[str, dict] | None = None) -> list[DecodeVariant]:
-    """Decode-benchmark variants of ``kinds`` at the width of an n_heads x head_dim MHA layer.
-
-    Kinds without a table entry (registered later) run with their first registered example
-    options, labelled as such; ``overrides`` maps a kind to options that replace its table's."""
-    table = _matched_width_table(n_heads, head_dim)
+    """Decode-benchmark variants of ``kinds`` at the width of an n_heads x head_dim MHA layer, from
+    each kind's ``decode`` preset (its own file); ``overrides`` maps a kind to options that
+    replace the preset's in every variant (a variant's own decode path is kept)."""
+    shape = LayerShape(n_heads * head_dim, n_heads, head_dim)
     variants = []
     for kind in kinds:
-        kind_spec(kind)  # unknown kinds fail here, with the list of registered ones
-        if kind in table:
-            entries = table[kind]
-        else:
-            example = dict(kind_spec(kind).example_options[0])
-            entries = [DecodeVariant(kind, kind, example, source="registry example options (no matched-width entry)")]
-        if overrides and kind in overrides:  # one plain variant with those options, plus the decode-path ones
-            options = dict(overrides[kind])
-            entries = [DecodeVariant(kind, kind, options, source="command line")] + [
-                replace(v, options=options, source="command line") for v in entries if v.attrs
-            ]
-        variants.extend(entries)
+        for label, options in kind_spec(kind).decode_variants(shape, kind):
+            if overrides and kind in overrides:
+                path = {k: v for k, v in options.items() if k == "decode_path"}
+                variants.append(DecodeVariant(label, kind, {**overrides[kind], **path}, source="command line"))
+            else:
+                variants.append(DecodeVariant(label, kind, dict(options)))
     return variants
 
 
@@ -121,9 +72,11 @@ def fill_cache(attn: Attention, cache: AttentionCache, context: int, *, generato
         attn(x.to(device), cache=cache)
 
 
-def _set_attrs(attn: Attention, attrs: dict[str, Any], defaults: dict[str, Any]) -> None:
-    for name, default in defaults.items():
-        setattr(attn, name, attrs.get(name, default))
+def _split_runtime(kind: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(options that build the layer, runtime options) of a variant: variants differing only in
+    runtime options (a decode path) share one module and one cache."""
+    runtime = kind_spec(kind).cls.RUNTIME_OPTIONS
+    return {k: v for k, v in options.items() if k not in runtime}, {k: v for k, v in options.items() if k in runtime}
 
 
 def decode_sweep(
@@ -144,7 +97,7 @@ def decode_sweep(
 ) -> dict[str, Any]:
     """Per-token decode latency of one layer of every variant at every context.
 
-    Variants of one (kind, options) share a module and a cache, which grows from context to
+    Variants that differ only in runtime options (a decode path) share a module and a cache, which grows from context to
     context (prefill in chunks of random inputs, never restarted). At each context the variants
     are timed interleaved: ``rounds`` rounds, each running every variant for ``warmup`` untimed
     and ``repeats`` timed single-token calls; the samples of all rounds are pooled. Each timed
@@ -154,11 +107,16 @@ def decode_sweep(
     check_int("batch", batch, 1)
     for c in contexts:
         check_int("contexts", c, 1)
-    modules: dict[str, tuple[Attention, AttentionCache, dict[str, Any]]] = {}
+    modules: dict[str, tuple[Attention, AttentionCache, dict[str, Any]]] = {}  # key -> (layer, cache, its default runtime options)
     names: dict[str, str] = {}  # module key -> label of its first variant (progress bar)
     runnable, skipped = [], []
     for variant in variants:
-        key = json.dumps([variant.kind, variant.options], sort_keys=True, default=str)
+        try:
+            build, runtime = _split_runtime(variant.kind, variant.options)
+        except ValueError as err:
+            skipped.append({"label": variant.label, "kind": variant.kind, "options": variant.options, "reason": str(err)})
+            continue
+        key = json.dumps([variant.kind, build], sort_keys=True, default=str)
         if key not in modules:
             try:
                 torch.manual_seed(seed)
@@ -167,16 +125,9 @@ def decode_sweep(
                 skipped.append({"label": variant.label, "kind": variant.kind, "options": variant.options, "reason": str(err)})
                 continue
             attn = attn.to(device=device, dtype=dtype).eval()
-            modules[key] = (attn, attn.new_cache(batch, dtype=dtype, device=device), {})
+            modules[key] = (attn, attn.new_cache(batch, dtype=dtype, device=device), {name: getattr(attn, name) for name in attn.RUNTIME_OPTIONS})
             names[key] = variant.label
-        attn, _, defaults = modules[key]
-        missing = [name for name in variant.attrs if not hasattr(attn, name)]
-        if missing:
-            skipped.append({"label": variant.label, "kind": variant.kind, "options": variant.options, "reason": f"a {variant.kind} module has no attribute {missing[0]!r}"})
-            continue
-        for name in variant.attrs:
-            defaults.setdefault(name, getattr(attn, name))
-        runnable.append((variant, key))
+        runnable.append((variant, key, runtime))
 
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -185,21 +136,21 @@ def decode_sweep(
         for context in sorted(contexts):
             for key, (attn, cache, defaults) in modules.items():
                 bar.set_postfix_str(f"prefill {names[key]} to {context}")
-                _set_attrs(attn, {}, defaults)
+                attn.set_runtime_options(**defaults)
                 fill_cache(attn, cache, context, generator=generator, chunk=chunk)
                 bar.update()
             pooled: dict[str, dict[str, Any]] = {}
             for _ in range(rounds):
-                for variant, key in runnable:
+                for variant, key, runtime in runnable:
                     attn, cache, defaults = modules[key]
                     bar.set_postfix_str(f"decode {variant.label} at {context}")
-                    _set_attrs(attn, variant.attrs, defaults)
+                    attn.set_runtime_options(**{**defaults, **runtime})
                     seen = cache.seq_len
                     stats = decode_latency(attn, cache, warmup=warmup, repeats=repeats)
                     entry = pooled.setdefault(variant.label, {"context_seen": seen, "cache_bytes": stats["cache_bytes"], "samples_s": []})
                     entry["samples_s"].extend(stats["samples_s"])
                     bar.update()
-            for variant, key in runnable:
+            for variant, key, _ in runnable:
                 attn = modules[key][0]
                 entry = pooled[variant.label]
                 samples = entry["samples_s"]
@@ -228,7 +179,7 @@ def decode_sweep(
             "device": str(device), "contexts": sorted(contexts), "warmup": warmup, "repeats": repeats, "rounds": rounds,
             "prefill_chunk": chunk, "seed": seed,
         },
-        "variants": [asdict(v) for v, _ in runnable],
+        "variants": [asdict(v) for v, _, _ in runnable],
         "skipped": skipped,
         "rows": rows,
     }
@@ -238,7 +189,7 @@ TARGET_CONTEXT = 32768  # the decode targets are stated for 32K cached tokens
 
 
 def decode_targets(payload: dict[str, Any], copy_bandwidth: float) -> list[dict[str, Any]]:
-    """The decode targets at the largest context measured, if it is at least 32K (issue 6):
+    """The decode targets at the largest context measured, if it is at least 32K:
 
     * every variant reads its cache at >= half the measured copy bandwidth (bytes/s of a large
       copy, read + write counted, as ``measure_copy_bandwidth`` reports it);
@@ -286,12 +237,7 @@ def decode_table(payload: dict[str, Any], copy_bandwidth: float) -> str:
 def decode_figure(payload: dict[str, Any], copy_bandwidth: float):
     """Two panels: ms per token against context, and cache GB/s against context beside the copy
     bandwidth (and half of it)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_time, ax_bw) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_time, ax_bw) = new_figure(1, 2, figsize=(12, 4.5))
     labels = list(dict.fromkeys(r["label"] for r in payload["rows"]))
     for label in labels:
         rows = sorted((r for r in payload["rows"] if r["label"] == label), key=lambda r: r["context"])
@@ -314,11 +260,11 @@ def decode_figure(payload: dict[str, Any], copy_bandwidth: float):
     return fig
 
 
-def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: list[int], *, out_dir=None, **sweep_options: Any) -> dict[str, Any]:
+def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: list[int], *, out_dir: str | Path, **sweep_options: Any) -> dict[str, Any]:
     """Measure the copy bandwidth, run ``decode_sweep``, print the table and the targets, write
     ``<name>.json`` and ``<name>.png`` (``write_results``); returns the JSON payload."""
     device = sweep_options.get("device", "cpu")
-    print(f"threads: {torch.get_num_threads()}; variants: " + ", ".join(f"{v.label} {v.options or ''}{v.attrs or ''}".strip() for v in variants))
+    print(f"threads: {torch.get_num_threads()}; variants: " + ", ".join(f"{v.label} {v.options or ''}".strip() for v in variants))
     copy_before = measure_copy_bandwidth(device=device)
     payload = decode_sweep(variants, contexts, **sweep_options)
     copy_after = measure_copy_bandwidth(device=device)
@@ -340,6 +286,6 @@ def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: lis
         print(f"targets: stated for >= {TARGET_CONTEXT} cached tokens; not evaluated (largest context {max(contexts)})")
     for t in payload["targets"]:
         print(f"target [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['label']} at {t['context']}: {t['value']:.3f}")
-    path = write_results(name, payload, decode_figure(payload, copy_bandwidth), out_dir=out_dir)
+    path = write_results(name, payload, out_dir, figure=decode_figure(payload, copy_bandwidth))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return payload

@@ -8,9 +8,22 @@ numerics.
 """
 
 from slimkv.compress.linalg import FactorizationError
+from slimkv.compress.methods import METHODS, register_method
+from slimkv.compress.options import CompressOptions
 from slimkv.compress.persist import load, save
-from slimkv.compress.pipeline import METHODS, CompressOptions, compress_model
+from slimkv.compress.pipeline import compress_model
 from slimkv.compress.sweep import demo_compression, run_sweep
 from slimkv.compress.workflow import compress_pretrained
 
-__all__ = ["METHODS", "CompressOptions", "FactorizationError", "compress_model", "compress_pretrained", "demo_compression", "load", "run_sweep", "save"]
+__all__ = [
+    "METHODS",
+    "CompressOptions",
+    "FactorizationError",
+    "compress_model",
+    "compress_pretrained",
+    "demo_compression",
+    "load",
+    "register_method",
+    "run_sweep",
+    "save",
+]

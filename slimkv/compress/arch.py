@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slimkv.compress.models import family_of
+from slimkv.pretrained.families import family_of
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slimkv.bench.timing import time_fn
+from slimkv.common.timing import time_fn
 from slimkv.compress.arch import Architecture
 from slimkv.compress.factored import DenseInputFactor, FactoredLinear, IdentityBlockInputFactor, SharedInputFactor
 

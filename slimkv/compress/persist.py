@@ -9,7 +9,6 @@ from the file (never a random initialisation) and logits are identical to the sa
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -19,11 +18,13 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from slimkv.common.files import read_json, write_json
 from slimkv.compress.arch import Architecture
 from slimkv.compress.factored import FactoredLinear, SharedInputFactor, SplitOutputLinear, make_input_factor
-from slimkv.files import write_json
+from slimkv.pretrained.families import family_of
+from slimkv.pretrained.loading import COMPRESSED_MANIFEST
 
-MANIFEST_NAME = "slimkv_compression.json"
+MANIFEST_NAME = COMPRESSED_MANIFEST
 WEIGHTS_NAME = "model.safetensors"
 FORMAT = "slimkv-compressed"
 FORMAT_VERSION = 1
@@ -83,13 +84,11 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | 
     """(model, tokenizer) from a ``slimkv compress`` folder (plus the manifest if asked)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from slimkv.compress.models import family_of
-
     path = Path(path).expanduser()
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{path} is not a slimkv compression folder (no {MANIFEST_NAME}); create one with `slimkv compress`")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_json(manifest_path, expect=dict)
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{manifest_path}: unsupported format {manifest.get('format')!r} version {manifest.get('format_version')!r}")
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)

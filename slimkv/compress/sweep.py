@@ -16,14 +16,16 @@ from typing import Any
 
 import torch
 
-from slimkv.bench.timing import RESULTS_DIR, write_results
+from slimkv.common.files import write_text
+from slimkv.common.plotting import new_figure
+from slimkv.common.timing import write_results
 from slimkv.compress.cost import cost_summary, prefill_latency
-from slimkv.compress.models import LoadedModel, load_pretrained
-from slimkv.compress.pipeline import METHODS, CompressOptions
-from slimkv.compress.text import evaluation_text, text_sha256, tokenize
+from slimkv.compress.methods import METHODS
+from slimkv.compress.options import CompressOptions
 from slimkv.compress.workflow import DEFAULT_CALIB_SEQ_LEN, calibration_set, compress_loaded
-from slimkv.eval.ppl import perplexity_of_ids
-from slimkv.files import write_text
+from slimkv.data.texts import evaluation_text, text_sha256, tokenize
+from slimkv.pretrained import SMOLLM2, LoadedModel, fetch_smollm2, load_pretrained
+from slimkv.scoring import perplexity_of_ids
 
 # Method labels a sweep accepts: the four methods plus latentllm with one component switched off.
 VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
@@ -129,12 +131,7 @@ def markdown_table(result: dict) -> str:
 
 def plot(result: dict):
     """Perplexity against ratio per method (log y), dense as a dashed line; returns the figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = new_figure(figsize=(6.4, 4.4))
     for label in dict.fromkeys(row["method"] for row in result["rows"]):
         rows = sorted((r for r in result["rows"] if r["method"] == label), key=lambda r: r["ratio"])
         ax.plot([r["ratio"] for r in rows], [r["ppl"] for r in rows], marker="o", label=label)
@@ -149,11 +146,10 @@ def plot(result: dict):
     return fig
 
 
-def write_sweep(result: dict, name: str, out_dir: Path | None = None) -> Path:
+def write_sweep(result: dict, name: str, out_dir: str | Path) -> Path:
     """``<name>.json`` + ``<name>.png`` (via ``write_results``) and ``<name>.md`` under ``out_dir``."""
-    out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
-    figure = plot(result)
-    path = write_results(name, result, figure=figure, out_dir=out_dir)
+    out_dir = Path(out_dir)
+    path = write_results(name, result, out_dir, figure=plot(result))
     write_text(out_dir / f"{name}.md", markdown_table(result))
     return path
 
@@ -166,8 +162,6 @@ def demo_compression(out_dir: str | Path, *, model: str = "smollm2", ratio: floa
     Small on purpose (a few minutes on 2 CPU cores): ``calib_tokens`` calibration tokens and the
     first ``eval_tokens`` held-out tokens; the full sweep (``slimkv compress-sweep``) uses more.
     """
-    from slimkv.compress.models import SMOLLM2, fetch_smollm2
-
     if model == SMOLLM2:
         fetch_smollm2()
     base = load_pretrained(model)

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
-import slimkv
-from slimkv.compress.models import LoadedModel, load_pretrained, weights_fingerprint
+from slimkv.common.version import VERSION
+from slimkv.compress.options import CompressOptions
 from slimkv.compress.persist import save
-from slimkv.compress.pipeline import CompressOptions, compress_model
-from slimkv.compress.text import DOC_SEPARATOR, calibration_documents, calibration_ids, text_sha256
+from slimkv.compress.pipeline import compress_model
+from slimkv.data.texts import DOC_SEPARATOR, calibration_documents, calibration_ids, text_sha256
+from slimkv.pretrained import LoadedModel, load_pretrained, weights_fingerprint
 
 DEFAULT_CALIB_TOKENS = 8192
 DEFAULT_CALIB_SEQ_LEN = 1024
@@ -53,7 +54,7 @@ def compress_loaded(loaded: LoadedModel, options: CompressOptions, calib: str, c
     if "weights_sha256" not in identity and identity.get("path"):
         identity["weights_sha256"] = weights_fingerprint(Path(identity["path"]))
     return {
-        "library_version": slimkv.__version__,
+        "library_version": VERSION,
         "base_model": identity,
         **body,
         "calibration": calib_info,

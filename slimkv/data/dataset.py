@@ -13,7 +13,6 @@ Layout of ``cache_dir()/datasets/<name>/``:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -23,7 +22,8 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from slimkv.paths import cache_dir
+from slimkv.common.files import sha256_file
+from slimkv.common.paths import cache_dir
 
 SHAKESPEARE = "shakespeare"
 MANIFEST = "manifest.json"
@@ -48,15 +48,6 @@ def prepare_command(name: str) -> str:
     if name == SHAKESPEARE:
         return "slimkv data prepare shakespeare"
     return f"slimkv data prepare --text PATH [PATH ...] --name {name}"
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def file_problem(folder: Path, manifest: dict[str, Any]) -> str | None:

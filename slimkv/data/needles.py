@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slimkv.attention.base import check_float, check_int
+from slimkv.common.checks import check_float, check_int
 
 NEEDLE_TEMPLATE = "One of the special magic numbers for {key} is: {value}.\n"
 QUESTION_TEMPLATE = "\nQuestion: What is the special magic number for {key}?\nAnswer: The special magic number for {key} is:"

@@ -30,6 +30,7 @@ import numpy as np
 import tokenizers
 from tqdm import tqdm
 
+from slimkv.common.files import sha256_file, write_json
 from slimkv.data.dataset import (
     MANIFEST,
     SHAKESPEARE,
@@ -38,11 +39,9 @@ from slimkv.data.dataset import (
     file_problem,
     prepare_command,
     read_manifest,
-    sha256_file,
 )
 from slimkv.data.shakespeare import VAL_PLAYS, play_files, shakespeare_plays, shakespeare_split
 from slimkv.data.tokenizer import check_vocab_size, encode_long, token_byte_lengths, train_byte_bpe
-from slimkv.files import write_json
 
 FORMAT_VERSION = 1
 SEPARATOR = "\n\n"  # between documents of a split; plain text, no special token

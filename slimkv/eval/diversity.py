@@ -13,20 +13,17 @@ Centring removes one dimension: H mutually orthogonal operators give exactly H -
 (H-1)/H of r_eff/H; identical heads give 0 (G_c = 0; defined as 0). The uncentred value, from G,
 lies in [1, H].
 
-``slimkv analyze diversity RUN_DIR`` prints a table per layer and writes ``diversity.json``.
+``slimkv analyze diversity RUN_DIR`` prints a table per layer (``format_table``) and writes ``diversity.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from slimkv.attention import Attention
-from slimkv.files import write_json
 
 # Eigenvalues of G or G_c below this fraction of H count as zero (round-off of a rank-deficient Gram).
 EIGEN_TOLERANCE = 1e-10
@@ -106,21 +103,6 @@ def model_diversity(model) -> list[dict[str, Any]]:
     return rows
 
 
-# ---------------------------------------------------------------- command line
-
-
-def model_folder(path: Path) -> Path:
-    """The saved model folder of a run directory (RUN_DIR/model) or the path itself if it is one."""
-    if (path / "model" / "config.json").is_file():
-        return path / "model"
-    if (path / "config.json").is_file():
-        return path
-    raise FileNotFoundError(
-        f"no saved model in {path} (looked for {path / 'model' / 'config.json'} and {path / 'config.json'}); "
-        "train one with `slimkv train` or pass a folder written by save_pretrained"
-    )
-
-
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Human table: one line per layer and the mean."""
     header = f"{'layer':>5}  {'kind':<6} {'H':>3}  {'r_eff':>7}  {'r_eff/H':>7}  {'ceiling':>7}  {'uncentred':>9}"
@@ -138,29 +120,3 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         mean = sum(r["r_eff_over_heads"] for r in done) / len(done)
         lines.append(f"mean r_eff/H over {len(done)} layers: {mean:.1%}")
     return "\n".join(lines)
-
-
-def run_diversity(args: argparse.Namespace) -> int:
-    from slimkv.model import SlimKVForCausalLM
-
-    run_dir = Path(args.run_dir)
-    folder = model_folder(run_dir)
-    model = SlimKVForCausalLM.from_pretrained(folder).eval()
-    rows = model_diversity(model)
-    print(f"head diversity of {folder} (centred operator Gram; ceiling = (H-1)/H)")
-    print(format_table(rows))
-    out = Path(args.out) if args.out else run_dir / "diversity.json"
-    write_json(out, {"model": str(folder), "metric": "exp(entropy) of eigenvalues of J G J, G = cosine Gram of W^Q_h W^K_h^T", "layers": rows})
-    print(f"wrote {out}")
-    return 0
-
-
-def add_commands(subparsers) -> None:
-    """``slimkv analyze diversity RUN_DIR``."""
-    analyze = subparsers.add_parser("analyze", help="analyse a trained model")
-    sub = analyze.add_subparsers(dest="analysis", metavar="ANALYSIS")
-    analyze.set_defaults(func=lambda args: analyze.print_help() or 2)
-    div = sub.add_parser("diversity", help="per-layer head diversity (effective rank of the query-key operators)")
-    div.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (with model/) or a saved model folder")
-    div.add_argument("--out", default=None, help="JSON output path (default RUN_DIR/diversity.json)")
-    div.set_defaults(func=run_diversity)

@@ -1,4 +1,4 @@
-"""Language-model evaluation of a trained run (evaluation.md, "Language-model quality").
+"""Language-model evaluation of a trained run (docs/evaluation.md, "Language-model quality").
 
 * CE: mean next-token cross-entropy in nats on the val split (never used for training).
 * BPB: total NLL / (ln 2 x UTF-8 bytes of the predicted tokens). Not CE / ln 2, which is bits
@@ -11,68 +11,20 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
 from slimkv.attention import build_attention
-from slimkv.attention.base import check_float, check_int
+from slimkv.common.checks import check_float, check_int
+from slimkv.common.files import write_json
+from slimkv.scoring import eval_windows, lm_metrics, score_windows
+from slimkv.train.checkpoint import load_run
 
 EVAL_FILE = "eval.json"
 SAMPLE_PROMPT_TOKENS = 24  # the fixed prompt: the first tokens of the val split
 SAMPLE_NEW_TOKENS = 64
-
-
-def eval_windows(tokens: np.ndarray, context: int, max_windows: int | None = None) -> torch.Tensor:
-    """(n, context + 1) windows of ``tokens`` cut at stride ``context``, so every token after the
-    first is predicted exactly once (a tail shorter than a window is left out). With more windows
-    than ``max_windows``, an evenly spaced subset spread over the whole split."""
-    check_int("context", context, 1)
-    total = (len(tokens) - 1) // context
-    if total < 1:
-        raise ValueError(f"the split has {len(tokens)} tokens, too few for a context of {context}; lower the context")
-    index = torch.arange(total)
-    if max_windows is not None and max_windows < total:
-        index = torch.linspace(0, total - 1, max(1, max_windows)).round().long()
-    ids = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
-    return ids[index[:, None] * context + torch.arange(context + 1)]
-
-
-@torch.no_grad()
-def score_windows(
-    model: torch.nn.Module,
-    windows: torch.Tensor,
-    token_bytes: torch.Tensor,
-    *,
-    batch_size: int,
-    amp_dtype: torch.dtype | None = None,
-    progress: bool = False,
-) -> tuple[float, int, int]:
-    """(sum of next-token NLL in nats, tokens predicted, their UTF-8 bytes) for ``windows``
-    (n, T + 1): positions 1..T are predicted from the ones before them. The sum is float64."""
-    if len(windows) == 0:
-        return 0.0, 0, 0
-    device = next(model.parameters()).device
-    nll = 0.0
-    for chunk in tqdm(windows.split(batch_size), desc="eval", unit="batch", disable=not progress, leave=False):
-        ids = chunk.to(device)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(ids[:, :-1]).logits
-        nll += float(F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").double())
-    targets = windows[:, 1:]
-    return nll, targets.numel(), int(token_bytes[targets].sum())
-
-
-def lm_metrics(nll_sum: float, tokens: float, n_bytes: float) -> dict[str, float]:
-    """CE (nats/token) and BPB (bits/byte, bytes denominator) from the totals."""
-    if tokens <= 0 or n_bytes <= 0:
-        raise ValueError("nothing was evaluated (0 tokens); the val split is too short for this context")
-    return {"ce": nll_sum / tokens, "bpb": nll_sum / (math.log(2) * n_bytes), "tokens": int(tokens), "bytes": int(n_bytes)}
 
 
 @torch.no_grad()
@@ -138,9 +90,6 @@ def evaluate_run(
     ``context``: tokens per window (default: the training ``seq_len``). ``max_tokens``: evaluate
     about this many tokens, in windows spread over the split (default: the whole split).
     """
-    from slimkv.files import write_json
-    from slimkv.train.checkpoint import load_run
-
     run_dir = Path(run_dir)
     if max_tokens is not None:
         check_int("max_tokens", max_tokens, 1)

@@ -1,6 +1,6 @@
 """Needle in a haystack: RULER-style single-needle retrieval over a length x depth grid.
 
-Tasks (evaluation.md, "Needle in a haystack"):
+Tasks (docs/evaluation.md, "Needle in a haystack"):
 
 - ``s1``: haystack = a few neutral sentences repeated; value = a 7-digit number;
 - ``s2``: haystack = held-out prose, the val split of the run's dataset (never used for training;
@@ -22,7 +22,6 @@ Small models trained here retrieve only when trained with the needle mixture
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +29,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from slimkv.attention.base import check_int
+from slimkv.common.checks import check_int
+from slimkv.common.files import save_figure, write_json
+from slimkv.common.plotting import new_figure
 from slimkv.data.needles import NEUTRAL_TEXT, NeedleBuilder, NeedleDocument, random_key, random_value, value_found
-from slimkv.files import save_figure
+from slimkv.train.checkpoint import load_run
 
 TASKS: dict[str, dict[str, str]] = {
     "s1": {"haystack": "neutral", "value": "number", "description": "repeated neutral sentences, 7-digit number"},
@@ -199,9 +200,6 @@ def evaluate_niah(
 
 def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: str, samples: int, max_new_tokens: int, seed: int, batch_size: int, out_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Evaluate a run directory; writes ``niah.json`` and ``niah.png`` into ``out_dir`` (default RUN_DIR)."""
-    from slimkv.files import write_json
-    from slimkv.train.checkpoint import load_run
-
     run_dir = Path(run_dir)
     model, cfg, dataset = load_run(run_dir)
     length_list, depth_list = parse_lengths(lengths, cfg.seq_len), parse_depths(depths)
@@ -234,14 +232,9 @@ def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: 
 
 def plot_grids(report: dict[str, Any], path: Path) -> None:
     """One heatmap per task: depth (rows) x length (columns), accuracy annotated; atomic PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tasks = list(report["tasks"])
     width = max(3.4, 0.9 * len(report["lengths"]) + 1.0)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(width * len(tasks) + 1.0, 2.2 + 0.45 * len(report["depths"])), squeeze=False, constrained_layout=True)
+    fig, axes = new_figure(1, len(tasks), figsize=(width * len(tasks) + 1.0, 2.2 + 0.45 * len(report["depths"])), squeeze=False, layout="constrained")
     for index, (ax, task) in enumerate(zip(axes[0], tasks)):
         grid = np.asarray(report["tasks"][task]["accuracy"]).T  # (depths, lengths)
         image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
@@ -282,28 +275,3 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``slimkv eval niah``."""
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a training run (slimkv train --out RUN_DIR)")
-    parser.add_argument("--tasks", default="s1,s2,s3", help=f"comma-separated tasks among {', '.join(TASKS)} (default: all)")
-    parser.add_argument("--lengths", default="1x,2x,4x", help="prompt lengths in tokens, or multiples of the training length like 2x (default 1x,2x,4x)")
-    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths as fractions of the haystack (default 0,0.25,0.5,0.75,1)")
-    parser.add_argument("--samples", type=int, default=10, help="prompts per (length, depth) cell (default 10)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="greedy new tokens per prompt (default 48: a UUID takes ~37 with the 4096-id Shakespeare BPE)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of keys, values and haystack positions (default 0)")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
-    parser.add_argument("--out", default=None, metavar="DIR", help=f"folder for {RESULT_FILE} and {PLOT_FILE} (default RUN_DIR)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Handler of ``slimkv eval niah``: prints the grids and writes JSON + PNG."""
-    tasks = parse_tasks(args.tasks)
-    parse_depths(args.depths)
-    for name in ("samples", "max_new_tokens", "batch_size"):
-        check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1)
-    report = niah_report(args.run_dir, tasks=tasks, lengths=args.lengths, depths=args.depths, samples=args.samples, max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=args.batch_size, out_dir=args.out, progress=not args.no_progress)
-    print(format_table(report))
-    out_dir = Path(args.out) if args.out else Path(args.run_dir)
-    print(f"wrote {out_dir / RESULT_FILE} and {out_dir / PLOT_FILE}")
-    return 0

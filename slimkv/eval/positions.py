@@ -1,5 +1,5 @@
 """Position-wise loss: mean next-token NLL per position bucket on val sequences longer than the
-training length (evaluation.md; the KVM seed's Fig. 4 analogue), to show length extrapolation.
+training length (docs/evaluation.md), to show length extrapolation.
 
 Windows of ``length + 1`` tokens are cut from the run's val split (never used for training), evenly
 spread over it. Position p (0-based) is the prediction of token p + 1 from the p + 1 tokens before
@@ -11,7 +11,6 @@ training length marked) and prints a table.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from slimkv.attention.base import check_int
+from slimkv.common.checks import check_int
+from slimkv.common.files import save_figure, write_json
+from slimkv.common.plotting import new_figure
+from slimkv.scoring import eval_windows
+from slimkv.train.checkpoint import load_run
 
 RESULT_FILE = "positions.json"
 PLOT_FILE = "positions.png"
@@ -69,10 +72,6 @@ def bucket_means(nll: torch.Tensor, buckets: int) -> list[dict[str, Any]]:
 
 def positions_report(run_dir: str | Path, *, length: str, buckets: int, max_sequences: int, batch_size: int, out_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Evaluate a run directory; writes ``positions.json`` and ``positions.png`` into ``out_dir`` (default RUN_DIR)."""
-    from slimkv.eval.lm import eval_windows
-    from slimkv.files import write_json
-    from slimkv.train.checkpoint import load_run
-
     check_int("--max-sequences", max_sequences, 1)
     check_int("--batch-size", batch_size, 1)
     run_dir = Path(run_dir)
@@ -107,14 +106,7 @@ def positions_report(run_dir: str | Path, *, length: str, buckets: int, max_sequ
 
 def plot_positions(reports: list[dict[str, Any]], path: Path) -> None:
     """Mean NLL vs position (bucket centres), one line per report, training length(s) dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from slimkv.files import save_figure
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_figure(figsize=(7, 4))
     for report in reports:
         centres = [(b["start"] + b["end"] - 1) / 2 for b in report["buckets"]]
         kind = report["attention"] if isinstance(report["attention"], str) else "/".join(report["attention"])
@@ -145,22 +137,3 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``slimkv eval positions``."""
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a training run (slimkv train --out RUN_DIR)")
-    parser.add_argument("--length", default="4x", help="tokens per sequence, or a multiple of the training length like 4x (default 4x)")
-    parser.add_argument("--buckets", type=int, default=16, help="position buckets (default 16)")
-    parser.add_argument("--max-sequences", type=int, default=64, help="val sequences, spread over the split (default 64)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
-    parser.add_argument("--out", default=None, metavar="DIR", help=f"folder for {RESULT_FILE} and {PLOT_FILE} (default RUN_DIR)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Handler of ``slimkv eval positions``: prints the table and writes JSON + PNG."""
-    check_int("--buckets", args.buckets, 1)
-    report = positions_report(args.run_dir, length=args.length, buckets=args.buckets, max_sequences=args.max_sequences, batch_size=args.batch_size, out_dir=args.out, progress=not args.no_progress)
-    print(format_table(report))
-    out_dir = Path(args.out) if args.out else Path(args.run_dir)
-    print(f"wrote {out_dir / RESULT_FILE} and {out_dir / PLOT_FILE}")
-    return 0

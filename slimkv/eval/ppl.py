@@ -1,67 +1,27 @@
 """Perplexity of a pretrained (possibly compressed) causal LM on held-out text.
 
-Protocol (evaluation.md, "Perplexity of pretrained models"): join documents with "\\n\\n",
+Protocol (docs/evaluation.md, "Perplexity of pretrained models"): join documents with "\\n\\n",
 tokenize once, cut into non-overlapping windows of ``seq_len`` tokens, and report
 ppl = exp(total NLL / tokens predicted); each window predicts its tokens 2..n from their prefix
 in the window. A window whose loss is not finite is an error, never skipped. For a compressed
-model the uncompressed base model is evaluated in the same run and printed beside it.
+or converted model its original is evaluated in the same run and printed beside it.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
-import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
-
-class NonFiniteLossError(ValueError):
-    """A perplexity window produced a NaN/inf loss (the model is broken there)."""
-
-
-@torch.no_grad()
-def perplexity_of_ids(model: nn.Module, ids: torch.Tensor, seq_len: int, *, progress: bool = False, desc: str = "ppl") -> dict[str, Any]:
-    """Perplexity of a 1-D LongTensor of token ids, non-overlapping windows of ``seq_len``."""
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    if ids.numel() < 2:
-        raise ValueError(f"need at least 2 tokens to evaluate, got {ids.numel()}")
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    total_nll = 0.0
-    predicted = 0
-    starts = [s for s in range(0, ids.numel(), seq_len) if ids.numel() - s >= 2]
-    t0 = time.perf_counter()
-    for index, start in enumerate(tqdm(starts, desc=desc, disable=not progress, leave=False)):
-        window = ids[start:start + seq_len].to(device).unsqueeze(0)
-        logits = model(window, use_cache=False).logits[0, :-1].float()
-        nll = F.cross_entropy(logits, window[0, 1:], reduction="sum").double().item()
-        if not math.isfinite(nll):
-            raise NonFiniteLossError(f"window {index} (tokens {start}..{start + window.shape[1]}) has a non-finite loss ({nll})")
-        total_nll += nll
-        predicted += window.shape[1] - 1
-    model.train(was_training)
-    return {
-        "ppl": math.exp(total_nll / predicted),
-        "nll_per_token": total_nll / predicted,
-        "tokens_predicted": predicted,
-        "tokens_used": int(min(ids.numel(), starts[-1] + seq_len)),
-        "windows": len(starts),
-        "seq_len": seq_len,
-        "seconds": time.perf_counter() - t0,
-    }
+from slimkv.common.checks import check_int
+from slimkv.data.texts import evaluation_text, text_sha256, tokenize
+from slimkv.eval.models import load_language_model
+from slimkv.scoring import perplexity_of_ids
 
 
 def perplexity(model: nn.Module, tokenizer, text: str, seq_len: int = 1024, max_tokens: int | None = None, *, progress: bool = False) -> dict[str, Any]:
     """Perplexity of ``model`` on ``text`` (tokenized once; the first ``max_tokens`` tokens if given)."""
-    from slimkv.compress.text import tokenize
-
     if max_tokens is not None and max_tokens < 2:
         raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
     ids = torch.tensor(tokenize(tokenizer, text), dtype=torch.long)
@@ -70,46 +30,49 @@ def perplexity(model: nn.Module, tokenizer, text: str, seq_len: int = 1024, max_
     return perplexity_of_ids(model, ids, seq_len, progress=progress)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``slimkv eval ppl``."""
-    parser.add_argument("--model", required=True, help="`smollm2`, a local transformers folder, or a `slimkv compress` output folder")
-    parser.add_argument("--text", default="shakespeare-val", help="`shakespeare-val` (held-out plays) or a local text file/folder (default: shakespeare-val)")
-    parser.add_argument("--seq-len", type=int, default=1024, help="window length in tokens (default 1024)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the text")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Handler of ``slimkv eval ppl``: prints a table (compressed beside dense) and optional JSON."""
-    from slimkv.compress.models import load_pretrained
-    from slimkv.compress.text import evaluation_text, text_sha256
-
-    if args.seq_len < 2:
-        raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
-    if args.max_tokens is not None and args.max_tokens < 2:
-        raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-    text = evaluation_text(args.text)
-    loaded = load_pretrained(args.model)
+def perplexity_report(model: str, text: str = "shakespeare-val", seq_len: int = 1024, max_tokens: int | None = None, *, progress: bool = True) -> dict[str, Any]:
+    """Perplexity of ``model`` (anything ``load_language_model`` reads) on ``text``; for a compressed or
+    converted model its original is evaluated in the same run and listed first. Refuses the text a
+    model was calibrated on."""
+    check_int("seq_len", seq_len, 2)
+    if max_tokens is not None:
+        check_int("max_tokens", max_tokens, 2)
+    eval_text = evaluation_text(text)
+    loaded = load_language_model(model)
+    _check_positions(loaded.model, seq_len)
     rows = []
-    compressed = loaded.identity.get("compressed")
-    if compressed is not None:
-        if compressed.get("calibration_text_sha256") == text_sha256(text):
-            raise ValueError(f"--text {args.text!r} is the text this model was calibrated on; evaluate on held-out text")
-        base = load_pretrained(loaded.identity["name"])
-        rows.append(("dense (" + loaded.identity["name"] + ")", perplexity(base.model, base.tokenizer, text, args.seq_len, args.max_tokens, progress=True)))
+    calibrated_on = (loaded.identity.get("compressed") or {}).get("calibration_text_sha256") or ((loaded.identity.get("converted") or {}).get("calibration") or {}).get("text_sha256")
+    if calibrated_on is not None and calibrated_on == text_sha256(eval_text):
+        raise ValueError(f"text {text!r} is the text this model was calibrated on; evaluate on held-out text")
+    if loaded.identity.get("base"):
+        base = load_language_model(loaded.identity["base"])
+        what = "dense" if loaded.identity.get("compressed") else "original"
+        rows.append({"model": f"{what} ({loaded.identity['base']})", **perplexity(base.model, base.tokenizer, eval_text, seq_len, max_tokens, progress=progress)})
         del base
-        label = f"{compressed['method']} ratio {compressed['ratio']} (achieved {compressed['achieved_ratio']:.4f})"
-    else:
-        label = f"dense ({args.model})"
-    rows.append((label, perplexity(loaded.model, loaded.tokenizer, text, args.seq_len, args.max_tokens, progress=True)))
-    print(f"perplexity on {args.text!r}, {args.seq_len}-token windows")
-    print("| model | ppl | tokens predicted | windows |\n| --- | ---: | ---: | ---: |")
-    for name, result in rows:
-        print(f"| {name} | {result['ppl']:.3f} | {result['tokens_predicted']} | {result['windows']} |")
-    if args.json:
-        from pathlib import Path
+    rows.append({"model": describe(loaded.identity, model), **perplexity(loaded.model, loaded.tokenizer, eval_text, seq_len, max_tokens, progress=progress)})
+    return {"text": text, "text_sha256": text_sha256(eval_text), "seq_len": seq_len, "model": loaded.identity, "results": rows}
 
-        from slimkv.files import write_json
 
-        write_json(Path(args.json), {"text": args.text, "text_sha256": text_sha256(text), "model": loaded.identity, "results": [{"model": n, **r} for n, r in rows]})
-    return 0
+def describe(identity: dict[str, Any], spec: str) -> str:
+    """A row label: the method and ratio of a compressed or converted model, else its name."""
+    if identity.get("compressed"):
+        c = identity["compressed"]
+        return f"{c['method']} ratio {c['ratio']} (achieved {c['achieved_ratio']:.4f})"
+    if identity.get("converted"):
+        c = identity["converted"]
+        healed = " healed" if c.get("healing") else ""
+        return f"convert {c['method']} cache ratio {c['cache_ratio']} (achieved {c['achieved_cache_ratio']:.4f}){healed}"
+    return spec
+
+
+def _check_positions(model: nn.Module, seq_len: int) -> None:
+    """A window longer than the model's position limit is refused before any work."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"seq_len={seq_len} is past this model's position limit (max_position_embeddings={limit}); use seq_len <= {limit}")
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"perplexity on {report['text']!r}, {report['seq_len']}-token windows", "| model | ppl | tokens predicted | windows |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {r['model']} | {r['ppl']:.3f} | {r['tokens_predicted']} | {r['windows']} |" for r in report["results"]]
+    return "\n".join(lines)

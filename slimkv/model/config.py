@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import torch
 from transformers import PretrainedConfig
 
-from slimkv.attention.base import attention_options, check_choice, check_int, close_matches, kind_spec
+from slimkv.attention import build_attention
+from slimkv.common.checks import check_bool, check_choice, check_float, check_int
+from slimkv.common.spec import AttentionSpec
 
 MLP_KINDS = ("swiglu", "relu2")
 
@@ -18,7 +21,9 @@ class ModelConfig(PretrainedConfig):
     ``attention`` is one kind for every layer, or a list of kinds: either one per layer, or a
     pattern repeated over the layers (``["swa", "kvm"]`` alternates them). ``attention_options``
     go to every layer; ``kind_options`` maps a kind to options for that kind's layers only (e.g.
-    ``{"swa": {"window": 256}}`` in a KVM/SWA hybrid).
+    ``{"swa": {"window": 256}}`` in a KVM/SWA hybrid); ``per_layer_options`` (one mapping per layer)
+    overrides both for single layers (converted models whose layers have different sizes). These
+    are the fields of ``slimkv.common.spec.AttentionSpec`` (``attention_spec()``).
     """
 
     model_type = "slimkv"
@@ -33,6 +38,7 @@ class ModelConfig(PretrainedConfig):
         attention: str | list[str] = "mha",
         attention_options: dict[str, Any] | None = None,
         kind_options: dict[str, dict[str, Any]] | None = None,
+        per_layer_options: list[dict[str, Any]] | None = None,
         mlp: str = "swiglu",
         d_ff: int | None = None,
         norm_eps: float = 1e-5,
@@ -40,18 +46,21 @@ class ModelConfig(PretrainedConfig):
         tie_word_embeddings: bool = True,
         **kwargs: Any,
     ) -> None:
+        spec = AttentionSpec.from_fields(attention, attention_options, kind_options, per_layer_options)
         self.vocab_size = vocab_size
         self.d_model = d_model
         self.n_layers = n_layers
         self.n_heads = n_heads
-        self.head_dim = head_dim if head_dim is not None else (d_model // n_heads if n_heads else None)
-        self.attention = attention
-        self.attention_options = dict(attention_options or {})
-        self.kind_options = {k: dict(v) for k, v in (kind_options or {}).items()}
+        self.head_dim = head_dim if head_dim is not None else (d_model // n_heads if _positive_ints(d_model, n_heads) else None)
+        self.attention = spec.to_fields()["attention"]
+        self.attention_options = spec.shared
+        self.kind_options = spec.per_kind
+        self.per_layer_options = [dict(o) for o in spec.per_layer] or None
         self.mlp = mlp
-        self.d_ff = d_ff if d_ff is not None else self.default_d_ff(d_model, mlp)
+        self.d_ff = d_ff if d_ff is not None else (self.default_d_ff(d_model, mlp) if _positive_ints(d_model) else None)
         self.norm_eps = norm_eps
         self.init_std = init_std
+        check_bool("tie_word_embeddings", tie_word_embeddings)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate()
 
@@ -64,44 +73,37 @@ class ModelConfig(PretrainedConfig):
 
     # -- derived views ----------------------------------------------------------------
 
+    def attention_spec(self) -> AttentionSpec:
+        """The attention of every layer as one ``AttentionSpec``."""
+        return AttentionSpec.from_fields(self.attention, self.attention_options, self.kind_options, self.per_layer_options)
+
     def layer_kinds(self) -> list[str]:
         """The attention kind of every layer."""
-        kinds = [self.attention] if isinstance(self.attention, str) else list(self.attention)
-        return [kinds[i % len(kinds)] for i in range(self.n_layers)]
+        return self.attention_spec().layer_kinds(self.n_layers)
 
     def layer_options(self, layer: int) -> dict[str, Any]:
         """The options ``build_attention`` receives for one layer."""
-        kind = self.layer_kinds()[layer]
-        return {**self.attention_options, **self.kind_options.get(kind, {})}
+        return self.attention_spec().layer_options(layer)
 
     # -- validation ---------------------------------------------------------------------
 
     def validate(self) -> None:
-        """Raise ValueError naming the option for anything that cannot build."""
+        """Raise ValueError naming the option for anything that cannot build. Every layer's
+        attention is built once on the meta device: ``build_attention`` is the one validator."""
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
             check_int(name, getattr(self, name), 1)
         if self.head_dim is None or self.d_model % self.n_heads and self.head_dim == self.d_model // self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}; set head_dim")
         check_int("head_dim", self.head_dim, 1)
         check_choice("mlp", self.mlp, MLP_KINDS)
-        kinds = [self.attention] if isinstance(self.attention, str) else list(self.attention)
-        if not kinds:
-            raise ValueError("attention must name at least one kind")
-        if not isinstance(self.attention, str) and self.n_layers % len(kinds):
-            raise ValueError(f"attention pattern of length {len(kinds)} does not divide n_layers={self.n_layers}")
-        for kind in kinds:
-            kind_spec(kind)
-        for kind in self.kind_options:
-            if kind not in kinds:
-                raise ValueError(f"kind_options names {kind!r}, which no layer uses{close_matches(kind, kinds)}; layers use: {', '.join(sorted(set(kinds)))}")
-        for layer, kind in enumerate(self.layer_kinds()):
-            allowed = attention_options(kind)
-            for name, value in self.layer_options(layer).items():
-                if name not in allowed:
-                    raise ValueError(
-                        f"unknown option {name!r} for attention kind {kind!r}{close_matches(name, allowed)}; "
-                        f"allowed options: {', '.join(allowed)}"
-                    )
+        check_float("norm_eps", self.norm_eps, 0.0, 1.0, open_low=True)
+        check_float("init_std", self.init_std, 0.0, open_low=True)
+        spec = self.attention_spec()
+        spec.check_layers(self.n_layers)
+        built = set()
+        for layer, kind in enumerate(spec.layer_kinds(self.n_layers)):
+            options = spec.layer_options(layer)
+            for name, value in options.items():
                 try:
                     json.dumps(value)
                 except (TypeError, ValueError):
@@ -109,3 +111,12 @@ class ModelConfig(PretrainedConfig):
                         f"attention option {name}={value!r} cannot be saved: a ModelConfig holds JSON values only "
                         "(a callable KVM schedule works when the layer is built directly with build_attention)"
                     ) from None
+            key = json.dumps([kind, options], sort_keys=True)
+            if key not in built:
+                with torch.device("meta"):
+                    build_attention(kind, self.d_model, self.n_heads, self.head_dim, **options)
+                built.add(key)
+
+
+def _positive_ints(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)

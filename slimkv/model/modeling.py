@@ -8,17 +8,24 @@ and the Auto classes work once ``slimkv`` is imported. Each layer's attention ke
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 
 from slimkv.attention import Attention, AttentionCache, build_attention
 from slimkv.model.config import ModelConfig
 from slimkv.ops.norm import RMSNorm
+
+# Keywords transformers' generate() and Trainer pass to forward() that change nothing here.
+IGNORED_KWARGS = frozenset({"cache_position", "num_items_in_batch", "next_sequence_length"})
 
 
 class SlimKVCache:
@@ -45,10 +52,6 @@ class SlimKVCache:
     def nbytes(self) -> int:
         """Bytes of live state summed over layers."""
         return sum(c.nbytes() for c in self.layers)
-
-    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        for c in self.layers:
-            c.reorder(beam_idx)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -132,15 +135,25 @@ class SlimKVModel(SlimKVPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None, cache: SlimKVCache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None, cache: SlimKVCache | None = None,
+                hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Final normed hidden states (batch, time, d_model); appends every layer's input (and
+        the final output) to ``hidden_states`` when a list is given."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            _check_ids(input_ids, self.config.vocab_size)
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, the model has {len(self.layers)}")
         for i, block in enumerate(self.layers):
+            if hidden_states is not None:
+                hidden_states.append(h)
             h = block(h, None if cache is None else cache.layers[i])
-        return self.norm(h)
+        h = self.norm(h)
+        if hidden_states is not None:
+            hidden_states.append(h)
+        return h
 
 
 class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
@@ -178,33 +191,49 @@ class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
         """Analytic cache bytes of the whole model after ``seq_len`` tokens."""
         return sum(attn.cache_bytes(seq_len, dtype, batch_size) for attn in self.attention_layers)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
         cache: SlimKVCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int = 0,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """Logits for every position (or the last ``logits_to_keep``). ``labels`` (same shape as
         input_ids, -100 = ignore) give the mean next-token cross-entropy as ``loss``. With
-        ``use_cache`` and no cache, a new one is made and returned."""
+        ``use_cache`` and no cache, a new one is made and returned. ``past_key_values`` is the
+        deprecated name of ``cache`` (as in transformers); unknown keywords raise TypeError."""
+        unknown = sorted(set(kwargs) - IGNORED_KWARGS)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword argument(s): {', '.join(unknown)}")
+        if cache is not None and not isinstance(cache, SlimKVCache):
+            raise TypeError(f"cache must be a SlimKVCache (from model.new_cache(batch_size)), got {type(cache).__name__}")
+        if output_attentions:
+            raise ValueError("output_attentions is not supported: several slimkv kinds never form an attention matrix")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("attention_mask with padding is not supported: slimkv caches hold unpadded sequences; batch prompts of equal length")
+        ref = input_ids if input_ids is not None else inputs_embeds
+        if position_ids is not None:
+            _check_positions(position_ids, 0 if cache is None else cache.seq_len, ref.shape[1])
         if cache is None and use_cache:
-            ref = input_ids if input_ids is not None else inputs_embeds
             cache = self.new_cache(ref.shape[0], device=ref.device)
-        h = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, cache=cache)
+        hidden: list[torch.Tensor] | None = [] if output_hidden_states else None
+        h = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, cache=cache, hidden_states=hidden)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache, hidden_states=tuple(hidden) if hidden is not None else None)
 
     # -- generation plumbing: every layer is driven through its own cache ------------------
 
@@ -222,6 +251,37 @@ class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, cache: SlimKVCache | None = None, **kwargs: Any) -> dict:
         if cache is not None and cache.seq_len > 0:
             input_ids = input_ids[:, cache.seq_len :]
-        kwargs.pop("next_sequence_length", None)
         kwargs.pop("position_ids", None)
         return super().prepare_inputs_for_generation(input_ids, cache=cache, **kwargs)
+
+
+def _check_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Token ids must lie in [0, vocab_size): a clear error instead of an index error deep inside."""
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise ValueError(f"input_ids hold ids outside [0, {vocab_size}) (min {int(input_ids.min())}, max {int(input_ids.max())}); "
+                         "the tokenizer does not match this model's vocabulary")
+
+
+def _check_positions(position_ids: torch.Tensor, start: int, length: int) -> None:
+    """slimkv positions are the cache's token count: refuse any other (padded or packed) positions."""
+    expected = torch.arange(start, start + length, device=position_ids.device)
+    if position_ids.shape[-1] != length or not bool((position_ids == expected).all()):
+        raise ValueError(f"position_ids must be {start}..{start + length - 1} (slimkv places tokens after the cache's {start}); "
+                         "padded or packed positions are not supported")
+
+
+def load_model_folder(folder: str | Path, **kwargs: Any) -> SlimKVForCausalLM:
+    """``SlimKVForCausalLM.from_pretrained(folder)`` in eval mode, refusing weights that do not fit
+    (missing, unexpected or mis-shaped keys: ValueError naming the folder) instead of initialising
+    them at random, and damaged files (ValueError naming the file)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: it is not a saved slimkv model")
+    try:
+        model, info = SlimKVForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
+    except (OSError, SafetensorError) as err:
+        raise ValueError(f"the weights in {folder} cannot be read ({err}); a file is truncated or damaged") from None
+    problems = {k.replace("_keys", ""): sorted(map(str, v)) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        raise ValueError(f"{folder}: the weights do not fit config.json ({'; '.join(f'{k}: {v}' for k, v in problems.items())}); was config.json edited?")
+    return model.eval()

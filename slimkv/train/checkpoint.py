@@ -15,17 +15,18 @@ moment leaves either the previous or the new checkpoint, never a mixture.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from slimkv.files import read_json, write_json
+from slimkv.common.files import atomic_directory, existing_directory, read_json, write_json
+from slimkv.data import load_dataset
+from slimkv.model import load_model_folder
 from slimkv.train.config import TrainConfig
 
 CHECKPOINT_FORMAT = 1
@@ -34,42 +35,6 @@ MODEL_DIR = "model"
 CHECKPOINT_DIR = "checkpoint"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
-
-
-# ---------------------------------------------------------------- atomic folders (files: slimkv.files)
-
-
-def _retired(target: Path) -> Path:
-    return target.with_name(f".{target.name}.old")
-
-
-@contextmanager
-def atomic_directory(target: Path) -> Iterator[Path]:
-    """Yield an empty staging folder; on success it replaces ``target`` (the old one is moved
-    aside first and deleted last, so ``existing_directory`` always finds a complete one)."""
-    target = Path(target)
-    staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    retired = _retired(target)
-    shutil.rmtree(retired, ignore_errors=True)
-    if target.exists():
-        os.replace(target, retired)
-    os.replace(staging, target)
-    shutil.rmtree(retired, ignore_errors=True)
-
-
-def existing_directory(target: Path) -> Path | None:
-    """``target``, or the copy moved aside by an interrupted swap, or None."""
-    target = Path(target)
-    if target.is_dir():
-        return target
-    return _retired(target) if _retired(target).is_dir() else None
 
 
 # ---------------------------------------------------------------- optimizer state without pickle
@@ -120,21 +85,84 @@ def save_checkpoint(run_dir: Path, *, model: torch.nn.Module, optimizer: torch.o
         write_json(folder / "state.json", {"format": CHECKPOINT_FORMAT, **state})
 
 
-def load_checkpoint(run_dir: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
-    """Restore weights and optimizer from ``RUN_DIR/checkpoint``; (state.json, rng tensors), or None."""
-    folder = existing_directory(Path(run_dir) / CHECKPOINT_DIR)
+def load_checkpoint(run_dir: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Restore weights and optimizer from ``RUN_DIR/checkpoint``; (state.json, rng tensors).
+    ValueError naming the file when the checkpoint is missing, damaged or does not fit."""
+    run_dir = Path(run_dir)
+    folder = existing_directory(run_dir / CHECKPOINT_DIR)
     if folder is None:
-        return None
-    state = read_json(folder / "state.json")
+        raise ValueError(f"nothing to resume: {run_dir} has no {CHECKPOINT_DIR}/ (it holds: {describe_folder(run_dir)}); "
+                         "start the run again without --resume")
+    state = read_json(folder / "state.json", expect=dict)
     if state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{folder} has checkpoint format {state.get('format')!r}; this slimkv reads format {CHECKPOINT_FORMAT}")
+        raise ValueError(f"{folder / 'state.json'} has checkpoint format {state.get('format')!r}; this slimkv reads format {CHECKPOINT_FORMAT}")
+    for key in ("step", "tokens_seen"):
+        if isinstance(state.get(key), bool) or not isinstance(state.get(key), int) or state[key] < 0:
+            raise ValueError(f"{folder / 'state.json'}: {key} must be an integer >= 0, got {state.get(key)!r} (the file was edited or damaged)")
+    if state.get("config") is not None and state["config"].get("steps") is not None and state["step"] > state["config"]["steps"]:
+        raise ValueError(f"{folder / 'state.json'}: step {state['step']} is past the run's {state['config']['steps']} steps (the file was edited or damaged)")
     device = next(model.parameters()).device
-    missing, unexpected = load_model(model, str(folder / "model.safetensors"), device=str(device))
+    missing, unexpected = read_safetensors(folder / "model.safetensors", lambda path: load_model(model, path, strict=False, device=str(device)))
     if missing or unexpected:
-        raise ValueError(f"{folder}: checkpoint weights do not fit the model (missing {missing}, unexpected {unexpected})")
-    tensors = load_file(str(folder / "optimizer.safetensors"), device=str(device))
-    optimizer.load_state_dict(unflatten_optimizer_state(tensors, read_json(folder / "optimizer.json")))
-    return state, load_file(str(folder / "rng.safetensors"))
+        raise ValueError(f"{folder / 'model.safetensors'}: checkpoint weights do not fit the model (missing {sorted(missing)}, unexpected {sorted(unexpected)})")
+    tensors = read_safetensors(folder / "optimizer.safetensors", lambda path: load_file(path, device=str(device)))
+    try:
+        optimizer.load_state_dict(unflatten_optimizer_state(tensors, read_json(folder / "optimizer.json", expect=dict)))
+    except (KeyError, ValueError, TypeError) as err:
+        raise ValueError(f"{folder / 'optimizer.json'} does not fit this run's optimizer ({err})") from None
+    rng = read_safetensors(folder / "rng.safetensors", load_file)
+    return state, rng
+
+
+def read_safetensors(path: Path, read: Callable[[str], Any]) -> Any:
+    """``read(path)`` of a safetensors file, with the file named when it is missing or damaged."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path} is missing; the checkpoint is incomplete")
+    try:
+        return read(str(path))
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise ValueError(f"{path} cannot be read as safetensors ({err}); the file is truncated or damaged") from None
+
+
+def describe_folder(folder: Path) -> str:
+    """A short list of what a folder holds (for error messages)."""
+    if not folder.is_dir():
+        return "nothing: it does not exist"
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    return ", ".join(names) if names else "nothing"
+
+
+# Files a run writes before its first checkpoint: a folder holding only these (a run that died
+# before checkpointing) may be started again without --resume.
+RESTARTABLE = {CONFIG_FILE, METRICS_FILE, SUMMARY_FILE}
+
+
+def prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> None:
+    """Refuse to mix runs: a new run needs an empty folder (or one left by a run that never
+    checkpointed); a resumed one needs a checkpoint and the same config."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} is a file, not a folder; choose a folder for the run")
+    if resume:
+        if existing_directory(run_dir / CHECKPOINT_DIR) is None:
+            raise ValueError(f"nothing to resume: {run_dir} has no {CHECKPOINT_DIR}/ (it holds: {describe_folder(run_dir)}); "
+                             "start the run again without --resume")
+        stored = read_run_config(run_dir)
+        differences = stored.diff(cfg)
+        if differences:
+            lines = "\n".join(f"  {k}: stored {a!r}, requested {b!r}" for k, a, b in ((k, *v) for k, v in differences.items()))
+            raise ValueError(
+                f"--resume: {run_dir} was trained with a different configuration:\n{lines}\n"
+                "resume with the same options (or no options at all), or start a new run with another --out"
+            )
+    elif run_dir.exists() and {p.name for p in run_dir.iterdir()} - RESTARTABLE:
+        if existing_directory(run_dir / CHECKPOINT_DIR) is not None:
+            raise ValueError(f"{run_dir} is not empty: continue that run with --resume, or choose another --out (it holds: {describe_folder(run_dir)})")
+        raise ValueError(f"{run_dir} is not empty and holds no run to resume: choose another --out (it holds: {describe_folder(run_dir)})")
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return existing_directory(Path(run_dir) / CHECKPOINT_DIR) is not None
 
 
 @contextmanager
@@ -151,10 +179,10 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def save_model_dir(run_dir: Path, model: Any) -> None:
-    """``save_pretrained`` of ``model`` into ``RUN_DIR/model/``, atomically."""
+def save_model_dir(run_dir: Path, save: Callable[[Path], None]) -> None:
+    """``save(folder)`` (e.g. a model's ``save_pretrained``) into ``RUN_DIR/model/``, atomically."""
     with atomic_directory(Path(run_dir) / MODEL_DIR) as folder, quiet_transformers():
-        model.save_pretrained(folder)
+        save(folder)
 
 
 # ---------------------------------------------------------------- reading a finished run
@@ -165,7 +193,10 @@ def read_run_config(run_dir: Path) -> TrainConfig:
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a training run (no {CONFIG_FILE}); create one with `slimkv train --attention KIND --out {run_dir}`")
-    return TrainConfig.from_dict(read_json(path))
+    try:
+        return TrainConfig.from_dict(read_json(path, expect=dict))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
 
 
 def load_run(run_dir: str | Path):
@@ -174,16 +205,14 @@ def load_run(run_dir: str | Path):
     The model is the latest good weights (``RUN_DIR/model``); the dataset is loaded by name and
     must be the one the run was trained on (same build of the tokenizer and splits).
     """
-    from slimkv.data import load_dataset
-    from slimkv.model import SlimKVForCausalLM
-
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
     folder = existing_directory(run_dir / MODEL_DIR)
     if folder is None:
         raise FileNotFoundError(f"{run_dir} has no trained weights yet ({MODEL_DIR}/); continue it with `slimkv train --out {run_dir} --resume`")
     with quiet_transformers():
-        model = SlimKVForCausalLM.from_pretrained(folder).eval()
+        model = load_model_folder(folder)
+    check_model_matches_run(model.config, cfg, run_dir)
     dataset = load_dataset(cfg.dataset)
     trained_on = _trained_dataset_key(run_dir)
     if trained_on is not None and trained_on != dataset_key(dataset):
@@ -196,6 +225,21 @@ def load_run(run_dir: str | Path):
     return model, cfg, dataset
 
 
+# The ModelConfig fields a run's train_config.json decides (the vocabulary comes from the dataset).
+RUN_MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "head_dim", "attention", "attention_options", "kind_options", "mlp", "d_ff", "tie_word_embeddings")
+
+
+def check_model_matches_run(config: Any, cfg: TrainConfig, run_dir: Path) -> None:
+    """The saved model's config.json must describe the model the run trained (an edited file would
+    evaluate something else): ValueError listing every difference."""
+    expected = cfg.model_config(config.vocab_size)
+    differences = [f"{name}: config.json {getattr(config, name, None)!r}, run {getattr(expected, name)!r}"
+                   for name in RUN_MODEL_FIELDS if getattr(config, name, None) != getattr(expected, name)]
+    if differences:
+        raise ValueError(f"{run_dir / MODEL_DIR / 'config.json'} does not describe the model this run trained ({'; '.join(differences)}); "
+                         f"it was edited or belongs to another run")
+
+
 def dataset_key(dataset: Any) -> str | None:
     """What identifies a dataset build (its manifest's build key), or None if it has none."""
     manifest = getattr(dataset, "manifest", None) or {}
@@ -205,5 +249,5 @@ def dataset_key(dataset: Any) -> str | None:
 def _trained_dataset_key(run_dir: Path) -> str | None:
     for path in (run_dir / SUMMARY_FILE, run_dir / CHECKPOINT_DIR / "state.json"):
         if path.is_file():
-            return read_json(path).get("dataset_build_key")
+            return read_json(path, expect=dict).get("dataset_build_key")
     return None

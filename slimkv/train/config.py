@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
-from slimkv.attention import build_attention
-from slimkv.attention.base import check_bool, check_choice, check_float, check_int, close_matches
+from slimkv.common.checks import check_bool, check_choice, check_float, check_int, close_matches
+from slimkv.common.spec import AttentionSpec
 from slimkv.model.config import MLP_KINDS, ModelConfig
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -91,6 +90,10 @@ class TrainConfig:
         """Tokens in one optimizer step (the global batch)."""
         return self.batch_size * self.grad_accum * self.seq_len
 
+    def attention_spec(self) -> AttentionSpec:
+        """The attention of this run's layers (``slimkv.common.spec``)."""
+        return AttentionSpec.from_fields(self.attention, self.attention_options, self.kind_options)
+
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The ``ModelConfig`` of this run for a dataset with ``vocab_size`` ids."""
         return ModelConfig(
@@ -116,12 +119,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the option for any value that cannot train."""
-        kinds = [self.attention] if isinstance(self.attention, str) else self.attention
-        if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) and k for k in kinds):
-            raise ValueError(f"attention must be a kind name or a non-empty list of kind names, got {self.attention!r}")
-        for name in ("attention_options", "kind_options"):
-            if not isinstance(getattr(self, name), dict):
-                raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+        self.attention_spec()  # the attention fields are well formed (the model config below checks kinds and options)
         for name in ("d_model", "n_layers", "n_heads", "seq_len", "batch_size", "grad_accum", "steps", "eval_batches", "log_every"):
             check_int(name, getattr(self, name), 1)
         for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every"):
@@ -146,22 +144,7 @@ class TrainConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_float("needle_mix", self.needle_mix, 0.0, 1.0)
         check_int("needle_seed", self.needle_seed, 0)
-        check_layers_build(self.model_config(vocab_size=256))  # kinds, options and shapes, before any data is read
-
-
-def check_layers_build(config: ModelConfig) -> None:
-    """Build every layer's attention on the meta device (no memory): a missing required option or
-    an impossible shape raises ValueError now rather than after the data is loaded."""
-    for layer, kind in enumerate(config.layer_kinds()):
-        options = config.layer_options(layer)
-        try:
-            with torch.device("meta"):
-                build_attention(kind, config.d_model, config.n_heads, config.head_dim, **options)
-        except TypeError as err:
-            raise ValueError(
-                f"attention kind {kind!r} cannot be built with options {options}: {err}; "
-                f"set options with --set attention_options.NAME=VALUE (or kind_options.{kind}.NAME=VALUE)"
-            ) from None
+        self.model_config(vocab_size=256)  # kinds, options and shapes (every layer built on the meta device), before any data is read
 
 
 def check_keys(values: dict[str, Any], allowed: list[str], where: str = "") -> None:
@@ -200,6 +183,18 @@ def parse_override(text: str) -> tuple[str, Any]:
     except yaml.YAMLError as err:
         raise ValueError(f"--set {key}: cannot read {raw!r} as a value: {err}") from None
     return key.strip(), value
+
+
+def attention_overrides(text: str) -> dict[str, Any]:
+    """Overrides from an attention entry (``--attention swa+kvm:swa.window=32``, grammar in
+    ``slimkv.common.spec``): the kinds, and each option as a dotted ``attention_options`` /
+    ``kind_options`` key, so they combine with ``--set``."""
+    spec = AttentionSpec.parse(text)
+    overrides: dict[str, Any] = {"attention": spec.to_fields()["attention"]}
+    overrides.update({f"attention_options.{name}": value for name, value in spec.shared.items()})
+    for kind, options in spec.per_kind.items():
+        overrides.update({f"kind_options.{kind}.{name}": value for name, value in options.items()})
+    return overrides
 
 
 def apply_overrides(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

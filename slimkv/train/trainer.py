@@ -1,13 +1,17 @@
-"""The training loop: AdamW + warmup/cosine on random windows of a token dataset, resumable exactly.
+"""The training loop: AdamW + warmup/cosine on batches from a seeded source, resumable exactly.
 
-One optimizer step sees ``batch_size x grad_accum`` windows of ``seq_len + 1`` tokens drawn at
-random from the train split by a seeded generator; the generator's state is the data position
-and goes into every checkpoint with the weights, the optimizer moments and the other RNG states,
-so ``resume=True`` continues bitwise (on CPU) where the last checkpoint left off.
+One optimizer step sees ``batch_size x grad_accum`` windows of ``seq_len + 1`` tokens. The batch
+source's generator state is the data position and goes into every checkpoint with the weights, the
+optimizer moments and the other RNG states, so ``resume=True`` continues bitwise (on CPU) where the
+last checkpoint left off.
 
 Under ``torchrun`` every process draws the same global batch and keeps its own slice of it, and
 DDP averages the gradients, so the global batch (and, up to float rounding, the run) is the same
-as with one process. Rank 0 writes every file.
+as with one process. Rank 0 writes every file and holds the run folder's lock.
+
+``Trainer`` holds one run's moving parts (model, optimizer, batch source, objective, files) and
+``run_loop`` drives it; ``train`` builds a Trainer for a ``TrainConfig`` LM run. Other runs (the
+healing of ``slimkv convert``) build a Trainer with their own batches and objective.
 """
 
 from __future__ import annotations
@@ -18,31 +22,31 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from slimkv.data.needles import NeedleMixture
-from slimkv.eval.lm import eval_windows, lm_metrics, score_windows
-from slimkv.files import read_json, write_json, write_text
+from slimkv.common.files import folder_lock, write_json, write_text
+from slimkv.data import load_dataset
 from slimkv.model import SlimKVForCausalLM
+from slimkv.scoring import eval_windows, lm_metrics, score_windows
+from slimkv.train.batches import LMBatches
 from slimkv.train.checkpoint import (
     CONFIG_FILE,
     METRICS_FILE,
     SUMMARY_FILE,
     dataset_key,
     load_checkpoint,
-    read_run_config,
+    prepare_run_dir,
     save_checkpoint,
     save_model_dir,
 )
 from slimkv.train.config import TrainConfig
+from slimkv.train.distributed import Distributed
 
 
 class TrainingDiverged(RuntimeError):
@@ -54,78 +58,21 @@ class TrainingDiverged(RuntimeError):
         self.step, self.loss, self.grad_norm, self.last_checkpoint = step, loss, grad_norm, last_checkpoint
 
 
-# ---------------------------------------------------------------- pieces of the loop
+# ---------------------------------------------------------------- pieces of a step
 
 
-@dataclass
-class Distributed:
-    """This process's place in a data-parallel job (rank 0 of 1 without torchrun)."""
+class BatchSource(Protocol):
+    """Where a run's batches come from (``slimkv.train.batches``)."""
 
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    owns_group: bool = False  # this call created the process group (and so ends it)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @classmethod
-    def from_env(cls, device_type: str) -> Distributed:
-        """Join the process group that ``torchrun`` describes in the environment (gloo on CPU, nccl on GPU)."""
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size == 1:
-            return cls()
-        owns_group = not dist.is_initialized()
-        if owns_group:
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns_group)
-
-    def close(self) -> None:
-        if self.owns_group:
-            dist.destroy_process_group()
-
-    def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean of ``value`` over processes."""
-        if self.world_size > 1:
-            value = value.clone()
-            dist.all_reduce(value)
-            value /= self.world_size
-        return value
-
-    def sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            value = value.clone()
-            dist.all_reduce(value)
-        return value
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
+    def sample(self, step: int, n: int) -> torch.Tensor: ...
+    def state(self) -> dict[str, torch.Tensor]: ...
+    def load_state(self, state: dict[str, torch.Tensor]) -> None: ...
 
 
-class BatchSampler:
-    """Windows of ``seq_len + 1`` tokens at uniformly random starts; the generator state is the
-    data position (save ``state()``, restore with ``load_state``)."""
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int) -> None:
-        if len(tokens) < seq_len + 2:
-            raise ValueError(f"the train split has {len(tokens)} tokens, too few for seq_len={seq_len}; lower --seq-len or use more text")
-        self.tokens = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
-        self.seq_len = seq_len
-        self.offsets = torch.arange(seq_len + 1)
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def sample(self, n: int) -> torch.Tensor:
-        """(n, seq_len + 1) token ids."""
-        starts = torch.randint(0, len(self.tokens) - self.seq_len, (n,), generator=self.generator)
-        return self.tokens[starts[:, None] + self.offsets]
-
-    def state(self) -> torch.Tensor:
-        return self.generator.get_state()
-
-    def load_state(self, state: torch.Tensor) -> None:
-        self.generator.set_state(state)
+def next_token_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ids (batch, T + 1): positions 1..T from the ones before."""
+    logits = model(ids[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -163,7 +110,8 @@ def resolve_device(cfg: TrainConfig, local_rank: int = 0) -> tuple[torch.device,
     return device, (torch.bfloat16 if dtype == "bfloat16" else None)
 
 
-def accumulate_gradients(model: torch.nn.Module, micro_batches: torch.Tensor, amp_dtype: torch.dtype | None = None) -> torch.Tensor:
+def accumulate_gradients(model: torch.nn.Module, micro_batches: torch.Tensor, amp_dtype: torch.dtype | None = None,
+                         objective: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = next_token_loss) -> torch.Tensor:
     """Forward and backward over ``micro_batches`` (accum, batch, seq_len + 1); the gradients sum to
     those of the mean loss over all of them. Returns that mean loss (detached). Under DDP, gradients
     are synchronised on the last micro-batch only."""
@@ -173,23 +121,22 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: torch.Tensor, am
         skip_sync = isinstance(model, torch.nn.parallel.DistributedDataParallel) and i < accum - 1
         with model.no_sync() if skip_sync else nullcontext():
             with torch.autocast(ids.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = model(ids[:, :-1]).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+                loss = objective(model, ids)
             (loss / accum).backward()
         loss_sum += loss.detach()
     return loss_sum / accum
 
 
-def rng_states(sampler: BatchSampler) -> dict[str, torch.Tensor]:
+def rng_states(batches: BatchSource) -> dict[str, torch.Tensor]:
     """Every generator whose state matters for continuing exactly."""
-    states = {"sampler": sampler.state(), "torch_cpu": torch.get_rng_state()}
+    states = {**batches.state(), "torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         states.update({f"torch_cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     return states
 
 
-def restore_rng_states(states: dict[str, torch.Tensor], sampler: BatchSampler) -> None:
-    sampler.load_state(states["sampler"])
+def restore_rng_states(states: dict[str, torch.Tensor], batches: BatchSource) -> None:
+    batches.load_state(states)
     torch.set_rng_state(states["torch_cpu"])
     cuda_keys = sorted((k for k in states if k.startswith("torch_cuda.")), key=lambda k: int(k.split(".")[1]))
     cuda = [states[k] for k in cuda_keys]
@@ -197,22 +144,181 @@ def restore_rng_states(states: dict[str, torch.Tensor], sampler: BatchSampler) -
         torch.cuda.set_rng_state_all(cuda)
 
 
-def prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> None:
-    """Refuse to mix runs: a new run needs an empty folder; a resumed one the same config."""
-    if resume:
-        stored = read_run_config(run_dir)
-        differences = stored.diff(cfg)
-        if differences:
-            lines = "\n".join(f"  {k}: stored {a!r}, requested {b!r}" for k, a, b in ((k, *v) for k, v in differences.items()))
-            raise ValueError(
-                f"--resume: {run_dir} was trained with a different configuration:\n{lines}\n"
-                "resume with the same options (or no options at all), or start a new run with another --out"
-            )
-    elif run_dir.exists() and any(run_dir.iterdir()):
-        raise ValueError(f"{run_dir} is not empty: continue that run with --resume, or choose another --out")
+# ---------------------------------------------------------------- one run
 
 
-# ---------------------------------------------------------------- the loop
+@dataclass
+class Trainer:
+    """One run's moving parts. ``cfg`` supplies the optimisation and bookkeeping fields of a
+    ``TrainConfig`` (steps, lr schedule, batch_size, grad_accum, seq_len, grad_clip, *_every);
+    ``evaluate()`` returns val metrics (reduced over processes), ``save_model(folder)`` writes the
+    loadable model, ``state`` goes into every checkpoint's state.json."""
+
+    cfg: Any
+    run_dir: Path
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: BatchSource
+    evaluate: Callable[[], dict[str, Any]]
+    save_model: Callable[[Path], None]
+    state: dict[str, Any]
+    ddp: Distributed = field(default_factory=Distributed)
+    amp_dtype: torch.dtype | None = None
+    objective: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = next_token_loss
+    label: str = "train"
+    step: int = 0
+    tokens_seen: int = 0
+    last_eval: dict[str, Any] | None = None
+    last_checkpoint: int | None = None
+    resumed_from: int | None = None
+
+    def __post_init__(self) -> None:
+        self.device = next(self.model.parameters()).device
+        self.trained = self.model
+        if self.ddp.world_size > 1:
+            self.trained = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.grad_accum * self.cfg.seq_len
+
+    def restore(self) -> None:
+        """Continue from the run folder's checkpoint (ValueError if there is none)."""
+        state, rngs = load_checkpoint(self.run_dir, model=self.model, optimizer=self.optimizer)
+        restore_rng_states(rngs, self.batches)
+        self.step, self.tokens_seen, self.last_eval = state["step"], state["tokens_seen"], state.get("last_eval")
+        self.last_checkpoint = self.resumed_from = self.step
+        if self.ddp.is_main:
+            _truncate_metrics(self.run_dir / METRICS_FILE, self.step)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step; TrainingDiverged on a non-finite loss or gradient norm."""
+        cfg = self.cfg
+        lr = learning_rate(self.step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = self.batches.sample(self.step, cfg.grad_accum * cfg.batch_size).view(cfg.grad_accum, cfg.batch_size, -1)
+        shard = batch[:, self.ddp.rank :: self.ddp.world_size].to(self.device)
+        loss = self.ddp.mean(accumulate_gradients(self.trained, shard, self.amp_dtype, self.objective)).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf).item()  # frozen parameters have no gradient
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise TrainingDiverged(self.step + 1, loss, grad_norm, self.last_checkpoint, self.run_dir)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens_seen}
+
+    def due(self, every: int) -> bool:
+        """Whether something done every ``every`` steps (0: only at the end) is due now."""
+        return bool(every and self.step % every == 0) or self.step == self.cfg.steps
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.ddp.is_main:
+            with open(self.run_dir / METRICS_FILE, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def run_evaluation(self) -> dict[str, Any]:
+        self.model.eval()
+        self.last_eval = {"step": self.step, **self.evaluate()}
+        self.model.train()
+        self.log({"type": "eval", **self.last_eval})
+        return self.last_eval
+
+    def checkpoint(self) -> None:
+        if self.ddp.is_main:
+            state = {"step": self.step, "tokens_seen": self.tokens_seen, "last_eval": self.last_eval, **self.state, "world_size": self.ddp.world_size}
+            save_checkpoint(self.run_dir, model=self.model, optimizer=self.optimizer, rng=rng_states(self.batches), state=state)
+            save_model_dir(self.run_dir, self.save_model)
+        self.ddp.barrier()
+        self.last_checkpoint = self.step
+
+
+@dataclass
+class StepClock:
+    """Seconds spent in optimizer steps; the first step of an invocation (kernel selection,
+    allocator warm-up) is kept out of the steady rate."""
+
+    seconds: float = 0.0
+    first: float | None = None
+    steps: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.steps += 1
+        self.first = seconds if self.first is None else self.first
+
+    def steady_rate(self, tokens_per_step: int) -> float | None:
+        steady = self.seconds - (self.first or 0.0)
+        return (self.steps - 1) * tokens_per_step / steady if self.steps > 1 and steady > 0 else None
+
+
+def run_loop(t: Trainer, *, progress: bool = True, stop_after: int | None = None, on_step: Callable[[int, torch.nn.Module], None] | None = None) -> dict[str, Any]:
+    """Drive ``t`` to ``t.cfg.steps``: step, log, evaluate, checkpoint; the summary (rank 0 writes it).
+    ``stop_after``: stop after this many steps of this call, writing nothing more (what a killed
+    process leaves behind; tests use it). ``on_step(step, model)`` runs after every step."""
+    t.model.train()
+    clock, start_step = StepClock(), t.step
+    bar = tqdm(total=t.cfg.steps, initial=t.step, desc=t.label, unit="step", disable=not (progress and t.ddp.is_main), dynamic_ncols=True)
+    try:
+        while t.step < t.cfg.steps:
+            started = time.perf_counter()
+            record = t.train_step()
+            clock.add(time.perf_counter() - started)
+            if on_step is not None:
+                on_step(t.step, t.model)
+            tokens_per_s = (t.step - start_step) * t.tokens_per_step / clock.seconds
+            bar.update()
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            if t.due(t.cfg.log_every):
+                t.log({"type": "train", **record, "tokens_per_s": tokens_per_s, "elapsed_s": time.perf_counter() - clock.started})
+            if t.due(t.cfg.eval_every):
+                evaluation = t.run_evaluation()
+                if progress and t.ddp.is_main:
+                    bar.write(f"step {t.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items() if isinstance(v, float)))
+            if t.due(t.cfg.checkpoint_every):
+                t.checkpoint()
+            if stop_after is not None and t.step - start_step >= stop_after and t.step < t.cfg.steps:
+                return {"status": "stopped", "step": t.step, "last_checkpoint": t.last_checkpoint}
+    except TrainingDiverged as err:
+        if t.ddp.is_main:
+            write_json(t.run_dir / SUMMARY_FILE, {"status": "diverged", "message": str(err), "step": err.step, "last_checkpoint": t.last_checkpoint})
+        raise
+    finally:
+        bar.close()
+    return finish(t, clock, start_step)
+
+
+def finish(t: Trainer, clock: StepClock, start_step: int) -> dict[str, Any]:
+    """The summary of a finished run (written to summary.json by rank 0)."""
+    evaluation = t.last_eval or {}
+    summary = {
+        "status": "finished",
+        "step": t.step,
+        "steps": t.cfg.steps,
+        "tokens_seen": t.tokens_seen,
+        **{f"val_{k}": evaluation.get(k) for k in ("ce", "bpb", "tokens")},
+        "parameters": sum(p.numel() for p in t.model.parameters()),
+        **{k: v for k, v in t.state.items() if k != "config"},
+        "device": str(t.device),
+        "autocast": str(t.amp_dtype).replace("torch.", "") if t.amp_dtype else "float32",
+        "world_size": t.ddp.world_size,
+        "threads": torch.get_num_threads(),
+        "resumed_from_step": t.resumed_from,
+        "train_seconds": clock.seconds,
+        "train_tokens_per_s": clock.steady_rate(t.tokens_per_step),
+        "train_tokens_per_s_note": "steps after this invocation's first (the first step's warm-up is excluded)",
+        "first_step_seconds": clock.first,
+        "train_tokens_per_s_with_first_step": (t.step - start_step) * t.tokens_per_step / clock.seconds if clock.seconds else None,
+        "wall_seconds": time.perf_counter() - clock.started,
+    }
+    if t.ddp.is_main:
+        write_json(t.run_dir / SUMMARY_FILE, summary)
+    return summary
+
+
+# ---------------------------------------------------------------- a TrainConfig LM run
 
 
 def train(
@@ -227,162 +333,63 @@ def train(
 ) -> dict[str, Any]:
     """Train ``cfg`` into run directory ``out_dir`` (layout: ``slimkv.train.checkpoint``); the summary.
 
-    ``dataset``: a loaded dataset to use instead of ``load_dataset(cfg.dataset)``.
-    ``stop_after``: stop after this many optimizer steps of this call, writing nothing more (what a
-    killed process leaves behind; tests use it). ``on_step(step, model)`` runs after every optimizer
-    step. Raises ``TrainingDiverged`` on a non-finite loss or gradient norm.
+    ``dataset``: a loaded dataset to use instead of ``load_dataset(cfg.dataset)``. ``stop_after``
+    and ``on_step``: see ``run_loop``. Raises ``TrainingDiverged`` on a non-finite loss or gradient
+    norm, FolderBusyError if another process trains into ``out_dir``.
     """
     cfg.validate()
     device, amp_dtype = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     ddp = Distributed.from_env(device.type)
+    run_dir = Path(out_dir)
     try:
-        return _train(cfg, Path(out_dir), device, amp_dtype, ddp, resume=resume, progress=progress, dataset=dataset, stop_after=stop_after, on_step=on_step)
+        if cfg.batch_size % ddp.world_size:
+            raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the number of processes ({ddp.world_size})")
+        prepare_run_dir(run_dir, cfg, resume)
+        with folder_lock(run_dir, "training run") if ddp.is_main else nullcontext():
+            trainer = lm_trainer(cfg, run_dir, device, amp_dtype, ddp, dataset, resume)
+            if trainer is None:
+                return _finished_summary(run_dir)
+            return run_loop(trainer, progress=progress, stop_after=stop_after, on_step=on_step)
     finally:
         ddp.close()
 
 
-def _train(cfg: TrainConfig, run_dir: Path, device: torch.device, amp_dtype: torch.dtype | None, ddp: Distributed, *, resume: bool, progress: bool, dataset: Any, stop_after: int | None, on_step: Callable | None) -> dict[str, Any]:
-    if cfg.batch_size % ddp.world_size:
-        raise ValueError(f"batch_size={cfg.batch_size} must be divisible by the number of processes ({ddp.world_size})")
-    prepare_run_dir(run_dir, cfg, resume)
-    if dataset is None:
-        from slimkv.data import load_dataset
-
-        dataset = load_dataset(cfg.dataset)
-    ddp.barrier()  # every process has checked the folder before the first file appears
-    if ddp.is_main and not resume:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(run_dir / CONFIG_FILE, cfg.to_dict())
-
+def lm_trainer(cfg: TrainConfig, run_dir: Path, device: torch.device, amp_dtype: torch.dtype | None, ddp: Distributed, dataset: Any, resume: bool) -> Trainer | None:
+    """The Trainer of an LM run (None when a resumed run has already finished)."""
+    dataset = load_dataset(cfg.dataset) if dataset is None else dataset
     torch.manual_seed(cfg.seed)
     model = SlimKVForCausalLM(cfg.model_config(dataset.vocab_size)).to(device)
-    optimizer = make_optimizer(model, cfg)
-    sampler = BatchSampler(dataset.train, cfg.seq_len, cfg.seed)
-    needles = NeedleMixture(dataset, cfg.seq_len, cfg.needle_mix, cfg.needle_seed) if cfg.needle_mix > 0 else None  # stateless: a function of (needle_seed, step)
+    batches = LMBatches(dataset, cfg.seq_len, cfg.seed, cfg.needle_mix, cfg.needle_seed)
     val_windows = eval_windows(dataset.val, cfg.seq_len, cfg.eval_batches * cfg.batch_size)[ddp.rank :: ddp.world_size]
     token_bytes = torch.as_tensor(dataset.token_bytes, dtype=torch.int64)
-    step, tokens_seen, last_checkpoint, last_eval = 0, 0, None, None
-    restored = load_checkpoint(run_dir, model=model, optimizer=optimizer) if resume else None
-    if restored is not None:
-        state, rngs = restored
-        restore_rng_states(rngs, sampler)
-        step, tokens_seen, last_eval = state["step"], state["tokens_seen"], state.get("last_eval")
-        last_checkpoint = step
-        if step >= cfg.steps and (run_dir / SUMMARY_FILE).is_file() and read_json(run_dir / SUMMARY_FILE).get("status") == "finished":
-            return read_json(run_dir / SUMMARY_FILE)  # already finished: nothing to train
-    if ddp.is_main and resume:
-        _truncate_metrics(run_dir / METRICS_FILE, step)
-    n_params = sum(p.numel() for p in model.parameters())
-    trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) if ddp.world_size > 1 else model
-    micro = cfg.batch_size // ddp.world_size
-
-    def log(record: dict[str, Any]) -> None:
-        if ddp.is_main:
-            with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as f:
-                f.write(_json_line(record))
 
     def evaluate() -> dict[str, Any]:
-        model.eval()
-        nll, tokens, n_bytes = score_windows(model, val_windows, token_bytes, batch_size=micro, amp_dtype=amp_dtype)
-        model.train()
-        totals = ddp.sum(torch.tensor([nll, tokens, n_bytes], dtype=torch.float64))
-        return {"step": step, **lm_metrics(*totals.tolist())}
+        nll, tokens, n_bytes = score_windows(model, val_windows, token_bytes, batch_size=cfg.batch_size // ddp.world_size, amp_dtype=amp_dtype)
+        return lm_metrics(*ddp.sum(torch.tensor([nll, tokens, n_bytes], dtype=torch.float64)).tolist())
 
-    def checkpoint() -> None:
-        if ddp.is_main:
-            state = {"step": step, "tokens_seen": tokens_seen, "last_eval": last_eval, "config": cfg.to_dict(), "dataset_build_key": dataset_key(dataset), "world_size": ddp.world_size}
-            save_checkpoint(run_dir, model=model, optimizer=optimizer, rng=rng_states(sampler), state=state)
-            save_model_dir(run_dir, model)
-        ddp.barrier()
+    state = {"config": cfg.to_dict(), "attention": cfg.attention, "dataset": cfg.dataset, "dataset_build_key": dataset_key(dataset)}
+    trainer = Trainer(cfg, run_dir, model, make_optimizer(model, cfg), batches, evaluate, model.save_pretrained, state, ddp, amp_dtype, label=f"train {_kind_label(cfg)}")
+    ddp.barrier()  # every process has checked the folder before the first file appears
+    if resume:
+        trainer.restore()
+        if trainer.step >= cfg.steps and _finished_summary(run_dir) is not None:
+            return None
+    elif ddp.is_main:
+        write_json(run_dir / CONFIG_FILE, cfg.to_dict())  # written once the run could be set up, so a failed setup leaves no half run
+    return trainer
 
-    model.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {_kind_label(cfg)}", unit="step", disable=not (progress and ddp.is_main), dynamic_ncols=True)
-    start_step, train_seconds, first_step_seconds, started = step, 0.0, None, time.perf_counter()
-    try:
-        while step < cfg.steps:
-            t0 = time.perf_counter()
-            lr = learning_rate(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = sampler.sample(cfg.grad_accum * cfg.batch_size)
-            if needles is not None:
-                batch = needles.apply(batch, step)
-            batch = batch.view(cfg.grad_accum, cfg.batch_size, -1)
-            shard = batch[:, ddp.rank :: ddp.world_size].to(device)
-            train_loss = ddp.mean(accumulate_gradients(trained, shard, amp_dtype)).item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf).item()
-            if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
-                raise TrainingDiverged(step + 1, train_loss, grad_norm, last_checkpoint, run_dir)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            tokens_seen += cfg.tokens_per_step
-            train_seconds += time.perf_counter() - t0
-            if first_step_seconds is None:
-                first_step_seconds = train_seconds  # kernel selection and allocator warm-up: kept out of the steady rate
-            if on_step is not None:
-                on_step(step, model)
 
-            tokens_per_s = (step - start_step) * cfg.tokens_per_step / train_seconds
-            bar.update()
-            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                log({"type": "train", "step": step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen, "tokens_per_s": tokens_per_s, "elapsed_s": time.perf_counter() - started})
-            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                last_eval = evaluate()
-                log({"type": "eval", **last_eval})
-                if progress and ddp.is_main:
-                    bar.write(f"step {step}: val CE {last_eval['ce']:.4f} nats, BPB {last_eval['bpb']:.4f} ({int(last_eval['tokens']):,} tokens)")
-            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
-                checkpoint()
-                last_checkpoint = step
-            if stop_after is not None and step - start_step >= stop_after and step < cfg.steps:
-                return {"status": "stopped", "step": step, "last_checkpoint": last_checkpoint}
-    except TrainingDiverged as err:
-        if ddp.is_main:
-            write_json(run_dir / SUMMARY_FILE, {"status": "diverged", "message": str(err), "step": err.step, "last_checkpoint": last_checkpoint})
-        raise
-    finally:
-        bar.close()
-
-    invocation_tokens = (step - start_step) * cfg.tokens_per_step
-    steady_steps = step - start_step - 1
-    steady_seconds = train_seconds - (first_step_seconds or 0.0)
-    summary = {
-        "status": "finished",
-        "step": step,
-        "steps": cfg.steps,
-        "tokens_seen": tokens_seen,
-        "val_ce": last_eval["ce"] if last_eval else None,
-        "val_bpb": last_eval["bpb"] if last_eval else None,
-        "val_tokens": last_eval["tokens"] if last_eval else None,
-        "parameters": n_params,
-        "attention": cfg.attention,
-        "dataset": cfg.dataset,
-        "dataset_build_key": dataset_key(dataset),
-        "device": str(device),
-        "autocast": str(amp_dtype).replace("torch.", "") if amp_dtype else "float32",
-        "world_size": ddp.world_size,
-        "threads": torch.get_num_threads(),
-        "resumed_from_step": start_step if restored is not None else None,
-        "train_seconds": train_seconds,
-        "train_tokens_per_s": steady_steps * cfg.tokens_per_step / steady_seconds if steady_steps > 0 and steady_seconds > 0 else None,
-        "train_tokens_per_s_note": "steps after this invocation's first (the first step's warm-up is excluded)",
-        "first_step_seconds": first_step_seconds,
-        "train_tokens_per_s_with_first_step": invocation_tokens / train_seconds if train_seconds else None,
-        "wall_seconds": time.perf_counter() - started,
-    }
-    if ddp.is_main:
-        write_json(run_dir / SUMMARY_FILE, summary)
-    return summary
+def _finished_summary(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / SUMMARY_FILE
+    if path.is_file():
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(summary, dict) and summary.get("status") == "finished":
+            return summary
+    return None
 
 
 def _kind_label(cfg: TrainConfig) -> str:
     return cfg.attention if isinstance(cfg.attention, str) else "/".join(cfg.attention)
-
-
-def _json_line(record: dict[str, Any]) -> str:
-    return json.dumps(record) + "\n"
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -69,7 +69,7 @@ def test_fast_path_matches_reference(case):
     sizes = random_splits(SEQ_LEN, 7)
     with torch.no_grad():
         fast, fast_split = attn(x), run_in_calls(attn, x, sizes)
-        attn.backend = "reference"
+        attn.set_runtime_options(backend="reference")
         ref, ref_split = attn(x), run_in_calls(attn, x, sizes)
     assert rel_rmse(fast, ref) < 1e-10
     assert rel_rmse(fast_split, ref_split) < 1e-10
@@ -133,3 +133,18 @@ def test_cache_refuses_mismatches(case):
     with pytest.raises(ValueError, match="shape"):
         attn(torch.randn(2, 4, D_MODEL + 1))
     assert cache.seq_len == 0 and cache.nbytes() == 0
+
+
+@pytest.mark.parametrize("kind", sorted({kind for kind, _ in CASES}))
+def test_runtime_options_change_paths_not_weights(kind):
+    """Runtime options (kernel, decode path) are build options too, and the only options a built layer may change."""
+    opts = dict(next(o for k, o in CASES if k == kind))
+    attn = make(kind, opts, torch.float64)
+    with pytest.raises(ValueError, match="is not a runtime option"):
+        attn.set_runtime_options(qk_norm=True)
+    with pytest.raises(ValueError, match="backend='fast' is not allowed"):
+        attn.set_runtime_options(backend="fast")
+    reference = make(kind, opts, torch.float64, backend="reference")
+    x = torch.randn(1, SEQ_LEN, D_MODEL, dtype=torch.float64)
+    with torch.no_grad():
+        assert rel_rmse(reference(x), attn(x)) < 1e-10

@@ -170,18 +170,6 @@ def test_bfloat16_cache_keeps_the_rows_in_float32():
     assert cache.nbytes() == attn.cache_bytes(20, torch.bfloat16)
 
 
-def test_reorder_selects_batch_rows():
-    attn = make(**SMALL["saturating"])
-    x = torch.randn(3, 40, D_MODEL, dtype=torch.float64)
-    with torch.no_grad():
-        cache = attn.new_cache(3)
-        attn(x[:, :25], cache=cache)
-        cache.reorder(torch.tensor([2, 0]))
-        tail = attn(x[[2, 0], 25:], cache=cache)
-        expected = attn(x[[2, 0]])[:, 25:]
-    assert cache.batch_size == 2 and rel_rmse(tail, expected) < 1e-12
-
-
 def test_kvm_swa_hybrid_prefill_then_decode_equals_full_forward(tmp_path):
     torch.manual_seed(0)
     cfg = ModelConfig(

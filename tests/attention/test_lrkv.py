@@ -1,5 +1,5 @@
 """LRKV beyond the shared contract: reductions, factored == materialised decode, cache size,
-initialisation, options (spec: shared/specs/lrkv.md)."""
+initialisation, options (docs/lrkv.md)."""
 
 from __future__ import annotations
 
@@ -373,7 +373,9 @@ def test_invalid_options_name_the_option(options, name):
 def test_unknown_decode_path_is_refused_before_work():
     attn = build_attention("lrkv", D_MODEL, N_HEADS, HEAD_DIM, rank=2)
     cache = attn.new_cache(1)
-    attn.decode_path = "fast"
     with pytest.raises(ValueError, match="decode_path"):
-        attn(torch.randn(1, 3, D_MODEL), cache=cache)
-    assert cache.seq_len == 0
+        attn.decode_path = "fast"
+    with pytest.raises(ValueError, match="decode_path='fast' is not allowed"):
+        build_attention("lrkv", D_MODEL, N_HEADS, HEAD_DIM, rank=2, decode_path="fast")
+    attn(torch.randn(1, 3, D_MODEL), cache=cache)  # the layer still works on its valid path
+    assert cache.seq_len == 3

@@ -58,7 +58,7 @@ def linear(x: torch.Tensor, layer) -> torch.Tensor:
 
 
 def spec_mla(attn, x: torch.Tensor) -> torch.Tensor:
-    """MLA exactly as shared/specs/mla.md states it, one head at a time, from the module's weights."""
+    """MLA exactly as docs/mla.md states it, one head at a time, from the module's weights."""
     b, t_len, _ = x.shape
     h, n, p, v = attn.n_heads, attn.head_dim, attn.rope_dim, attn.v_head_dim
     if attn.q_rank is None:
@@ -214,9 +214,10 @@ def test_bad_options_raise_value_error_naming_the_option(options, name):
 
 def test_unknown_decode_path_is_refused():
     attn = make(kv_rank=4)
-    attn.decode_path = "fast"
     with pytest.raises(ValueError, match="decode_path"):
-        attn(torch.randn(1, 3, D_MODEL, dtype=torch.float64))
+        attn.decode_path = "fast"
+    with pytest.raises(ValueError, match="decode_path='fast' is not allowed"):
+        make(kv_rank=4, decode_path="fast")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

@@ -8,24 +8,19 @@ import math
 
 import pytest
 
-from slimkv.attention import build_attention
-from slimkv.bench.compare import (
-    PLOT_BPB,
-    PLOT_DECODE,
-    aggregate,
-    compare_pair,
-    default_options,
-    load_report,
+from slimkv.attention import build_attention, kind_spec
+from slimkv.bench.compare import run_compare
+from slimkv.bench.entries import (
     parse_entries,
     parse_entry,
     parse_kind_overrides,
     parse_seeds,
-    render_markdown,
-    run_compare,
-    split_specs,
-    summarize,
+    recipe_shape,
+    split_entries,
     sweep_specs,
 )
+from slimkv.bench.report import PLOT_BPB, PLOT_DECODE, load_report, render_markdown
+from slimkv.bench.statistics import aggregate, compare_pair, summarize
 from slimkv.cli import main
 from slimkv.train import TrainConfig
 from tests.train.tiny import tiny_config
@@ -46,19 +41,24 @@ def test_entries_take_table_defaults_overrides_and_their_own_options():
     hybrid = by_label["swa+kvm:kvm.schedule=sqrt"]
     assert hybrid.kinds == ("swa", "kvm") and hybrid.options["kvm"]["schedule"] == "sqrt" and hybrid.options["swa"] == {"window": 64}
     assert hybrid.train_values()["attention"] == ["swa", "kvm"] and hybrid.train_values()["attention_options"] == {}
-    assert "default table" in by_label["lrkv"].defaults["lrkv"] and "lrkv" not in by_label["gqa:n_kv_heads=1"].defaults
+    assert "comparable preset" in by_label["lrkv"].defaults["lrkv"] and "lrkv" not in by_label["gqa:n_kv_heads=1"].defaults
     # explicit split ranks replace the table's rank
     assert parse_entry("lrkv:rank_k=2,rank_v=6", recipe).options == {"lrkv": {"rank_k": 2, "rank_v": 6}}
-    assert split_specs("mha, lrkv:rank=8,rope_mode=none ,gqa") == ["mha", "lrkv:rank=8,rope_mode=none", "gqa"]
+    assert split_entries("mha, lrkv:rank=8,rope_mode=none ,gqa") == ["mha", "lrkv:rank=8,rope_mode=none", "gqa"]
+    assert split_entries(["mha", "lrkv:rank=8,rope_mode=none", "gqa"]) == ["mha", "lrkv:rank=8,rope_mode=none", "gqa"]
+    # an option without a kind in a pattern applies to every kind of the entry
+    shared = parse_entry("swa+kvm:qk_norm=true,swa.window=8", recipe)
+    assert shared.options["swa"]["qk_norm"] is True and shared.options["kvm"]["qk_norm"] is True and shared.options["swa"]["window"] == 8
 
 
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("lrkv:rnk=8", r"unknown option 'rnk' for attention kind 'lrkv'; allowed options: rank"),
+        ("lrkv:rnk=8", r"unknown option 'rnk' for attention kind 'lrkv' \(did you mean rank"),
         ("lrkv:rank", r"option 'rank' needs a value"),
         ("mlaa", r"unknown attention kind 'mlaa' \(did you mean mla"),
-        ("swa+kvm:window=3", r"option 'window=3' of a pattern must name its kind"),
+        ("swa+kvm:window=3", r"entry 'swa\+kvm:window=3': unknown option 'window' for attention kind 'kvm'"),
+        ("swa+kvm:mla.kv_rank=3", r"option 'mla.kv_rank=3' names kind 'mla', which the entry does not use"),
         ("gqa:n_kv_heads=3", r"entry 'gqa:n_kv_heads=3': .*n_kv_heads=3 must divide n_heads=4"),
     ],
 )
@@ -68,8 +68,10 @@ def test_bad_entries_name_the_bad_option_before_work(spec, message):
 
 
 def test_bad_kind_options_and_seeds_are_refused():
-    with pytest.raises(ValueError, match=r"--kind-option 'lrkv.rnk=1': unknown option 'rnk'"):
-        parse_kind_overrides(["lrkv.rnk=1"])
+    with pytest.raises(ValueError, match=r"entry 'lrkv': unknown option 'rnk' for attention kind 'lrkv'"):
+        parse_entries(["lrkv"], TrainConfig(), parse_kind_overrides(["lrkv.rnk=1"]))
+    with pytest.raises(ValueError, match=r"--kind-option names lrkv, which no entry uses"):
+        parse_entries(["mha"], TrainConfig(), parse_kind_overrides(["lrkv.rank=1"]))
     with pytest.raises(ValueError, match=r"KIND.NAME=VALUE"):
         parse_kind_overrides(["rank=1"])
     with pytest.raises(ValueError, match=r"same entry"):
@@ -83,7 +85,7 @@ def test_default_table_puts_tunable_kinds_at_half_of_mha():
     recipe = TrainConfig()
     mha = build_attention("mha", recipe.d_model, recipe.n_heads)
     for kind in ("gqa", "lrkv", "mla"):
-        options, _ = default_options(kind, recipe)
+        options, _ = kind_spec(kind).comparable(recipe_shape(recipe))
         attn = build_attention(kind, recipe.d_model, recipe.n_heads, **options)
         assert attn.cache_bytes(100) / mha.cache_bytes(100) == pytest.approx(0.5), kind
 

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, GPTNeoXConfig
 
 from slimkv.cli import main
 from slimkv.compress import load
-from slimkv.compress.models import load_pretrained
 from slimkv.compress.persist import MANIFEST_NAME
+from slimkv.pretrained import load_pretrained
 
 from .conftest import char_tokenizer, tiny_model
 

@@ -13,7 +13,8 @@ from slimkv.compress.arch import Architecture
 from slimkv.compress.cost import linear_flops_per_token, unique_parameters
 from slimkv.compress.factored import FactoredLinear, IdentityBlockInputFactor, SharedInputFactor, SplitOutputLinear
 from slimkv.compress.persist import MANIFEST_NAME
-from slimkv.compress.pipeline import iter_leaf_entries, rank_step_slack
+from slimkv.compress.pipeline import iter_leaf_entries
+from tests.compress.helpers import rank_step_slack
 
 from .conftest import calib_ids, tiny_model
 

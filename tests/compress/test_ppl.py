@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from slimkv.eval.ppl import NonFiniteLossError, perplexity, perplexity_of_ids
+from slimkv.eval.ppl import perplexity
+from slimkv.scoring import NonFiniteLossError, perplexity_of_ids
 
 from .conftest import char_tokenizer
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from slimkv.cli import main
+from slimkv.common.files import sha256_file
 from slimkv.data import load_dataset, prepare_text, shakespeare_plays, shakespeare_split
-from slimkv.data.dataset import sha256_file
 from slimkv.data.shakespeare import VAL_PLAYS, markdown_to_text
 from slimkv.data.tokenizer import encode_long
 

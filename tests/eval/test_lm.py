@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from slimkv.eval.lm import eval_windows, evaluate_run, generate_ids, lm_metrics, score_windows
+from slimkv.eval.lm import evaluate_run, generate_ids
+from slimkv.scoring import eval_windows, lm_metrics, score_windows
 from slimkv.train import load_run, train
 from tests.train.tiny import one_thread, tiny_cache, tiny_config, tiny_env  # noqa: F401  (fixtures)
 

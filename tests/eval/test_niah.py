@@ -116,7 +116,7 @@ def test_niah_rejects_unknown_tasks_before_work(kvm_run):
 
 
 def _run_niah(run_dir, tasks: str) -> None:
-    from slimkv.eval.cli import task_parser
+    from slimkv.cli.eval import task_parser
 
     args = task_parser("niah").parse_args([str(run_dir), "--tasks", tasks])
     args.task_run(args)

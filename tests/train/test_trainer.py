@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from slimkv.common.files import read_json
 from slimkv.train import TrainingDiverged, load_run, train
-from slimkv.train.checkpoint import read_json
 from tests.train.tiny import one_thread, tiny_config
 
 TIMING_KEYS = {"tokens_per_s", "elapsed_s"}

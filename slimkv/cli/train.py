@@ -1,4 +1,4 @@
-"""``slimkv train`` and ``slimkv demo``."""
+"""``slimkv train``."""
 
 from __future__ import annotations
 
@@ -6,9 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-# direct flags for the common knobs: flag -> TrainConfig key
+from slimkv.train.checkpoint import read_run_config
+from slimkv.train.config import attention_overrides, load_config, parse_override
+from slimkv.train.trainer import TrainingDiverged, train
+
+# direct flags for the common knobs: flag -> TrainConfig key (--attention is an entry, see overrides_from_args)
 DIRECT_FLAGS = {
-    "--attention": "attention",
     "--dataset": "dataset",
     "--steps": "steps",
     "--lr": "lr",
@@ -23,7 +26,7 @@ DIRECT_FLAGS = {
 
 
 def add_commands(subparsers) -> None:
-    """Register ``train`` and ``demo`` on the top-level ``slimkv`` parser."""
+    """Register ``train`` on the top-level ``slimkv`` parser."""
     p = subparsers.add_parser(
         "train",
         help="train a small LM with one attention kind",
@@ -34,14 +37,15 @@ def add_commands(subparsers) -> None:
         ),
         epilog=(
             "examples:\n"
-            "  slimkv train --attention gqa --set attention_options.n_kv_heads=2 --out runs/gqa\n"
+            "  slimkv train --attention gqa:n_kv_heads=2 --out runs/gqa\n"
+            "  slimkv train --attention swa+kvm:swa.window=64,kvm.schedule=sqrt --out runs/hybrid\n"
             "  slimkv train --attention swa --set attention_options.window=64 --steps 300 --out runs/swa\n"
             "  slimkv train --out runs/gqa --resume            # continue a run exactly where its checkpoint left off\n"
             "  torchrun --nproc_per_node=2 -m slimkv train --attention mha --out runs/ddp"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--attention", metavar="KIND", help="attention kind, or a comma-separated per-layer pattern (e.g. swa,mha)")
+    p.add_argument("--attention", metavar="ENTRY", help="attention kind with options, e.g. lrkv:rank=8 or a per-layer pattern swa+kvm:swa.window=64 (the older swa,mha also works)")
     p.add_argument("--config", metavar="FILE.yaml", help="YAML file of training options (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="set any training option; values are YAML (e.g. --set lr=1e-3, --set attention_options.window=64)")
@@ -60,30 +64,11 @@ def add_commands(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
 
-    d = subparsers.add_parser(
-        "demo",
-        help="train and compare small models with each attention kind on Shakespeare",
-        description=(
-            "A small `slimkv compare`: prepare Shakespeare, train one small model per attention entry (mha, gqa, mqa, swa, "
-            "mla, lrkv at half of MHA's cache, kvm fixed and sqrt, the swa/kvm hybrid) with one short recipe and one seed, "
-            "print the table and write report.json, report.md and PNGs into --out; then compress SmolLM2 at ratio 0.2 "
-            "with rootcov and latentllm beside the dense model (into --out/compression). Finished runs are reused."
-        ),
-    )
-    d.add_argument("--out", default="demo_runs", metavar="DIR", help="folder for the runs and the report (default demo_runs)")
-    d.add_argument("--steps", type=int, help="optimizer steps per kind (default: the recipe's)")
-    d.add_argument("--kinds", nargs="+", metavar="ENTRY", help="entries to compare (default: every entry of the demo)")
-    d.add_argument("--no-compression", action="store_true", help="skip the SmolLM2 compression step")
-    d.add_argument("--eval-tokens", type=int, default=None, help="val tokens to evaluate per kind (default: the demo's)")
-    d.add_argument("--no-progress", action="store_true", help="no progress bars")
-    d.set_defaults(func=_demo)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
-    """Direct flags first, then ``--set`` entries (later ones win)."""
-    from slimkv.train.config import parse_override
-
-    overrides = {}
+    """``--attention`` first, then the direct flags, then ``--set`` entries (later ones win)."""
+    overrides = attention_overrides(args.attention) if args.attention is not None else {}
     for flag, key in DIRECT_FLAGS.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
@@ -95,10 +80,6 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from slimkv.train.checkpoint import read_run_config
-    from slimkv.train.config import load_config
-    from slimkv.train.trainer import TrainingDiverged, train
-
     overrides = overrides_from_args(args)
     out = Path(args.out)
     if args.resume and args.config is None and not overrides:
@@ -115,12 +96,4 @@ def _train(args: argparse.Namespace) -> int:
             f"finished {summary['step']} steps in {out}: val CE {summary['val_ce']:.4f} nats, BPB {summary['val_bpb']:.4f}; "
             f"evaluate with `slimkv eval {out}`"
         )
-    return 0
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from slimkv.demo import run_demo
-
-    run_demo(Path(args.out), steps=args.steps, kinds=args.kinds, eval_tokens=args.eval_tokens, progress=not args.no_progress,
-             compression=not args.no_compression)
     return 0

@@ -1,4 +1,4 @@
-"""Where slimkv keeps downloaded/converted assets: ``$SLIMKV_CACHE`` or ``~/.cache/slimkv``."""
+"""Where slimkv keeps downloaded and converted assets: ``$SLIMKV_CACHE`` or ``~/.cache/slimkv``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """The cache folder (created on first use). Never inside the git checkout unless asked."""
+    """The cache folder (created on first use); never inside the git checkout unless asked."""
     root = Path(os.environ.get("SLIMKV_CACHE") or Path.home() / ".cache" / "slimkv").expanduser()
     root.mkdir(parents=True, exist_ok=True)
     return root

@@ -1,8 +1,8 @@
-"""Timing and reporting helpers every benchmark uses (evaluation.md, "Speed benchmarks").
+"""Timing and result files every benchmark uses (docs/evaluation.md, "Speed benchmarks").
 
-Warm up, repeat, report median/min/max with the raw samples; record the machine, torch version and
-thread count beside the numbers; write JSON (and a PNG where a plot helps) under
-``benchmarks/results/``.
+Warm up, repeat, report median/min/max with the raw samples; record the machine, torch version,
+thread count and load average beside the numbers; write JSON (and a PNG where a plot helps) into
+a folder the caller names (benchmark scripts pass ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from typing import Any
 
 import torch
 
-from slimkv.files import save_figure, write_json
-
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+from slimkv.common.files import save_figure, write_json
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
@@ -51,7 +49,7 @@ def measure_copy_bandwidth(nbytes: int = 256 * 2**20, device: torch.device | str
 
 
 def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on, and how busy the machine was (1/5/15-minute load)."""
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -59,6 +57,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     try:
         with open("/proc/cpuinfo") as f:
@@ -70,9 +69,9 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def write_results(name: str, payload: dict[str, Any], figure=None, out_dir: Path | None = None) -> Path:
-    """Write ``<name>.json`` (with machine info) and, if given, ``<name>.png``; returns the JSON path."""
-    out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
+def write_results(name: str, payload: dict[str, Any], out_dir: str | Path, figure: Any = None) -> Path:
+    """Write ``out_dir/<name>.json`` (with machine info and time) and, if given, ``<name>.png``; the JSON path."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     body = {"benchmark": name, "machine": machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **payload}

@@ -5,6 +5,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from slimkv.bench.compare import DEFAULT_EVAL_TOKENS, run_compare
+from slimkv.bench.entries import (
+    parse_contexts,
+    parse_entries,
+    parse_kind_overrides,
+    parse_ranks,
+    parse_seeds,
+    split_entries,
+    sweep_specs,
+)
+from slimkv.bench.report import load_report, render_markdown, write_report_files
+from slimkv.data import prepare_shakespeare
+from slimkv.train.config import load_config, parse_override
+
 # recipe flags shared by compare and sweep: flag -> TrainConfig key (the attention and the seed
 # are what these commands set themselves)
 RECIPE_FLAGS = {
@@ -38,7 +52,6 @@ def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
 
 def recipe_from_args(args: argparse.Namespace):
     """The shared TrainConfig: defaults, then --config, then the recipe flags, then --set."""
-    from slimkv.train.config import load_config, parse_override
 
     overrides = {}
     for flag, (key, _) in RECIPE_FLAGS.items():
@@ -54,15 +67,6 @@ def recipe_from_args(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace, specs: list[str], title: str) -> int:
-    from slimkv.bench.compare import (
-        DEFAULT_EVAL_TOKENS,
-        parse_contexts,
-        parse_entries,
-        parse_kind_overrides,
-        parse_seeds,
-        run_compare,
-    )
-    from slimkv.data import prepare_shakespeare
 
     recipe = recipe_from_args(args)
     entries = parse_entries(specs, recipe, parse_kind_overrides(args.kind_options))
@@ -78,19 +82,16 @@ def _run(args: argparse.Namespace, specs: list[str], title: str) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from slimkv.bench.compare import split_specs
 
-    return _run(args, split_specs(args.kinds), "Attention comparison")
+    return _run(args, split_entries(args.kinds), "Attention comparison")
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from slimkv.bench.compare import parse_ranks, sweep_specs
 
     return _run(args, sweep_specs(args.kind, parse_ranks(args.ranks)), "LRKV rank sweep")
 
 
 def _report(args: argparse.Namespace) -> int:
-    from slimkv.bench.compare import load_report, render_markdown, write_report_files
 
     path = Path(args.report)
     report = load_report(path)
@@ -122,7 +123,8 @@ def add_commands(subparsers) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    c.add_argument("--kinds", required=True, metavar="ENTRIES", help="comma-separated entries, e.g. mha,gqa,mqa,mla,lrkv,kvm,lrkv:rank=4")
+    c.add_argument("--kinds", required=True, nargs="+", metavar="ENTRIES",
+                   help="entries (KIND[+KIND][:NAME=VALUE,...]), separated by spaces or commas, e.g. mha,gqa,mqa,mla,lrkv,kvm,lrkv:rank=4")
     _add_recipe_arguments(c)
     c.set_defaults(func=_compare)
 

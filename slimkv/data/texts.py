@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
+from slimkv.data.shakespeare import shakespeare_plays, shakespeare_split
+
 CALIB_SHAKESPEARE = "shakespeare"
 EVAL_SHAKESPEARE = "shakespeare-val"
 DOC_SEPARATOR = "\n\n"
 
 
 def _shakespeare(split: str) -> list[str]:
-    from slimkv.data import shakespeare_plays, shakespeare_split
-
     plays = shakespeare_plays()
     train, val = shakespeare_split()
     return [plays[name] for name in (train if split == "train" else val)]

@@ -1,0 +1,150 @@
+"""``slimkv eval`` (a training run, or a named evaluation task) and ``slimkv generate``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from slimkv.common.checks import check_int
+from slimkv.common.files import write_json
+from slimkv.eval import niah, positions, ppl
+from slimkv.eval.lm import evaluate_run, generate_ids
+from slimkv.train.checkpoint import load_run
+
+
+def _ppl_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="`smollm2`, a local transformers folder, a `slimkv compress` or `slimkv convert` output folder")
+    parser.add_argument("--text", default="shakespeare-val", help="`shakespeare-val` (held-out plays) or a local text file/folder (default: shakespeare-val)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="window length in tokens (default 1024)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the text")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def _ppl(args: argparse.Namespace) -> int:
+    report = ppl.perplexity_report(args.model, args.text, args.seq_len, args.max_tokens)
+    print(ppl.format_table(report))
+    if args.json:
+        write_json(Path(args.json), report)
+    return 0
+
+
+def _niah_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a training run (slimkv train --out RUN_DIR)")
+    parser.add_argument("--tasks", default="s1,s2,s3", help=f"comma-separated tasks among {', '.join(niah.TASKS)} (default: all)")
+    parser.add_argument("--lengths", default="1x,2x,4x", help="prompt lengths in tokens, or multiples of the training length like 2x (default 1x,2x,4x)")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths as fractions of the haystack (default 0,0.25,0.5,0.75,1)")
+    parser.add_argument("--samples", type=int, default=10, help="prompts per (length, depth) cell (default 10)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="greedy new tokens per prompt (default 48: a UUID takes ~37 with the 4096-id Shakespeare BPE)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of keys, values and haystack positions (default 0)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
+    parser.add_argument("--out", default=None, metavar="DIR", help=f"folder for {niah.RESULT_FILE} and {niah.PLOT_FILE} (default RUN_DIR)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _niah(args: argparse.Namespace) -> int:
+    tasks = niah.parse_tasks(args.tasks)
+    niah.parse_depths(args.depths)
+    for name in ("samples", "max_new_tokens", "batch_size"):
+        check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1)
+    report = niah.niah_report(args.run_dir, tasks=tasks, lengths=args.lengths, depths=args.depths, samples=args.samples, max_new_tokens=args.max_new_tokens,
+                              seed=args.seed, batch_size=args.batch_size, out_dir=args.out, progress=not args.no_progress)
+    print(niah.format_table(report))
+    out_dir = Path(args.out) if args.out else Path(args.run_dir)
+    print(f"wrote {out_dir / niah.RESULT_FILE} and {out_dir / niah.PLOT_FILE}")
+    return 0
+
+
+def _positions_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a training run (slimkv train --out RUN_DIR)")
+    parser.add_argument("--length", default="4x", help="tokens per sequence, or a multiple of the training length like 4x (default 4x)")
+    parser.add_argument("--buckets", type=int, default=16, help="position buckets (default 16)")
+    parser.add_argument("--max-sequences", type=int, default=64, help="val sequences, spread over the split (default 64)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    parser.add_argument("--out", default=None, metavar="DIR", help=f"folder for {positions.RESULT_FILE} and {positions.PLOT_FILE} (default RUN_DIR)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _positions(args: argparse.Namespace) -> int:
+    check_int("--buckets", args.buckets, 1)
+    report = positions.positions_report(args.run_dir, length=args.length, buckets=args.buckets, max_sequences=args.max_sequences, batch_size=args.batch_size,
+                                        out_dir=args.out, progress=not args.no_progress)
+    print(positions.format_table(report))
+    out_dir = Path(args.out) if args.out else Path(args.run_dir)
+    print(f"wrote {out_dir / positions.RESULT_FILE} and {out_dir / positions.PLOT_FILE}")
+    return 0
+
+
+# Evaluation tasks: name -> (description, add the task's arguments, run it).
+EVAL_TASKS = {
+    "ppl": ("perplexity of a pretrained, compressed or converted model on held-out text (its original beside it)", _ppl_arguments, _ppl),
+    "niah": ("needle-in-a-haystack retrieval of a training run over a length x depth grid", _niah_arguments, _niah),
+    "positions": ("val loss by position out to several times a training run's length", _positions_arguments, _positions),
+}
+
+
+def lm_eval_parser() -> argparse.ArgumentParser:
+    """Options of ``slimkv eval RUN_DIR``."""
+    p = argparse.ArgumentParser(prog="slimkv eval RUN_DIR", description="Evaluate a training run on its dataset's val split; writes RUN_DIR/eval.json.")
+    p.add_argument("--max-tokens", type=int, default=None, help="evaluate about N val tokens, in windows spread over the split (default: all)")
+    p.add_argument("--context", type=int, default=None, help="tokens per eval window and prefilled for the cache measurement (default: training seq_len)")
+    p.add_argument("--batch-size", type=int, default=None, help="windows per forward pass (default: training batch size)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated sample")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def task_parser(task: str) -> argparse.ArgumentParser:
+    """The parser of ``slimkv eval TASK``."""
+    description, add_arguments, run = EVAL_TASKS[task]
+    p = argparse.ArgumentParser(prog=f"slimkv eval {task}", description=description[0].upper() + description[1:] + ".")
+    add_arguments(p)
+    p.set_defaults(task_run=run)
+    return p
+
+
+def _eval(args: argparse.Namespace) -> int:
+    if args.target in EVAL_TASKS:
+        task_args = task_parser(args.target).parse_args(args.rest)
+        return int(task_args.task_run(task_args) or 0)
+    options = lm_eval_parser().parse_args(args.rest)
+    evaluate_run(args.target, max_tokens=options.max_tokens, context=options.context, batch_size=options.batch_size, seed=options.seed, progress=not options.no_progress)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    model, _, dataset = load_run(args.run_dir)
+    new_ids = generate_ids(model, dataset.encode(args.prompt), max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None, seed=args.seed)
+    print(args.prompt + dataset.decode(new_ids))
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    """Register ``eval`` and ``generate`` on the top-level ``slimkv`` parser."""
+    tasks = ", ".join(EVAL_TASKS)
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate a trained run (CE, BPB, cache bytes, sample) or run an evaluation task",
+        usage="slimkv eval RUN_DIR [--max-tokens N] [--context N] [--batch-size N] [--seed S]\n"
+        f"       slimkv eval {{{','.join(EVAL_TASKS)}}} [task options]",
+        description=(
+            "slimkv eval RUN_DIR: val CE (nats), BPB (total NLL / (ln 2 x UTF-8 bytes)), measured cache bytes per token "
+            "per layer after prefilling the eval context with the ratio to MHA of the same shape, and a sample; "
+            "prints a table and writes RUN_DIR/eval.json. See `slimkv eval RUN_DIR --help`.\n\n"
+            "slimkv eval TASK ...: one of the evaluation tasks (see `slimkv eval TASK --help`):\n"
+            + "\n".join(f"  {name:<10} {description}" for name, (description, _, _) in EVAL_TASKS.items())
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("target", metavar="RUN_DIR|TASK", help=f"a run directory, or a task: {tasks}")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=_eval)
+
+    g = subparsers.add_parser("generate", help="continue a prompt with a trained run's model",
+                              description="Sample a continuation of --prompt from RUN_DIR/model (temperature 0 = greedy).")
+    g.add_argument("run_dir", metavar="RUN_DIR")
+    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=100)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0 = all)")
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=_generate)

@@ -1,0 +1,69 @@
+"""Growable storage for caches, and the element size of a dtype.
+
+``GrowableBuffer`` holds a sequence of per-token (or per-row) vectors in kernel layout
+(batch, heads, time, dim) with spare capacity, so appending a token never copies what is stored
+(capacity doubles when full: amortised O(1) per token) and dropping the oldest tokens (sliding
+windows) only moves a pointer until the buffer is compacted. ``nbytes`` counts the live part only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MIN_CAPACITY = 64
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class GrowableBuffer:
+    """A (batch, heads, length, dim) tensor that grows along ``length`` without per-token copies."""
+
+    def __init__(self, batch: int, heads: int, dim: int, *, dtype: torch.dtype, device: torch.device | str, capacity: int = 0) -> None:
+        self.shape = (batch, heads, dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self._storage = torch.empty(batch, heads, max(capacity, 0), dim, dtype=dtype, device=device)
+        self._start = 0
+        self._end = 0
+
+    def __len__(self) -> int:
+        return self._end - self._start
+
+    @property
+    def capacity(self) -> int:
+        return self._storage.shape[2]
+
+    def view(self) -> torch.Tensor:
+        """The live part, (batch, heads, len, dim); a view, writes go to the buffer."""
+        return self._storage[:, :, self._start : self._end]
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """Append ``x`` of shape (batch, heads, n, dim); returns the live view including it."""
+        n = x.shape[2]
+        if self._end + n > self.capacity:
+            self._make_room(n)
+        self._storage[:, :, self._end : self._end + n] = x
+        self._end += n
+        return self.view()
+
+    def keep_last(self, n: int) -> None:
+        """Drop all but the newest ``n`` entries (pointer move; storage is reused on the next compaction)."""
+        if len(self) > n:
+            self._start = self._end - n
+
+    def nbytes(self) -> int:
+        b, h, d = self.shape
+        return b * h * len(self) * d * self._storage.element_size()
+
+    def _make_room(self, n: int) -> None:
+        live = len(self)
+        if live + n <= self.capacity and self._start >= live:
+            storage = self._storage  # reclaim the dropped prefix; source and target do not overlap
+        else:
+            storage = torch.empty(
+                *self.shape[:2], max(MIN_CAPACITY, 2 * (live + n)), self.shape[2], dtype=self.dtype, device=self.device
+            )
+        storage[:, :, :live] = self._storage[:, :, self._start : self._end]
+        self._storage, self._start, self._end = storage, 0, live

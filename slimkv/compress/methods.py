@@ -1,0 +1,91 @@
+"""The compression methods, in a registry: a method is one function of a ``BlockContext`` plus
+``register_method``. ``compress_model`` runs the method on every block in turn.
+
+Built in (docs/compression.md): ``svd`` (truncated SVD of each weight, no data), ``asvd`` (SVD of
+W diag(mean|x|^alpha), unscaled), ``rootcov`` (local activation-aware RootCov, all of a block's
+statistics from one pass) and ``latentllm`` (``slimkv.compress.latent``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from slimkv.common.checks import close_matches
+from slimkv.compress.block import BlockContext
+from slimkv.compress.latent import attention_stage, mlp_stage
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered method: ``compress_block(ctx)`` plans and installs every projection of one
+    block; ``needs_data``: whether it reads calibration activations; ``within_block``: how it
+    calibrates inside a block (for the manifest)."""
+
+    name: str
+    compress_block: Callable[[BlockContext], None]
+    needs_data: bool
+    within_block: str
+    description: str
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register_method(name: str, *, needs_data: bool = True, within_block: str = "one pass on the block's inputs", description: str = ""):
+    """Decorator registering ``fn(ctx: BlockContext)`` as compression method ``name``."""
+
+    def register(fn: Callable[[BlockContext], None]) -> Callable[[BlockContext], None]:
+        if name in METHODS:
+            raise ValueError(f"compression method {name!r} is already registered")
+        METHODS[name] = Method(name, fn, needs_data, within_block if needs_data else "none", description or (fn.__doc__ or "").strip().splitlines()[0])
+        return fn
+
+    return register
+
+
+def get_method(name: str) -> Method:
+    """The registered method ``name``; ValueError listing the registered ones."""
+    if name not in METHODS:
+        raise ValueError(f"method={name!r} is not a compression method{close_matches(name, METHODS)}; allowed values: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def _all(ctx: BlockContext) -> list[str]:
+    return [p.name for p in ctx.layout.projections()]
+
+
+@register_method("svd", needs_data=False)
+def svd(ctx: BlockContext) -> None:
+    """Truncated SVD of each weight (no calibration data)."""
+    for name in _all(ctx):
+        ctx.factor_local(name, "svd", None)
+    ctx.install(_all(ctx))
+
+
+@register_method("asvd")
+def asvd(ctx: BlockContext) -> None:
+    """SVD of W diag(mean|x|^alpha), unscaled (ASVD)."""
+    stats = ctx.collect(_all(ctx), stop=ctx.layout.mlp_out.name, need="mean_abs")
+    for name in _all(ctx):
+        ctx.factor_local(name, "asvd", stats[name])
+    ctx.install(_all(ctx))
+
+
+@register_method("rootcov")
+def rootcov(ctx: BlockContext) -> None:
+    """Local activation-aware RootCov of each weight, all statistics from one pass."""
+    stats = ctx.collect(_all(ctx), stop=ctx.layout.mlp_out.name)
+    for name in _all(ctx):
+        ctx.factor_local(name, "rootcov", stats[name])
+    ctx.install(_all(ctx))
+
+
+@register_method(
+    "latentllm",
+    within_block="sequential (q/k/v, then o, then the MLP input, then down, each on the activations of the stages already compressed)",
+)
+def latentllm(ctx: BlockContext) -> None:
+    """RootCov + identity blocks, joint QK (RoPE-aware) and joint MLP, sequential inside the block."""
+    attention_stage(ctx)
+    mlp_stage(ctx)

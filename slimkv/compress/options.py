@@ -1,0 +1,39 @@
+"""``CompressOptions``: everything that decides the result of a compression (stored in the manifest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slimkv.common.checks import check_bool, check_float, check_int
+from slimkv.compress.joint_mlp import UD_DAMPING
+
+
+@dataclass
+class CompressOptions:
+    """The method (a name in ``slimkv.compress.methods.METHODS``), the ratio of block-projection
+    weights to remove, and the knobs of the methods (defaults are the documented choices)."""
+
+    method: str
+    ratio: float
+    damping: float = UD_DAMPING  # relative damping (x mean diag C) of the least-squares maps of the ReLU joint MLP
+    asvd_alpha: float = 0.5
+    qk_iterations: int = 8
+    mlp_iterations: int = 4
+    joint_qk: bool = True  # latentllm components (ablations switch them off)
+    rope_aware_qk: bool = True  # average the joint QK objective over RoPE offsets (models with RoPE)
+    joint_mlp: bool = True
+    identity_block: bool = True
+    full_rank: bool = False  # keep every matrix at full rank: a check that the machinery is lossless
+
+    def validate(self) -> None:
+        """ValueError naming the option for a value that cannot compress (the method name is
+        checked against the registry by ``compress_model``)."""
+        if not isinstance(self.method, str):
+            raise ValueError(f"method must be a method name, got {self.method!r}")
+        check_float("ratio", self.ratio, 0.0, 1.0, open_low=not self.full_rank, open_high=True)
+        check_float("damping", self.damping, 0.0)
+        check_float("asvd_alpha", self.asvd_alpha, 0.0)
+        check_int("qk_iterations", self.qk_iterations, 1)
+        check_int("mlp_iterations", self.mlp_iterations, 1)
+        for name in ("joint_qk", "rope_aware_qk", "joint_mlp", "identity_block", "full_rank"):
+            check_bool(name, getattr(self, name))

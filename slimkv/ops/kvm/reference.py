@@ -1,0 +1,172 @@
+"""The plain KVM reference: a token-by-token loop with explicit per-(batch, head, token) loops,
+written straight from the rules in docs/kvm.md. Slow; the tests' yardstick and the layer's
+``reference`` backend."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slimkv.ops.kvm.core import KVMParams, Rows, check_inputs
+from slimkv.ops.kvm.settings import VALUE_EPS, KVMSettings
+from slimkv.ops.kvm.state import KVMState, check_state
+from slimkv.ops.norm import compute_dtype
+
+
+def _ref_layer_norm(x: torch.Tensor, params: KVMParams) -> torch.Tensor:
+    """LayerNorm written out: (x - mean) / sqrt(var + eps) * weight + bias."""
+    mean = x.mean(dim=-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
+    y = (x - mean) / torch.sqrt(var + params.ln_eps)
+    if params.ln_weight is not None:
+        y = y * params.ln_weight.to(x.dtype)
+    if params.ln_bias is not None:
+        y = y + params.ln_bias.to(x.dtype)
+    return y
+
+
+def _ref_prepare(k: torch.Tensor, params: KVMParams, rot_dim: int) -> torch.Tensor:
+    k = k.to(compute_dtype(k.dtype)).clone()
+    k[..., :rot_dim] = 0.0
+    return _ref_layer_norm(k, params)
+
+
+def _ref_rows(s_k: torch.Tensor, s_v: torch.Tensor, radius: torch.Tensor, params: KVMParams, settings: KVMSettings) -> Rows:
+    """Rows with their read cache computed from the spec's formulas."""
+    if settings.value_norm == "count":
+        read_v = s_v / radius.unsqueeze(-1)
+    else:
+        length = torch.sqrt((s_v * s_v).sum(dim=-1, keepdim=True))
+        read_v = radius.unsqueeze(-1) * s_v / torch.clamp(length, min=VALUE_EPS)
+    return Rows(s_k, s_v, radius, _ref_layer_norm(s_k, params), read_v)
+
+
+def _ref_dot(a: torch.Tensor, b: torch.Tensor, routing_dtype: str) -> float:
+    dtype = a.dtype if routing_dtype == "float32" else getattr(torch, routing_dtype)
+    return float(torch.dot(a.to(dtype), b.to(dtype)))
+
+
+def _ref_fold(state: KVMState, ctx: int, params: KVMParams, settings: KVMSettings) -> None:
+    """Fold the oldest window chunk into the rows, one (batch, kv head) and one token at a time."""
+    c, rows = settings.chunk_size, state.rows
+    work = rows.s_k.dtype
+    k_o = state.window_k.view()[:, :, :c].to(work)
+    v_o = state.window_v.view()[:, :, :c].to(work)
+    g_o = state.window_gate.view()[:, :, :c, 0].to(work) if state.window_gate is not None else torch.ones_like(k_o[..., 0])
+    n_app = settings.append_count(rows.count, ctx)
+    batch, heads = k_o.shape[:2]
+    new_k, new_v, new_r = [], [], []
+    for b in range(batch):
+        for h in range(heads):
+            s_k, s_v, radius = list(rows.s_k[b, h]), list(rows.s_v[b, h]), list(rows.radius[b, h])
+            ko = [_ref_prepare(k_o[b, h, j], params, settings.rot_dim) for j in range(c)]
+            g = [g_o[b, h, j] for j in range(c)]
+            # append: the n_app tokens least similar to any row (sink included, ungated keys)
+            read = [_ref_layer_norm(r, params) for r in s_k]
+            novelty = [max(_ref_dot(ko[j], r, settings.routing_dtype) for r in read) for j in range(c)]
+            chosen = sorted(sorted(range(c), key=lambda j: (novelty[j], j))[:n_app])
+            for j in chosen:
+                weight = g[j] if settings.gate_appends else 1.0
+                s_k.append(weight * ko[j])
+                s_v.append(weight * v_o[b, h, j])
+                radius.append(torch.ones((), dtype=work) if settings.value_norm == "count" else torch.sqrt((v_o[b, h, j] ** 2).sum()))
+            # merge: every target is chosen against the post-append rows, then the sums grow
+            read = [_ref_layer_norm(r, params) for r in s_k]
+            targets = []
+            for j in range(c):
+                if j in chosen:
+                    continue
+                best, best_score = None, -math.inf
+                for i in range(settings.sink_len, len(s_k)):
+                    score = _ref_dot(g[j] * ko[j], read[i], settings.routing_dtype)
+                    if score > best_score:  # strictly greater: ties keep the lowest row index
+                        best, best_score = i, score
+                targets.append((j, best))
+            for j, i in targets:
+                s_k[i] = s_k[i] + g[j] * ko[j]
+                s_v[i] = s_v[i] + g[j] * v_o[b, h, j]
+                if settings.value_norm == "count":
+                    radius[i] = radius[i] + 1
+            new_k.append(torch.stack(s_k))
+            new_v.append(torch.stack(s_v))
+            new_r.append(torch.stack(radius))
+
+    def unflat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(parts).unflatten(0, (batch, heads))
+
+    state.rows = _ref_rows(unflat(new_k), unflat(new_v), unflat(new_r), params, settings)
+
+
+def _ref_read(q: torch.Tensor, state: KVMState, show_state: bool, params: KVMParams, scale: float) -> torch.Tensor:
+    """Output of one token: q (B, Hq, d) against every visible row and window key, head by head."""
+    batch, hq, _ = q.shape
+    win_k, win_v, rows = state.window_k.view(), state.window_v.view(), state.rows
+    work = rows.s_k.dtype
+    group = hq // win_k.shape[1]
+    out = []
+    for b in range(batch):
+        for h in range(hq):
+            kv = h // group
+            tau_s = params.tau_state[h].to(work) if params.tau_state is not None else 1.0
+            tau_w = params.tau_window[h].to(work) if params.tau_window is not None else 1.0
+            qh = q[b, h].to(work)
+            scores = [(win_k[b, kv].to(work) * tau_w) @ qh * scale]
+            values = [win_v[b, kv].to(work)]
+            if show_state:
+                scores.insert(0, (rows.read_k[b, kv] * tau_s) @ qh * scale)
+                values.insert(0, rows.read_v[b, kv])
+            weights = torch.softmax(torch.cat(scores), dim=0)
+            out.append(weights @ torch.cat(values))
+    return torch.stack(out).view(batch, hq, -1).to(q.dtype)
+
+
+def kvm_step_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor | None,
+    params: KVMParams,
+    settings: KVMSettings,
+    state: KVMState,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``kvm_step`` written token by token from the spec (slow; the tests' yardstick)."""
+    check_inputs(q, k, v, gate, params)
+    check_state(state, settings, k, gate)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    c, w = settings.chunk_size, settings.window_chunks
+    outs = []
+    for i in range(q.shape[2]):
+        t = state.seq_len
+        if t % c == 0 and t >= w * c:  # the oldest window chunk leaves the window
+            if t >= (w + 1) * c:  # (the first chunk is already in the rows)
+                _ref_fold(state, t, params, settings)
+            for buf in state.buffers():
+                buf.keep_last(len(buf) - c)
+        state.append_window(k[:, :, i : i + 1], v[:, :, i : i + 1], gate[:, :, i : i + 1] if gate is not None else None)
+        if t < c:  # the first chunk becomes rows as it arrives
+            ki = _ref_prepare(k[:, :, i : i + 1], params, settings.rot_dim)
+            vi = v[:, :, i : i + 1].to(ki.dtype)
+            ri = torch.ones_like(vi[..., 0]) if settings.value_norm == "count" else torch.sqrt((vi**2).sum(dim=-1))
+            rows = state.rows
+            state.rows = _ref_rows(torch.cat((rows.s_k, ki), 2), torch.cat((rows.s_v, vi), 2), torch.cat((rows.radius, ri), 2), params, settings)
+        outs.append(_ref_read(q[:, :, i], state, t >= w * c, params, scale))
+        state.seq_len = t + 1
+    return torch.stack(outs, dim=2)
+
+
+def kvm_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor | None,
+    params: KVMParams,
+    settings: KVMSettings,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``kvm_attention`` via the token-by-token reference from an empty state."""
+    state = KVMState(k.shape[0], k.shape[1], k.shape[-1], v.shape[-1], dtype=k.dtype, device=k.device, gated=gate is not None)
+    return kvm_step_reference(q, k, v, gate, params, settings, state, scale=scale)

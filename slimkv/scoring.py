@@ -1,0 +1,109 @@
+"""Scoring a causal LM on token ids: the two window protocols, shared by training, evaluation,
+compression and conversion (docs/evaluation.md).
+
+* Training runs (``score_windows`` over ``eval_windows``): windows of T + 1 tokens at stride T,
+  so every token after the first is predicted exactly once; CE in nats and BPB = total NLL /
+  (ln 2 x UTF-8 bytes of the predicted tokens), never CE / ln 2 (bits per token).
+* Pretrained models (``perplexity_of_ids``): non-overlapping windows of ``seq_len`` tokens, each
+  predicting its tokens 2..n from their prefix in the window; ppl = exp(total NLL / tokens
+  predicted). A window whose loss is not finite is an error, never skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from slimkv.common.checks import check_int
+
+
+def eval_windows(tokens: np.ndarray, context: int, max_windows: int | None = None) -> torch.Tensor:
+    """(n, context + 1) windows of ``tokens`` cut at stride ``context``, so every token after the
+    first is predicted exactly once (a tail shorter than a window is left out). With more windows
+    than ``max_windows``, an evenly spaced subset spread over the whole split."""
+    check_int("context", context, 1)
+    total = (len(tokens) - 1) // context
+    if total < 1:
+        raise ValueError(f"the split has {len(tokens)} tokens, too few for a context of {context}; lower the context")
+    index = torch.arange(total)
+    if max_windows is not None and max_windows < total:
+        index = torch.linspace(0, total - 1, max(1, max_windows)).round().long()
+    ids = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+    return ids[index[:, None] * context + torch.arange(context + 1)]
+
+
+@torch.no_grad()
+def score_windows(
+    model: torch.nn.Module,
+    windows: torch.Tensor,
+    token_bytes: torch.Tensor,
+    *,
+    batch_size: int,
+    amp_dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> tuple[float, int, int]:
+    """(sum of next-token NLL in nats, tokens predicted, their UTF-8 bytes) for ``windows``
+    (n, T + 1): positions 1..T are predicted from the ones before them. The sum is float64."""
+    if len(windows) == 0:
+        return 0.0, 0, 0
+    device = next(model.parameters()).device
+    nll = 0.0
+    for chunk in tqdm(windows.split(batch_size), desc="eval", unit="batch", disable=not progress, leave=False):
+        ids = chunk.to(device)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(ids[:, :-1]).logits
+        nll += float(F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").double())
+    targets = windows[:, 1:]
+    return nll, targets.numel(), int(token_bytes[targets].sum())
+
+
+def lm_metrics(nll_sum: float, tokens: float, n_bytes: float) -> dict[str, float]:
+    """CE (nats/token) and BPB (bits/byte, bytes denominator) from the totals."""
+    if tokens <= 0 or n_bytes <= 0:
+        raise ValueError("nothing was evaluated (0 tokens); the val split is too short for this context")
+    return {"ce": nll_sum / tokens, "bpb": nll_sum / (math.log(2) * n_bytes), "tokens": int(tokens), "bytes": int(n_bytes)}
+
+
+class NonFiniteLossError(ValueError):
+    """A perplexity window produced a NaN/inf loss (the model is broken there)."""
+
+
+@torch.no_grad()
+def perplexity_of_ids(model: nn.Module, ids: torch.Tensor, seq_len: int, *, progress: bool = False, desc: str = "ppl") -> dict[str, Any]:
+    """Perplexity of a 1-D LongTensor of token ids, non-overlapping windows of ``seq_len``."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    if ids.numel() < 2:
+        raise ValueError(f"need at least 2 tokens to evaluate, got {ids.numel()}")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total_nll = 0.0
+    predicted = 0
+    starts = [s for s in range(0, ids.numel(), seq_len) if ids.numel() - s >= 2]
+    t0 = time.perf_counter()
+    for index, start in enumerate(tqdm(starts, desc=desc, disable=not progress, leave=False)):
+        window = ids[start:start + seq_len].to(device).unsqueeze(0)
+        logits = model(window, use_cache=False).logits[0, :-1].float()
+        nll = F.cross_entropy(logits, window[0, 1:], reduction="sum").double().item()
+        if not math.isfinite(nll):
+            raise NonFiniteLossError(f"window {index} (tokens {start}..{start + window.shape[1]}) has a non-finite loss ({nll})")
+        total_nll += nll
+        predicted += window.shape[1] - 1
+    model.train(was_training)
+    return {
+        "ppl": math.exp(total_nll / predicted),
+        "nll_per_token": total_nll / predicted,
+        "tokens_predicted": predicted,
+        "tokens_used": int(min(ids.numel(), starts[-1] + seq_len)),
+        "windows": len(starts),
+        "seq_len": seq_len,
+        "seconds": time.perf_counter() - t0,
+    }
