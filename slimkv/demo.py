@@ -20,6 +20,7 @@ from typing import Any
 from slimkv.attention import ATTENTION_KINDS, kind_spec
 from slimkv.bench.compare import run_compare
 from slimkv.bench.entries import parse_entries
+from slimkv.common.files import check_folder_target
 from slimkv.compress import demo_compression
 from slimkv.data import prepare_shakespeare
 from slimkv.train.config import TrainConfig
@@ -63,6 +64,7 @@ def run_demo(
     for spec in specs:
         if spec not in entries_allowed:
             raise ValueError(f"--kinds: {spec!r} is not a demo entry; allowed values: {', '.join(entries_allowed)} (use `slimkv compare` for others)")
+    check_folder_target(out_dir)
     recipe = demo_recipe(steps)
     entries = parse_entries(specs, recipe)
     out_dir = Path(out_dir)

@@ -82,6 +82,9 @@ def perplexity_of_ids(model: nn.Module, ids: torch.Tensor, seq_len: int, *, prog
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if ids.numel() < 2:
         raise ValueError(f"need at least 2 tokens to evaluate, got {ids.numel()}")
+    vocab = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else None
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"the tokenizer produced ids up to {int(ids.max())} but the model has {vocab} embeddings; the tokenizer does not belong to this model")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -50,9 +50,10 @@ class MultiHeadAttention(Attention):
     kind = "mha"
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None, *, n_kv_heads: int | None = None, window: int | None = None, **common) -> None:
+        check_int("n_heads", n_heads, 1)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         check_int("n_kv_heads", n_kv_heads, 1)
-        if isinstance(n_heads, int) and n_heads % n_kv_heads:
+        if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
         if window is not None:
             check_int("window", window, 1)

@@ -30,7 +30,7 @@ from slimkv.bench.decode import DecodeVariant, decode_sweep
 from slimkv.bench.entries import Entry, config_for, run_slug
 from slimkv.bench.report import REPORT_FORMAT, render_markdown, write_report_files
 from slimkv.bench.statistics import aggregate, comparisons
-from slimkv.common.files import read_json, write_json
+from slimkv.common.files import check_folder_target, read_json, write_json
 from slimkv.common.timing import machine_info
 from slimkv.eval.diversity import model_diversity
 from slimkv.eval.lm import evaluate_run
@@ -136,6 +136,7 @@ def run_compare(
 
     configs = {(e.label, s): config_for(e, recipe, s) for e in entries for s in seeds}  # every error before any work
     out_dir = Path(out_dir)
+    check_folder_target(out_dir)
     started = time.perf_counter()
     if prepare is not None:
         prepare()

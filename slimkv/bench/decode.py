@@ -105,6 +105,9 @@ def decode_sweep(
     built at this width are listed under "skipped" with the reason, never dropped silently.
     """
     check_int("batch", batch, 1)
+    check_int("repeats", repeats, 1)
+    check_int("rounds", rounds, 1)
+    check_int("warmup", warmup, 0)
     for c in contexts:
         check_int("contexts", c, 1)
     modules: dict[str, tuple[Attention, AttentionCache, dict[str, Any]]] = {}  # key -> (layer, cache, its default runtime options)

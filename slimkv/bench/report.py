@@ -171,6 +171,8 @@ def write_report_files(report: dict[str, Any], out_dir: Path) -> list[Path]:
 def load_report(path: str | Path) -> dict[str, Any]:
     """A ``report.json`` written by ``run_compare``."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give the report.json inside it")
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; create it with `slimkv compare --kinds ... --out DIR`")
     report = read_json(path)

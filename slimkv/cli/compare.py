@@ -16,6 +16,7 @@ from slimkv.bench.entries import (
     sweep_specs,
 )
 from slimkv.bench.report import load_report, render_markdown, write_report_files
+from slimkv.common.checks import check_int
 from slimkv.data import prepare_shakespeare
 from slimkv.train.config import load_config, parse_override
 
@@ -72,6 +73,7 @@ def _run(args: argparse.Namespace, specs: list[str], title: str) -> int:
     entries = parse_entries(specs, recipe, parse_kind_overrides(args.kind_options))
     seeds = parse_seeds(args.seeds, recipe.seed)
     contexts = parse_contexts(args.decode_contexts)
+    check_int("--decode-repeats", args.decode_repeats, 1)
     if args.eval_tokens is not None and args.eval_tokens < 0:
         raise ValueError(f"--eval-tokens must be >= 0 (0 = the whole val split), got {args.eval_tokens}")
     eval_tokens = DEFAULT_EVAL_TOKENS if args.eval_tokens is None else (args.eval_tokens or None)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
+from slimkv.common.checks import check_name
 from slimkv.common.files import read_json
 from slimkv.compress.linalg import FactorizationError
 from slimkv.compress.methods import METHODS
@@ -39,7 +41,7 @@ def _add_compress(subparsers) -> None:
     parser = subparsers.add_parser("compress", help="compress a pretrained LM with low-rank factors (svd, asvd, rootcov, latentllm)")
     parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("--method", required=True, choices=list(METHODS), help="compression method: " + ", ".join(METHODS))
-    parser.add_argument("--ratio", type=float, required=True, help="fraction of the block projections' weights to remove, in [0, 1)")
+    parser.add_argument("--ratio", type=float, required=True, help="fraction of the block projections' weights to remove, in (0, 1)")
     _add_calibration_options(parser)
     parser.add_argument("--out", required=True, help="output folder (config + safetensors + slimkv_compression.json)")
     parser.add_argument("--no-joint-qk", action="store_true", help="latentllm: factor q and k separately (ablation)")
@@ -99,6 +101,10 @@ def _run_compress(args) -> int:
 def _run_sweep(args) -> int:
     _check_common(args)
     methods, ratios = parse_methods(args.methods), parse_ratios(args.ratios)
+    if args.name is not None:
+        check_name("--name", args.name)
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        raise ValueError(f"--out-dir {args.out_dir} is a file; give a folder for the results")
     if args.seq_len < 2 or args.prefill_len < 1 or args.repeats < 0:
         raise ValueError("--seq-len must be >= 2, --prefill-len >= 1 and --repeats >= 0")
     if args.max_tokens is not None and args.max_tokens != 0 and args.max_tokens < 2:
@@ -114,6 +120,7 @@ def _run_sweep(args) -> int:
         print(f"slimkv compress-sweep: factorization failed: {err}")
         return 1
     name = args.name or f"compress_sweep_{SMOLLM2 if args.model == SMOLLM2 else base.identity.get('model_type', 'model')}"
+    check_name("--name", name)
     path = write_sweep(result, name, args.out_dir)
     print(markdown_table(result))
     print(f"wrote {path} (+ .md, .png)")

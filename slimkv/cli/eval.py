@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from slimkv.common.checks import check_int
 from slimkv.common.files import write_json
 from slimkv.eval import niah, positions, ppl
-from slimkv.eval.lm import evaluate_run, generate_ids
+from slimkv.eval.lm import MAX_NEW_TOKENS, evaluate_run, generate_ids
 from slimkv.train.checkpoint import load_run
 
 
@@ -112,9 +113,33 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """Print the prompt, then each new token as it is generated (Ctrl-C stops and keeps what was printed)."""
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("--prompt is not valid UTF-8 text (the shell passed bytes that are not UTF-8)") from None
+    check_int("--max-new-tokens", args.max_new_tokens, 1, MAX_NEW_TOKENS)
     model, _, dataset = load_run(args.run_dir)
-    new_ids = generate_ids(model, dataset.encode(args.prompt), max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None, seed=args.seed)
-    print(args.prompt + dataset.decode(new_ids))
+    new_ids: list[int] = []
+    printed = ""
+
+    def show(token: int) -> None:
+        nonlocal printed
+        new_ids.append(token)
+        text = dataset.decode(new_ids)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    try:
+        generate_ids(model, dataset.encode(args.prompt), max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                     seed=args.seed, on_token=show)
+    finally:
+        sys.stdout.write(dataset.decode(new_ids)[len(printed):] + "\n")
+        sys.stdout.flush()
     return 0
 
 
@@ -143,7 +168,7 @@ def add_commands(subparsers) -> None:
                               description="Sample a continuation of --prompt from RUN_DIR/model (temperature 0 = greedy).")
     g.add_argument("run_dir", metavar="RUN_DIR")
     g.add_argument("--prompt", required=True, help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=100)
+    g.add_argument("--max-new-tokens", type=int, default=100, help=f"tokens to generate, 1..{MAX_NEW_TOKENS:,} (default 100); printed as they come, Ctrl-C stops")
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     g.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0 = all)")
     g.add_argument("--seed", type=int, default=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,15 +34,25 @@ def check_float(name: str, value: Any, low: float = -math.inf, high: float = mat
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value > low if open_low else value >= low) and (value < high if open_high else value <= high)
     if not ok:
-        lower = f"> {low}" if open_low else f">= {low}"
-        upper = f"< {high}" if open_high else f"<= {high}"
-        raise ValueError(f"{name} must be a finite number {lower} and {upper}, got {value!r}")
+        bounds = [f"> {low}" if open_low else f">= {low}"] if low != -math.inf else []
+        bounds += [f"< {high}" if open_high else f"<= {high}"] if high != math.inf else []
+        raise ValueError(f"{name} must be a finite number{' ' + ' and '.join(bounds) if bounds else ''}, got {value!r}")
 
 
 def check_bool(name: str, value: Any) -> None:
     """``value`` must be True or False (not 1, "yes", ...)."""
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def check_name(name: str, value: Any) -> None:
+    """``value`` must be a plain file or folder name (letters, digits, '_', '.', '-'; no path
+    separators, not starting with '.'), so it can never point outside the folder it is used in."""
+    if not isinstance(value, str) or not _SAFE_NAME.fullmatch(value) or ".." in value:
+        raise ValueError(f"{name} must start with a letter or digit and contain only letters, digits, '_', '.', '-' (no '..'), got {value!r}")
 
 
 class Checked:

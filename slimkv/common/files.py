@@ -5,6 +5,9 @@
 * ``read_json`` names the file in every error (a corrupt file says which file is corrupt).
 * ``atomic_directory`` stages a whole folder and swaps it in; ``existing_directory`` finds the
   complete copy even if a swap was interrupted.
+* ``check_output_folder`` / ``output_folder`` publish a whole output folder (a compressed or
+  converted model): the destination is checked before any work, the new folder is written
+  beside it and swapped in, and nothing slimkv did not write is ever deleted.
 * ``folder_lock`` holds an exclusive advisory lock on a folder (the folder itself, no lock file)
   for the life of a run, so a second process writing into the same folder gets a clear error
   instead of interleaved files.
@@ -35,6 +38,8 @@ def _temporary(path: Path) -> Path:
 def write_text(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically, creating the parent folder."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give a file path to write to")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(path)
     tmp.write_text(text, encoding="utf-8")
@@ -81,6 +86,13 @@ def save_figure(fig: Any, path: str | Path, *, tight: bool = True) -> None:
     tmp = _temporary(path)
     fig.savefig(tmp, dpi=120, format="png", **({"bbox_inches": "tight"} if tight else {}))
     os.replace(tmp, path)
+
+
+def check_folder_target(path: str | Path, option: str = "--out") -> None:
+    """A folder slimkv will write into must not be an existing file (checked before any work)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {path} is a file; give a folder")
 
 
 def _retired(target: Path) -> Path:
@@ -135,3 +147,55 @@ def folder_lock(folder: str | Path, what: str = "run") -> Iterator[None]:
         yield
     finally:
         os.close(descriptor)
+
+
+class OutputFolder:
+    """Rules for one kind of output folder slimkv publishes: its manifest (``marker``) lists the
+    files slimkv wrote there, so a later run may replace those and must keep everything else."""
+
+    def __init__(self, marker: str, what: str) -> None:
+        self.marker, self.what = marker, what
+
+    def check(self, target: str | Path) -> None:
+        """Before any work: ``target`` is absent, an empty folder, or an earlier output of this kind."""
+        target = Path(target)
+        check_folder_target(target)
+        if target.is_dir() and any(target.iterdir()) and not (target / self.marker).is_file():
+            raise ValueError(f"--out {target} is not empty and is not an earlier {self.what} (no {self.marker}); choose an empty or new folder")
+
+    def written_by_slimkv(self, target: Path) -> set[str]:
+        """Names of the files an earlier output in ``target`` wrote (from its manifest)."""
+        if not (target / self.marker).is_file():
+            return set()
+        manifest = read_json(target / self.marker, expect=dict)
+        return {*manifest.get("files", []), self.marker}
+
+    @contextmanager
+    def publish(self, target: str | Path) -> Iterator[Path]:
+        """Yield an empty staging folder beside ``target``; on success it becomes ``target``. An
+        earlier output of this kind is replaced, but files slimkv did not write there are moved
+        into the new folder (or the swap is refused if a new file has the same name)."""
+        target = Path(target).expanduser()
+        self.check(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        try:
+            yield staging
+            if target.is_dir():
+                foreign = [p for p in target.iterdir() if p.name not in self.written_by_slimkv(target)]
+                clash = [p.name for p in foreign if (staging / p.name).exists()]
+                if clash:
+                    raise ValueError(f"--out {target} holds files slimkv did not write with the names of new output files ({', '.join(clash)}); move them away first")
+                for path in foreign:
+                    os.replace(path, staging / path.name)
+                retired = _retired(target)
+                shutil.rmtree(retired, ignore_errors=True)
+                os.replace(target, retired)
+                os.replace(staging, target)
+                shutil.rmtree(retired, ignore_errors=True)
+            else:
+                os.replace(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)

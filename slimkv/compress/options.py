@@ -30,6 +30,8 @@ class CompressOptions:
         checked against the registry by ``compress_model``)."""
         if not isinstance(self.method, str):
             raise ValueError(f"method must be a method name, got {self.method!r}")
+        if not self.full_rank and isinstance(self.ratio, (int, float)) and self.ratio == 0:
+            raise ValueError("ratio=0 removes nothing: there is nothing to compress; give a ratio in (0, 1), e.g. 0.1")
         check_float("ratio", self.ratio, 0.0, 1.0, open_low=not self.full_rank, open_high=True)
         check_float("damping", self.damping, 0.0)
         check_float("asvd_alpha", self.asvd_alpha, 0.0)

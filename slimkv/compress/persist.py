@@ -9,16 +9,13 @@ from the file (never a random initialisation) and logits are identical to the sa
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from slimkv.common.files import read_json, write_json
+from slimkv.common.files import OutputFolder, read_json, write_json
 from slimkv.compress.arch import Architecture
 from slimkv.compress.factored import FactoredLinear, SharedInputFactor, SplitOutputLinear, make_input_factor
 from slimkv.pretrained.families import family_of
@@ -30,27 +27,22 @@ FORMAT = "slimkv-compressed"
 FORMAT_VERSION = 1
 
 
+COMPRESSED_FOLDER = OutputFolder(MANIFEST_NAME, "slimkv compression folder")
+
+
 def save(model: nn.Module, tokenizer, manifest: dict, out_dir: str | Path) -> Path:
-    """Write ``out_dir`` (config, tokenizer, weights, manifest); replaces an earlier slimkv output there."""
+    """Write ``out_dir`` (config, tokenizer, weights, manifest with the list of files written).
+    An earlier slimkv compression there is replaced; files slimkv did not write are kept."""
     out_dir = Path(out_dir).expanduser()
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).is_file():
-        raise ValueError(f"--out {out_dir} exists and is not a slimkv compression folder; choose an empty or new folder")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+    with COMPRESSED_FOLDER.publish(out_dir) as tmp:
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": FORMAT})
-        write_json(tmp / MANIFEST_NAME, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest})
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        files = sorted(p.name for p in tmp.iterdir())
+        write_json(tmp / MANIFEST_NAME, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": files})
     return out_dir
 
 

@@ -49,9 +49,9 @@ def parse_ratios(text: str) -> list[float]:
     try:
         ratios = [float(r) for r in text.split(",") if r.strip()]
     except ValueError as err:
-        raise ValueError(f"--ratios must be comma-separated numbers in [0, 1); got {text!r}") from err
-    if not ratios or any(not 0.0 <= r < 1.0 for r in ratios):
-        raise ValueError(f"--ratios must be comma-separated numbers in [0, 1); got {text!r}")
+        raise ValueError(f"--ratios must be comma-separated numbers in (0, 1); got {text!r}") from err
+    if not ratios or any(not 0.0 < r < 1.0 for r in ratios):
+        raise ValueError(f"--ratios must be comma-separated numbers in (0, 1) (0 removes nothing); got {text!r}")
     return ratios
 
 

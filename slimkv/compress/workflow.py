@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from slimkv.common.version import VERSION
+from slimkv.compress.methods import get_method
 from slimkv.compress.options import CompressOptions
-from slimkv.compress.persist import save
+from slimkv.compress.persist import COMPRESSED_FOLDER, save
 from slimkv.compress.pipeline import compress_model
 from slimkv.data.texts import DOC_SEPARATOR, calibration_documents, calibration_ids, text_sha256
 from slimkv.pretrained import LoadedModel, load_pretrained, weights_fingerprint
@@ -64,8 +65,14 @@ def compress_loaded(loaded: LoadedModel, options: CompressOptions, calib: str, c
 
 def compress_pretrained(model: str, options: CompressOptions, calib: str, calib_tokens: int, out_dir: str | Path | None, *,
                         calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, seed: int = 0, progress: bool = True) -> tuple[LoadedModel, dict]:
-    """Load ``model`` (``smollm2`` or a folder), compress it, and save to ``out_dir`` if given."""
+    """Load ``model`` (``smollm2`` or a folder), compress it, and save to ``out_dir`` if given.
+    Options, the method, the destination and the calibration text are checked before any work."""
     options.validate()
+    get_method(options.method)
+    if out_dir is not None:
+        COMPRESSED_FOLDER.check(out_dir)
+    if get_method(options.method).needs_data:
+        calibration_documents(calib)
     loaded = load_pretrained(model)
     manifest = compress_loaded(loaded, options, calib, calib_tokens, calib_seq_len=calib_seq_len, seed=seed, progress=progress)
     if out_dir is not None:

@@ -14,7 +14,6 @@ Layout of ``cache_dir()/datasets/<name>/``:
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,18 +21,17 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from slimkv.common.checks import check_name
 from slimkv.common.files import sha256_file
 from slimkv.common.paths import cache_dir
 
 SHAKESPEARE = "shakespeare"
 MANIFEST = "manifest.json"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def check_dataset_name(name: str) -> None:
     """ValueError naming ``name`` unless it is a safe folder name (letters, digits, ``_.-``)."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"name must start with a letter or digit and contain only letters, digits, '_', '.', '-'; got {name!r}")
+    check_name("name", name)
 
 
 def datasets_dir() -> Path:

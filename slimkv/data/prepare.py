@@ -41,6 +41,7 @@ from slimkv.data.dataset import (
     read_manifest,
 )
 from slimkv.data.shakespeare import VAL_PLAYS, play_files, shakespeare_plays, shakespeare_split
+from slimkv.data.texts import read_text_file
 from slimkv.data.tokenizer import check_vocab_size, encode_long, token_byte_lengths, train_byte_bpe
 
 FORMAT_VERSION = 1
@@ -99,7 +100,7 @@ def prepare_text(paths: list[str | Path], *, name: str, vocab_size: int = 4096, 
     resolved = [Path(p).expanduser().resolve() for p in paths]
     if len(set(resolved)) != len(resolved):
         raise ValueError("paths lists the same file more than once")
-    documents = [Document(str(path), _read_utf8(path), {"file": str(path), "file_sha256": sha256_file(path)}) for path in resolved]
+    documents = [Document(str(path), read_text_file(path), {"file": str(path), "file_sha256": sha256_file(path)}) for path in resolved]
 
     if len(documents) >= 2:
         n_val = min(len(documents) - 1, max(1, round(VAL_FRACTION * len(documents))))
@@ -256,19 +257,6 @@ def _move_into_place(staging: Path, folder: Path, workspace: Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
     else:
         os.replace(staging, folder)
-
-
-def _read_utf8(path: Path) -> str:
-    """Exact text of a UTF-8 file (a leading byte-order mark is dropped); clear errors otherwise."""
-    if not path.is_file():
-        raise FileNotFoundError(f"text file {path} does not exist")
-    try:
-        text = path.read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not valid UTF-8 ({err})") from None
-    if not text.strip():
-        raise ValueError(f"{path} is empty")
-    return text
 
 
 def _package_version(package: str) -> str:

@@ -27,16 +27,36 @@ def _shakespeare(split: str) -> list[str]:
     return [plays[name] for name in (train if split == "train" else val)]
 
 
+def read_text_file(path: str | Path) -> str:
+    """Exact text of a UTF-8 file (a leading byte-order mark is dropped); ValueError naming the file
+    if it is binary, not UTF-8 or empty, FileNotFoundError if it does not exist or is a folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"{path} is a folder, not a text file")
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {path} does not exist")
+    data = path.read_bytes()
+    if b"\x00" in data[:1 << 20]:
+        raise ValueError(f"{path} looks like a binary file (it holds NUL bytes), not UTF-8 text")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not valid UTF-8 ({err})") from None
+    if not text.strip():
+        raise ValueError(f"{path} is empty")
+    return text
+
+
 def _local_documents(spec: str) -> list[str]:
     path = Path(spec).expanduser()
     if path.is_file():
-        return [path.read_text(encoding="utf-8", errors="replace")]
+        return [read_text_file(path)]
     if path.is_dir():
         files = sorted(path.rglob("*.txt"))
         if not files:
-            raise FileNotFoundError(f"{path} holds no *.txt files")
-        return [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    raise FileNotFoundError(f"text {spec!r} is neither a known source nor an existing file or folder")
+            raise FileNotFoundError(f"{path} is a folder that holds no *.txt files")
+        return [read_text_file(f) for f in files]
+    raise FileNotFoundError(f"text {spec!r} is neither a known source ({CALIB_SHAKESPEARE}, {EVAL_SHAKESPEARE}) nor an existing file or folder")
 
 
 def calibration_documents(spec: str) -> list[str]:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +57,35 @@ def cache_report(model: Any, ids: torch.Tensor) -> dict[str, Any]:
     }
 
 
+MAX_NEW_TOKENS = 100_000  # a cap so a typo does not ask for a run that cannot finish (stream and stop with Ctrl-C instead)
+
+
+class TokenStreamer:
+    """A transformers generation streamer that hands each new token id to ``on_token`` as soon as
+    it is generated (the prompt, which ``generate`` also puts, is skipped)."""
+
+    def __init__(self, on_token: Callable[[int], None]) -> None:
+        self.on_token = on_token
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        for token in value.reshape(-1).tolist():
+            self.on_token(int(token))
+
+    def end(self) -> None:
+        pass
+
+
 @torch.no_grad()
-def generate_ids(model: Any, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40, seed: int = 0) -> list[int]:
+def generate_ids(model: Any, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40, seed: int = 0,
+                 on_token: Callable[[int], None] | None = None) -> list[int]:
     """New token ids continuing ``prompt_ids`` (transformers ``generate()`` through the model's
-    own caches); temperature 0 = greedy. Seeded without touching the caller's RNG state."""
-    check_int("max_new_tokens", max_new_tokens, 1)
+    own caches); temperature 0 = greedy. Seeded without touching the caller's RNG state.
+    ``on_token(id)`` is called for each new token as it is generated (streaming)."""
+    check_int("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
     check_float("temperature", temperature, 0.0)
     if top_k is not None:
         check_int("top_k", top_k, 1)
@@ -71,7 +96,8 @@ def generate_ids(model: Any, prompt_ids: list[int], *, max_new_tokens: int, temp
     sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k or 0} if temperature > 0 else {"do_sample": False}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        out = model.generate(prompt, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0, **sampling)
+        streamer = TokenStreamer(on_token) if on_token is not None else None
+        out = model.generate(prompt, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0, streamer=streamer, **sampling)
     return out[0, len(prompt_ids) :].tolist()
 
 
@@ -93,6 +119,10 @@ def evaluate_run(
     run_dir = Path(run_dir)
     if max_tokens is not None:
         check_int("max_tokens", max_tokens, 1)
+    if batch_size is not None:
+        check_int("batch_size", batch_size, 1)
+    if context is not None:
+        check_int("context", context, 1)
     model, cfg, dataset = load_run(run_dir)
     context = cfg.seq_len if context is None else context
     check_int("context", context, 1)

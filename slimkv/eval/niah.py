@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from slimkv.common.checks import check_int
-from slimkv.common.files import save_figure, write_json
+from slimkv.common.files import check_folder_target, save_figure, write_json
 from slimkv.common.plotting import new_figure
 from slimkv.data.needles import NEUTRAL_TEXT, NeedleBuilder, NeedleDocument, random_key, random_value, value_found
 from slimkv.train.checkpoint import load_run
@@ -201,6 +201,8 @@ def evaluate_niah(
 def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: str, samples: int, max_new_tokens: int, seed: int, batch_size: int, out_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Evaluate a run directory; writes ``niah.json`` and ``niah.png`` into ``out_dir`` (default RUN_DIR)."""
     run_dir = Path(run_dir)
+    if out_dir is not None:
+        check_folder_target(out_dir)
     model, cfg, dataset = load_run(run_dir)
     length_list, depth_list = parse_lengths(lengths, cfg.seq_len), parse_depths(depths)
     results = evaluate_niah(model, dataset, tasks=tasks, lengths=length_list, depths=depth_list, samples=samples, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, progress=progress)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from slimkv.common.checks import check_int
-from slimkv.common.files import save_figure, write_json
+from slimkv.common.files import check_folder_target, save_figure, write_json
 from slimkv.common.plotting import new_figure
 from slimkv.scoring import eval_windows
 from slimkv.train.checkpoint import load_run
@@ -75,6 +75,8 @@ def positions_report(run_dir: str | Path, *, length: str, buckets: int, max_sequ
     check_int("--max-sequences", max_sequences, 1)
     check_int("--batch-size", batch_size, 1)
     run_dir = Path(run_dir)
+    if out_dir is not None:
+        check_folder_target(out_dir)
     model, cfg, dataset = load_run(run_dir)
     total = parse_length(length, cfg.seq_len)
     bucket_edges(total, buckets)

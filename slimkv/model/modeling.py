@@ -99,6 +99,15 @@ class SlimKVPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["Block"]
     _supports_sdpa = True
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | Path, *args: Any, **kwargs: Any):
+        """transformers' ``from_pretrained``, refusing a local folder without config.json up front
+        (transformers would build a default-shaped model and report every weight as mismatched)."""
+        path = Path(str(pretrained_model_name_or_path)).expanduser()
+        if path.is_dir() and kwargs.get("config") is None and not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: it is not a saved slimkv model (save one with model.save_pretrained(folder))")
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Normal(init_std) weights; residual output projections scaled by 1/sqrt(2 n_layers).

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from slimkv.common.files import atomic_directory, existing_directory, read_json, write_json
+from slimkv.common.files import atomic_directory, check_folder_target, existing_directory, read_json, write_json
 from slimkv.data import load_dataset
 from slimkv.model import load_model_folder
 from slimkv.train.config import TrainConfig
@@ -110,6 +110,10 @@ def load_checkpoint(run_dir: Path, *, model: torch.nn.Module, optimizer: torch.o
         optimizer.load_state_dict(unflatten_optimizer_state(tensors, read_json(folder / "optimizer.json", expect=dict)))
     except (KeyError, ValueError, TypeError) as err:
         raise ValueError(f"{folder / 'optimizer.json'} does not fit this run's optimizer ({err})") from None
+    optimizer_steps = {int(entry["step"]) for entry in optimizer.state.values() if "step" in entry}
+    if optimizer_steps and optimizer_steps != {state["step"]}:
+        raise ValueError(f"{folder / 'state.json'} says step {state['step']} but the optimizer state was saved at step {sorted(optimizer_steps)}; "
+                         "the checkpoint was edited or mixed from two runs")
     rng = read_safetensors(folder / "rng.safetensors", load_file)
     return state, rng
 
@@ -141,8 +145,7 @@ def prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> None:
     """Refuse to mix runs: a new run needs an empty folder (or one left by a run that never
     checkpointed); a resumed one needs a checkpoint and the same config."""
     run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"--out {run_dir} is a file, not a folder; choose a folder for the run")
+    check_folder_target(run_dir)
     if resume:
         if existing_directory(run_dir / CHECKPOINT_DIR) is None:
             raise ValueError(f"nothing to resume: {run_dir} has no {CHECKPOINT_DIR}/ (it holds: {describe_folder(run_dir)}); "

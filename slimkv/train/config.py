@@ -228,9 +228,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     values = TrainConfig().to_dict()
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"config file {path} is a folder; give a YAML file")
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not a readable YAML file of training options (safe YAML only: no tags): {' '.join(str(err).split())}") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: a config file must be a mapping of option: value")
         check_keys(loaded, TrainConfig.keys(), where=f" in {path}")
