@@ -4,15 +4,20 @@ docs/lrkv.md explains the design. Head h uses the effective maps
 
     W^K_h = W^K_shared + U^K_h (B^K_h)^T        W^V_h = W^V_shared + U^V_h (B^V_h)^T
 
+With ``n_kv_heads`` = G < H the residuals belong to G groups of H/G query heads (as GQA shares a
+K/V head): query head h reads group h // (H/G), so "head" below means "residual group" and the
+cache holds G latents per token instead of H. The default G = H is the paper's LRKV; a GQA
+model converted to LRKV keeps its G K/V heads as G residual groups.
+
 with W_shared: d -> d_h, U_h: d -> r (the "latent" projection) and B_h: r -> d_h (the "up"
 factor, a weight). Queries are full and independent per head. The cache stores, per token, the
 shared key and value (d_h each) and every head's latents z^K_h = x U^K_h (r_k) and z^V_h = x U^V_h
 (r_v), plus one key scale per head with ``qk_norm``:
 
-    elements per token per layer = 2 d_h + H (r_k + r_v) [+ H]        (MHA: 2 H d_h)
+    elements per token per layer = 2 d_h + G (r_k + r_v) [+ G]        (MHA: 2 H d_h)
 
-so with r_k = r_v = r the cache is 1/H + r/d_h of MHA's; a configuration whose cache exceeds MHA's
-(r > d_h (1 - 1/H)) works but warns. Residual factors start at ``residual_init`` (default 0.1) of
+so with r_k = r_v = r and G = H the cache is 1/H + r/d_h of MHA's; a configuration whose cache
+exceeds MHA's (r > d_h (1 - 1/H)) works but warns. Residual factors start at ``residual_init`` (default 0.1) of
 the shared map's Frobenius norm; ``from_mha`` loads an MHA/GQA/MQA layer exactly (B_h = I).
 
 Positions (``rope_mode``), and how it combines with the common ``rope``/``rope_fraction``:
@@ -54,7 +59,7 @@ from slimkv.attention.cache import AttentionCache
 from slimkv.attention.mha import MultiHeadAttention
 from slimkv.common.buffer import GrowableBuffer, dtype_bytes
 from slimkv.common.checks import Checked, check_choice, check_float, check_int
-from slimkv.ops.attention import attend, visibility_mask
+from slimkv.ops.attention import attend, fold_groups, visibility_mask
 from slimkv.ops.norm import compute_dtype
 from slimkv.ops.rope import Rotary
 
@@ -185,6 +190,7 @@ class LowRankKVAttention(Attention):
         rank_v: int | None = None,
         rope_mode: str = "decoupled",
         residual_init: float = 0.1,
+        n_kv_heads: int | None = None,
         decode_path: str = "factored",
         rebuild_block_tokens: int = 512,
         **common,
@@ -193,6 +199,11 @@ class LowRankKVAttention(Attention):
         check_choice("rope_mode", rope_mode, LRKV_ROPE_MODES)
         check_float("residual_init", residual_init, 0.0)
         super().__init__(d_model, n_heads, head_dim, **common)
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        check_int("n_kv_heads", n_kv_heads, 1)
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
+        self.n_kv_heads, groups = n_kv_heads, n_kv_heads
         hd, bias = self.head_dim, self.use_bias
         self.rank_k, self.rank_v, self.residual_init = rank_k, rank_v, float(residual_init)
         self.rotary, self.rope_placement = resolve_positions(self.head_dim, rope_mode, self.rope_mode, self.rope_fraction, self.rope_theta)
@@ -203,11 +214,11 @@ class LowRankKVAttention(Attention):
         self.q_proj = nn.Linear(d_model, n_heads * hd, bias=bias)
         self.k_shared = nn.Linear(d_model, hd, bias=bias)
         self.v_shared = nn.Linear(d_model, hd, bias=bias)
-        # U^K_h for all heads as one (d -> H r_k) map, and B^K_h stacked as (H, channels written, r_k).
-        self.k_latent = nn.Linear(d_model, n_heads * rank_k, bias=bias) if rank_k else None
-        self.k_up = nn.Parameter(torch.empty(n_heads, hd - self.key_residual_start, rank_k)) if rank_k else None
-        self.v_latent = nn.Linear(d_model, n_heads * rank_v, bias=bias) if rank_v else None
-        self.v_up = nn.Parameter(torch.empty(n_heads, hd, rank_v)) if rank_v else None
+        # U^K_g for all groups as one (d -> G r_k) map, and B^K_g stacked as (G, channels written, r_k).
+        self.k_latent = nn.Linear(d_model, groups * rank_k, bias=bias) if rank_k else None
+        self.k_up = nn.Parameter(torch.empty(groups, hd - self.key_residual_start, rank_k)) if rank_k else None
+        self.v_latent = nn.Linear(d_model, groups * rank_v, bias=bias) if rank_v else None
+        self.v_up = nn.Parameter(torch.empty(groups, hd, rank_v)) if rank_v else None
         self.o_proj = nn.Linear(n_heads * hd, d_model, bias=bias)
         self._make_qk_norms(hd, hd)
         self._init_residual_factors()
@@ -217,17 +228,20 @@ class LowRankKVAttention(Attention):
     # -- construction helpers -------------------------------------------------------------
 
     def cache_elements_per_token(self) -> int:
-        """Cache elements per token per layer per sequence: 2 d_h + H (r_k + r_v) [+ H with qk_norm]."""
-        per_head = self.rank_k + self.rank_v + (1 if self.use_qk_norm else 0)
-        return 2 * self.head_dim + self.n_heads * per_head
+        """Cache elements per token per layer per sequence: 2 d_h + G (r_k + r_v) [+ G with qk_norm]."""
+        per_group = self.rank_k + self.rank_v + (1 if self.use_qk_norm else 0)
+        return 2 * self.head_dim + self.n_kv_heads * per_group
 
     def _warn_if_larger_than_mha(self) -> None:
-        mha = 2 * self.n_heads * self.head_dim
-        if self.cache_elements_per_token() > mha:
+        """Warn when the cache is larger than that of plain attention with as many K/V heads as
+        residual groups (MHA for G = H): such ranks save nothing."""
+        plain = 2 * self.n_kv_heads * self.head_dim
+        if self.cache_elements_per_token() > plain:
+            reference = "MHA" if self.n_kv_heads == self.n_heads else f"GQA with {self.n_kv_heads} K/V heads"
+            limit = self.head_dim * (1 - 1 / self.n_kv_heads)
             warnings.warn(
                 f"lrkv with rank_k={self.rank_k}, rank_v={self.rank_v} caches {self.cache_elements_per_token()} elements per "
-                f"token per layer, more than MHA's {mha} (a rank above head_dim * (1 - 1/n_heads) = "
-                f"{self.head_dim * (1 - 1 / self.n_heads):g} saves nothing)",
+                f"token per layer, more than {reference}'s {plain} (a rank above head_dim * (1 - 1/n_kv_heads) = {limit:g} saves nothing)",
                 UserWarning,
                 stacklevel=3,
             )
@@ -244,8 +258,8 @@ class LowRankKVAttention(Attention):
                 up.zero_()
                 continue
             target = self.residual_init * shared.weight.norm()
-            u = torch.randn_like(latent.weight).view(self.n_heads, -1, self.d_model)  # (H, r, d): rows of U_h^T
-            b = torch.randn_like(up)  # (H, channels, r)
+            u = torch.randn_like(latent.weight).view(self.n_kv_heads, -1, self.d_model)  # (G, r, d): rows of U_g^T
+            b = torch.randn_like(up)  # (G, channels, r)
             # ||U B^T||_F^2 = tr((U^T U)(B^T B)), from r x r products only.
             product = torch.einsum("hij,hji->h", u @ u.transpose(1, 2), b.transpose(1, 2) @ b).sqrt()
             scale = target / product
@@ -265,10 +279,11 @@ class LowRankKVAttention(Attention):
     def from_mha(cls, mha: MultiHeadAttention, *, rope_mode: str = "full") -> LowRankKVAttention:
         """An lrkv layer that computes exactly what ``mha`` (or gqa/mqa) computes.
 
-        W_shared = the mean of the per-head maps, U_h = W_h - W_shared, B_h = I, so the ranks are
-        the channel counts the residuals write (head_dim; for keys in ``decoupled`` mode the
-        non-rotary channels, which needs the rotary key channels of every head to be equal). The
-        cache is then larger than MHA's (the constructor warns): this is for testing the algebra.
+        One residual group per K/V head of ``mha``: W_shared = the mean of the K/V heads' maps,
+        U_g = W_g - W_shared, B_g = I, so the ranks are the channel counts the residuals write
+        (head_dim; for keys in ``decoupled`` mode the non-rotary channels, which needs the rotary
+        key channels of every head to be equal). The cache is then larger than the original's (the
+        constructor warns): exact, for testing the algebra and as the start of a conversion.
         """
         if mha.window is not None:
             raise ValueError("from_mha needs a layer without a sliding window")
@@ -281,51 +296,51 @@ class LowRankKVAttention(Attention):
                 "they cannot compute the same function"
             )
         writable = hd - (rotary.rot_dim if placement == "decoupled" else 0)
-        lrkv = cls(mha.d_model, heads, hd, rank_k=writable, rank_v=hd, rope_mode=rope_mode, **common)
+        lrkv = cls(mha.d_model, heads, hd, rank_k=writable, rank_v=hd, rope_mode=rope_mode, n_kv_heads=mha.n_kv_heads, **common)
         lrkv.to(dtype=mha.q_proj.weight.dtype, device=mha.q_proj.weight.device)
-        group = heads // mha.n_kv_heads
         state = {k: v for k, v in mha.state_dict().items() if k.split(".")[0] in ("q_proj", "o_proj", "q_norm", "k_norm")}
         for name in ("k", "v"):
             proj = getattr(mha, f"{name}_proj")
             start = lrkv.key_residual_start if name == "k" else 0
-            weights = [proj.weight.view(mha.n_kv_heads, hd, -1).repeat_interleave(group, 0)]  # (H, hd, d)
+            weights = [proj.weight.view(mha.n_kv_heads, hd, -1)]  # (G, hd, d)
             if mha.use_bias:
-                weights.append(proj.bias.view(mha.n_kv_heads, hd, 1).repeat_interleave(group, 0))
+                weights.append(proj.bias.view(mha.n_kv_heads, hd, 1))
             for suffix, w in zip(("weight", "bias"), weights):
                 if start and not torch.equal(w[:, :start], w[:1, :start].expand_as(w[:, :start])):
                     raise ValueError("rope_mode='decoupled' shares the rotary key channels; the mha heads' rotary key maps differ")
                 shared = torch.cat((w[0, :start], w[:, start:].mean(0)))
                 state[f"{name}_shared.{suffix}"] = shared if suffix == "weight" else shared[:, 0]
-                residual = (w - shared)[:, start:]  # (H, writable, d) = U_h^T with B_h = I
+                residual = (w - shared)[:, start:]  # (G, writable, d) = U_g^T with B_g = I
                 state[f"{name}_latent.{suffix}"] = residual.reshape(-1, residual.shape[-1]) if suffix == "weight" else residual.reshape(-1)
             eye = torch.eye(hd - start, dtype=proj.weight.dtype, device=proj.weight.device)
-            state[f"{name}_up"] = eye.expand(heads, -1, -1).clone()
+            state[f"{name}_up"] = eye.expand(mha.n_kv_heads, -1, -1).clone()
         lrkv.load_state_dict(state)
         return lrkv
 
     # -- the contract ------------------------------------------------------------------------
 
     def cache_spec(self) -> tuple:
-        return super().cache_spec() + (self.rank_k, self.rank_v, self.rope_placement, self.rotary.rot_dim, self.use_qk_norm)
+        return super().cache_spec() + (self.rank_k, self.rank_v, self.rope_placement, self.rotary.rot_dim, self.use_qk_norm, self.n_kv_heads)
 
     def new_cache(self, batch_size: int, dtype=None, device=None) -> LRKVCache:
         b, dtype, device = self._cache_args(batch_size, dtype, device)
-        return LRKVCache(self.cache_spec(), b, self.n_heads, self.head_dim, self.rank_k, self.rank_v, self.use_qk_norm, dtype=dtype, device=device)
+        return LRKVCache(self.cache_spec(), b, self.n_kv_heads, self.head_dim, self.rank_k, self.rank_v, self.use_qk_norm, dtype=dtype, device=device)
 
     def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
         return batch_size * seq_len * self.cache_elements_per_token() * dtype_bytes(dtype)
 
     def head_qk_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Effective (W^Q_h, W^K_h), each (H, d_model, head_dim): W^K_h = W_shared + U_h B_h^T
-        (zero on the shared rotary channels in decoupled mode), qk-norm gains folded in."""
-        hd = self.head_dim
+        """Effective (W^Q_h, W^K_h), each (H, d_model, head_dim): W^K_h = W_shared + U_g B_g^T for
+        head h's group g (the residual writes only the non-rotary channels in decoupled mode;
+        the shared rotary channels keep W_shared), qk-norm gains folded in."""
+        hd, groups = self.head_dim, self.n_kv_heads
         wq = self.q_proj.weight.view(self.n_heads, hd, self.d_model).transpose(1, 2)
-        wk = self.k_shared.weight.t().expand(self.n_heads, -1, -1)
+        wk = self.k_shared.weight.t().expand(groups, -1, -1)
         if self.rank_k:
-            u = self.k_latent.weight.view(self.n_heads, self.rank_k, self.d_model)
-            residual = torch.einsum("hrd,hcr->hdc", u, self.k_up)  # (H, d, channels written)
+            u = self.k_latent.weight.view(groups, self.rank_k, self.d_model)
+            residual = torch.einsum("grd,gcr->gdc", u, self.k_up)  # (G, d, channels written)
             wk = torch.cat((wk[..., : self.key_residual_start], wk[..., self.key_residual_start :] + residual), dim=-1)
-        return self._with_qk_gains(wq, wk)
+        return self._with_qk_gains(wq, wk.repeat_interleave(self.n_heads // groups, dim=0))
 
     def _forward(self, x: torch.Tensor, cache: LRKVCache | None) -> torch.Tensor:
         start = cache.seq_len if cache is not None else 0
@@ -367,30 +382,30 @@ class LowRankKVAttention(Attention):
         return q, LRKVEntries(k_s.transpose(1, 2), v_s, z_k, z_v, key_scale)
 
     def _latents(self, latent: nn.Linear | None, x: torch.Tensor, rank: int) -> torch.Tensor:
-        """Per-head latents, time last (batch, heads, rank, time), of x (batch, time, d_model)."""
+        """Per-group latents, time last (batch, G, rank, time), of x (batch, time, d_model)."""
         b, t, _ = x.shape
         if latent is None:
-            return x.new_empty(b, self.n_heads, 0, t)
-        return latent(x).view(b, t, self.n_heads, rank).permute(0, 2, 3, 1)
+            return x.new_empty(b, self.n_kv_heads, 0, t)
+        return latent(x).view(b, t, self.n_kv_heads, rank).permute(0, 2, 3, 1)
 
     def _key_up_all_channels(self) -> torch.Tensor:
-        """B^K as (H, head_dim, r_k): zero rows for the shared rotary channels in decoupled mode."""
+        """B^K as (G, head_dim, r_k): zero rows for the shared rotary channels in decoupled mode."""
         c = self.key_residual_start
         if c == 0:
             return self.k_up
-        return torch.cat((self.k_up.new_zeros(self.n_heads, c, self.rank_k), self.k_up), dim=1)
+        return torch.cat((self.k_up.new_zeros(self.n_kv_heads, c, self.rank_k), self.k_up), dim=1)
 
     def _raw_keys(self, shared_k: torch.Tensor, latent_k: torch.Tensor) -> torch.Tensor:
-        """k_s + z_h B_h^T for every head: (batch, 1, L, hd), (batch, H, r_k, L) -> (batch, H, L, hd).
+        """k_s + z_g B_g^T for every group: (batch, 1, L, hd), (batch, G, r_k, L) -> (batch, G, L, hd).
         The residual writes channels key_residual_start.. only. One batched matmul writes the
         result, the shared key is added in place (no further full-size temporaries)."""
         b, _, length, hd = shared_k.shape
         if not self.rank_k:
-            return shared_k.expand(b, self.n_heads, length, hd)
+            return shared_k.expand(b, self.n_kv_heads, length, hd)
         return (latent_k.transpose(-1, -2) @ self._key_up_all_channels().transpose(-1, -2)).add_(shared_k)
 
     def _expand_keys(self, entries: LRKVEntries, start: int) -> torch.Tensor:
-        """Per-head keys (batch, H, L, hd) of tokens start.. as the queries see them: qk-norm gain
+        """Per-group keys (batch, G, L, hd) of tokens start.. as the queries see them: qk-norm gain
         and scale applied, rotated (``full``; ``decoupled`` entries arrive rotated)."""
         keys = self._raw_keys(entries.shared_k, entries.latent_k)
         if self.use_qk_norm:
@@ -406,16 +421,17 @@ class LowRankKVAttention(Attention):
         return torch.cat((gain.new_ones(c), gain[c:])) if c else gain
 
     def _expand_values(self, entries: LRKVEntries) -> torch.Tensor:
-        """Per-head values (batch, H, L, hd) = v_s + z^V_h (B^V_h)^T."""
+        """Per-group values (batch, G, L, hd) = v_s + z^V_g (B^V_g)^T."""
         b, _, length, hd = entries.shared_v.shape
         if not self.rank_v:
-            return entries.shared_v.expand(b, self.n_heads, length, hd)
+            return entries.shared_v.expand(b, self.n_kv_heads, length, hd)
         return (entries.latent_v.transpose(-1, -2) @ self.v_up.transpose(-1, -2)).add_(entries.shared_v)
 
     # -- attention paths ---------------------------------------------------------------------
 
     def _attend_expanded(self, q: torch.Tensor, entries: LRKVEntries) -> torch.Tensor:
-        """Materialise every per-head key/value and use the fused kernel (training, prefill, reference)."""
+        """Materialise every group's key/value and use the fused kernel (training, prefill, reference);
+        query heads share their group's key/value as in GQA."""
         return attend(q, self._expand_keys(entries, 0), self._expand_values(entries), backend=self.backend)
 
     def _query_blocks(self, q: torch.Tensor, keys: int, block_keys: int | None = None):
@@ -435,52 +451,64 @@ class LowRankKVAttention(Attention):
         return q
 
     def _attend_factored(self, q: torch.Tensor, entries: LRKVEntries) -> torch.Tensor:
-        """Exact attention from the compact cache (``decoupled``/``none``): for each head
-        logits = s * (q K_s^T + (q B^K_h) Z^K_h^T), output = a V_s + (a Z^V_h) (B^V_h)^T.
-        No per-head key or value of a past token is ever formed."""
+        """Exact attention from the compact cache (``decoupled``/``none``): for query head h of group g
+        logits = s * (q K_s^T + (q B^K_g) Z^K_g^T), output = a V_s + (a Z^V_g) (B^V_g)^T.
+        No per-head key or value of a past token is ever formed. The query heads of a group are
+        folded into rows of one block (``fold_groups`` order: head-major), so each group's latents
+        are read once."""
         b, heads, t, hd = q.shape
+        groups = self.n_kv_heads
+        group = heads // groups
         q = self._prepared_queries(q)
-        q_latent = q[..., self.key_residual_start :] @ self.k_up if self.rank_k else None  # (b, H, t, r_k)
+        q_latent = None
+        if self.rank_k:  # (b, H, t, r_k): each head's query times its group's B^K
+            q_latent = (q[..., self.key_residual_start :].reshape(b, groups, group, t, -1) @ self.k_up[:, None]).reshape(b, heads, t, self.rank_k)
         outs = []
         for i0, i1, visible in self._query_blocks(q, entries.shared_k.shape[2]):
             n = i1 - i0
             seen = entries.tokens(0, visible)
-            logits = (q[:, :, i0:i1].reshape(b, 1, heads * n, hd) @ seen.shared_k.transpose(-1, -2)).view(b * heads, n, visible)
+            logits = (q[:, :, i0:i1].reshape(b, 1, heads * n, hd) @ seen.shared_k.transpose(-1, -2)).view(b * groups, group * n, visible)
             if self.rank_k:
-                z_k = seen.latent_k.reshape(b * heads, self.rank_k, visible)
-                logits = torch.baddbmm(logits, q_latent[:, :, i0:i1].reshape(b * heads, n, self.rank_k), z_k)
-            logits = logits.view(b, heads, n, visible)
+                z_k = seen.latent_k.reshape(b * groups, self.rank_k, visible)
+                logits = torch.baddbmm(logits, q_latent[:, :, i0:i1].reshape(b * groups, group * n, self.rank_k), z_k)
+            logits = logits.view(b, groups, group * n, visible)
             if seen.key_scale is not None:
                 logits = logits * seen.key_scale.transpose(-1, -2)
+            logits = logits.view(b, heads, n, visible)
             if n > 1:
                 logits = logits.masked_fill(~visibility_mask(n, visible, device=q.device), float("-inf"))
             weights = logits.softmax(dim=-1, dtype=compute_dtype(q.dtype)).to(q.dtype)
             out = (weights.reshape(b, 1, heads * n, visible) @ seen.shared_v).view(b, heads, n, hd)
             if self.rank_v:
-                out = out + (weights @ seen.latent_v.transpose(-1, -2)) @ self.v_up.transpose(-1, -2)
+                mixed = weights.reshape(b, groups, group * n, visible) @ seen.latent_v.transpose(-1, -2)  # (b, G, g n, r_v)
+                out = out + (mixed @ self.v_up.transpose(-1, -2)).view(b, heads, n, hd)
             outs.append(out)
         return torch.cat(outs, dim=2)
 
     def _attend_rebuilt(self, q: torch.Tensor, entries: LRKVEntries) -> torch.Tensor:
-        """Exact attention for ``full`` rope from the compact cache: keys are rebuilt, normed and
-        rotated ``rebuild_block_tokens`` at a time and merged with an online softmax (running max
-        and sum), so memory stays bounded; values use the factored path."""
+        """Exact attention for ``full`` rope from the compact cache: each group's keys are rebuilt,
+        normed and rotated ``rebuild_block_tokens`` at a time and merged with an online softmax
+        (running max and sum), so memory stays bounded; values use the factored path. The query
+        heads of a group are folded into rows of one block, as in ``_attend_factored``."""
         b, heads, t, hd = q.shape
+        groups = self.n_kv_heads
+        group = heads // groups
         work = compute_dtype(q.dtype)
         q = self._prepared_queries(q)
         block = self.rebuild_block_tokens
         outs = []
         for i0, i1, visible in self._query_blocks(q, entries.shared_k.shape[2], block):
             n = i1 - i0
-            q_pos = torch.arange(visible - n, visible, device=q.device)[:, None]
-            best = torch.full((b, heads, n, 1), float("-inf"), dtype=work, device=q.device)
-            total = torch.zeros(b, heads, n, 1, dtype=work, device=q.device)
-            acc_v = torch.zeros(b, heads, n, hd, dtype=work, device=q.device)
-            acc_z = torch.zeros(b, heads, n, self.rank_v, dtype=work, device=q.device)
+            rows = fold_groups(q[:, :, i0:i1], groups)  # (b, G, g n, hd)
+            q_pos = torch.arange(visible - n, visible, device=q.device).repeat(group)[:, None]  # position of each row's query
+            best = torch.full((b, groups, group * n, 1), float("-inf"), dtype=work, device=q.device)
+            total = torch.zeros(b, groups, group * n, 1, dtype=work, device=q.device)
+            acc_v = torch.zeros(b, groups, group * n, hd, dtype=work, device=q.device)
+            acc_z = torch.zeros(b, groups, group * n, self.rank_v, dtype=work, device=q.device)
             for j0 in range(0, visible, block):
                 j1 = min(visible, j0 + block)
                 part = entries.tokens(j0, j1)
-                logits = (q[:, :, i0:i1] @ self._expand_keys(part, j0).transpose(-1, -2)).to(work)
+                logits = (rows @ self._expand_keys(part, j0).transpose(-1, -2)).to(work)
                 if j1 - 1 > visible - n:  # the block reaches past the earliest query's position
                     hidden = torch.arange(j0, j1, device=q.device)[None, :] > q_pos
                     logits = logits.masked_fill(hidden, float("-inf"))
@@ -489,17 +517,18 @@ class LowRankKVAttention(Attention):
                 p = (logits - new_best).exp()
                 total = total * decay + p.sum(dim=-1, keepdim=True)
                 p = p.to(q.dtype)
-                acc_v = acc_v * decay + (p.reshape(b, 1, heads * n, j1 - j0) @ part.shared_v).view(b, heads, n, hd).to(work)
+                acc_v = acc_v * decay + (p.reshape(b, 1, heads * n, j1 - j0) @ part.shared_v).view(b, groups, group * n, hd).to(work)
                 if self.rank_v:
                     acc_z = acc_z * decay + (p @ part.latent_v.transpose(-1, -2)).to(work)
                 best = new_best
             if self.rank_v:
                 acc_v = acc_v + acc_z @ self.v_up.to(work).transpose(-1, -2)
-            outs.append((acc_v / total).to(q.dtype))
+            outs.append((acc_v / total).to(q.dtype).view(b, heads, n, hd))
         return torch.cat(outs, dim=2)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", rank_k={self.rank_k}, rank_v={self.rank_v}, rope_placement={self.rope_placement}, rot_dim={self.rotary.rot_dim}"
+        groups = f", n_kv_heads={self.n_kv_heads}" if self.n_kv_heads != self.n_heads else ""
+        return super().extra_repr() + f", rank_k={self.rank_k}, rank_v={self.rank_v}{groups}, rope_placement={self.rope_placement}, rot_dim={self.rotary.rot_dim}"
 
 
 def _rank_for(shape: LayerShape, fraction: float) -> int:
@@ -527,6 +556,8 @@ register_attention(
         {"rank_k": 3, "rank_v": 1, "rope_mode": "full"},
         {"rank_k": 1, "rank_v": 3, "rope_mode": "none"},
         {"rank": 0},
+        {"rank": 2, "n_kv_heads": 2},
+        {"rank_k": 3, "rank_v": 2, "rope_mode": "full", "n_kv_heads": 2},
     ],
     description="low-rank key-value attention",
     presets=Presets(
