@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from slimkv.cli import analyze, compare, compress, data, demo, eval, train
+from slimkv.cli import analyze, compare, compress, convert, data, demo, eval, train
 from slimkv.common.files import FolderBusyError
 
-COMMAND_MODULES = (data, train, eval, analyze, compare, compress, demo)
+COMMAND_MODULES = (data, train, eval, analyze, compare, compress, convert, demo)
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, FileExistsError, IsADirectoryError, PermissionError, FolderBusyError)
 
 

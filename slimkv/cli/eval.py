@@ -8,7 +8,7 @@ from pathlib import Path
 
 from slimkv.common.checks import check_int
 from slimkv.common.files import write_json
-from slimkv.eval import niah, positions, ppl
+from slimkv.eval import cache, niah, positions, ppl
 from slimkv.eval.lm import MAX_NEW_TOKENS, evaluate_run, generate_ids
 from slimkv.train.checkpoint import load_run
 
@@ -75,11 +75,28 @@ def _positions(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="a converted or compressed folder, `smollm2`, or a local transformers folder")
+    parser.add_argument("--context", type=int, required=True, help="tokens in the context when the cache is measured")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated after the prompt (default 16; the prompt fills the rest)")
+    parser.add_argument("--text", default="shakespeare-val", help="prompt text (repeated if shorter than the context; default shakespeare-val)")
+    parser.add_argument("--json", default=None, help="also write the report to this JSON file")
+
+
+def _cache(args: argparse.Namespace) -> int:
+    report = cache.cache_report(args.model, args.context, new_tokens=args.new_tokens, text=args.text)
+    print(cache.format_report(report))
+    if args.json:
+        write_json(Path(args.json), report)
+    return 0
+
+
 # Evaluation tasks: name -> (description, add the task's arguments, run it).
 EVAL_TASKS = {
     "ppl": ("perplexity of a pretrained, compressed or converted model on held-out text (its original beside it)", _ppl_arguments, _ppl),
     "niah": ("needle-in-a-haystack retrieval of a training run over a length x depth grid", _niah_arguments, _niah),
     "positions": ("val loss by position out to several times a training run's length", _positions_arguments, _positions),
+    "cache": ("live KV-cache bytes of a real generate() (per token, per layer, total), beside the original model's", _cache_arguments, _cache),
 }
 
 

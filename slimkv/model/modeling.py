@@ -21,6 +21,7 @@ from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
 from slimkv.attention import Attention, AttentionCache, build_attention
+from slimkv.common.quiet import quiet_transformers
 from slimkv.model.config import ModelConfig
 from slimkv.ops.norm import RMSNorm
 
@@ -287,7 +288,8 @@ def load_model_folder(folder: str | Path, **kwargs: Any) -> SlimKVForCausalLM:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json: it is not a saved slimkv model")
     try:
-        model, info = SlimKVForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
+        with quiet_transformers():
+            model, info = SlimKVForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
     except (OSError, SafetensorError) as err:
         raise ValueError(f"the weights in {folder} cannot be read ({err}); a file is truncated or damaged") from None
     problems = {k.replace("_keys", ""): sorted(map(str, v)) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}

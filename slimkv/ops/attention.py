@@ -6,6 +6,13 @@ key/value head: query head h reads kv head h // (q_heads // kv_heads)). Queries 
 END of the keys: query i sits at key position i + k_len - q_len, which is how a cache that already
 holds the past presents itself. ``window`` (tokens a query sees, itself included) limits how far
 back a query looks; None means unlimited.
+
+Memory: no path forms a (q_len, k_len) tensor for a long call. Causal self-attention goes to the
+fused kernel (``is_causal``, no mask), with query/key and value widths made equal by zero channels
+when they differ (MLA): the CPU fused kernel needs equal widths and otherwise falls back to a math
+kernel that materialises every score. A call that needs a mask (a window, or fewer queries than
+keys) and whose scores would exceed ``SCORE_BLOCK_ELEMENTS`` runs in query blocks, each against
+only the keys it can see, so its extra memory is O(block x k_len), never O(q_len x k_len).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import torch.nn.functional as F
 from slimkv.ops.norm import compute_dtype
 
 BACKENDS = ("sdpa", "reference")
+SCORE_BLOCK_ELEMENTS = 1 << 22  # masked calls with more scores (batch x q_heads x q_len x k_len) run in query blocks
+MIN_QUERY_BLOCK = 64  # the smallest such block, so that many heads or a large batch cannot force one-query blocks
 
 
 def visibility_mask(q_len: int, k_len: int, window: int | None = None, device: torch.device | None = None) -> torch.Tensor:
@@ -66,15 +75,73 @@ def attend(
         return reference_attention(q, k, v, window=window, scale=scale)
     q_len, k_len = q.shape[2], k.shape[2]
     unlimited = window is None or window >= k_len
-    gqa = q.shape[1] != k.shape[1]
     if unlimited and q_len == k_len:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return causal_attention(q, k, v, scale=scale)
     if unlimited and q_len == 1:
         return decode_attention(q, k, v, scale=scale)
-    mask = visibility_mask(q_len, k_len, window, q.device)
+    return blocked_attention(q, k, v, window=window, scale=scale, block=query_block(q, k_len))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Causal self-attention (q_len == k_len) through the fused kernel, which never forms the
+    (q_len, k_len) scores. When the value width differs from the query/key width (MLA: rope_dim +
+    head_dim vs v_head_dim, or its shared latent), the narrower side gets zero channels first: zero
+    query/key channels add nothing to a logit and zero value channels are cut from the output, so
+    the result is unchanged, while the CPU kernel would otherwise fall back to a math kernel that
+    holds every score (O(T^2) memory: 10 GB for 4 heads at 16K tokens)."""
+    gqa = q.shape[1] != k.shape[1]
+    width, v_width = k.shape[-1], v.shape[-1]
+    if width == v_width:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    scale = 1.0 / math.sqrt(width) if scale is None else scale
+    if v_width < width:
+        v = F.pad(v, (0, width - v_width))
+    else:
+        q, k = F.pad(q, (0, v_width - width)), F.pad(k, (0, v_width - width))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)[..., :v_width]
+
+
+def query_block(q: torch.Tensor, k_len: int) -> int:
+    """Queries per block for a masked call: as many as keep batch x q_heads x block x k_len within
+    ``SCORE_BLOCK_ELEMENTS``, at least ``MIN_QUERY_BLOCK`` (q_len or more: the whole call fits)."""
+    batch, heads = q.shape[:2]
+    return max(MIN_QUERY_BLOCK, SCORE_BLOCK_ELEMENTS // max(1, batch * heads * k_len))
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """One masked call (mask (q_len, k_len), True = visible): SDPA, or ``grouped_attention`` for
+    grouped query heads over keys and values of different widths."""
+    gqa = q.shape[1] != k.shape[1]
     if gqa and v.shape[-1] != k.shape[-1]:
         return grouped_attention(q, k, v, mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def blocked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+    block: int,
+) -> torch.Tensor:
+    """Masked attention (queries aligned to the end of the keys, causal, optional window) in blocks
+    of ``block`` queries. Each block attends to the keys it can see (from its first query's window
+    start to its last query) with a (block, keys) mask, so no tensor of q_len x k_len elements is
+    formed; with ``block >= q_len`` it is one ``masked_attention`` call with the full mask."""
+    q_len, k_len = q.shape[2], k.shape[2]
+    if block >= q_len:
+        return masked_attention(q, k, v, visibility_mask(q_len, k_len, window, q.device), scale=scale)
+    offset = k_len - q_len  # query i sits at key position i + offset
+    outs = []
+    for i0 in range(0, q_len, block):
+        i1 = min(q_len, i0 + block)
+        hi = i1 + offset  # one past the block's last query position
+        lo = 0 if window is None else max(0, i0 + offset - window + 1)
+        mask = visibility_mask(i1 - i0, hi - lo, window, q.device)  # the block's queries sit at the end of keys lo..hi-1
+        outs.append(masked_attention(q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi], mask, scale=scale))
+    return torch.cat(outs, dim=2)
 
 
 def fold_groups(q: torch.Tensor, kv_heads: int) -> torch.Tensor:

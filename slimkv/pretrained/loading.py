@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from slimkv.common.files import read_json, sha256_file
+from slimkv.common.quiet import quiet_transformers
 from slimkv.pretrained.families import family_of
 from slimkv.pretrained.smollm2 import FETCH_HINT, SMOLLM2, SOURCE_FILE, smollm2_dir
 
@@ -62,7 +63,8 @@ def load_pretrained(name_or_path: str, *, dtype: torch.dtype = torch.float32, de
     family_of(config.model_type)
     if not list(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{path} holds no .safetensors weights (slimkv loads safetensors only)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=False)
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     identity = {"name": SMOLLM2 if name_or_path == SMOLLM2 else str(path.resolve()), "path": str(path.resolve()), "model_type": config.model_type}

@@ -15,8 +15,7 @@ moment leaves either the previous or the new checkpoint, never a mixture.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from slimkv.common.files import atomic_directory, check_folder_target, existing_directory, read_json, write_json
+from slimkv.common.quiet import quiet_transformers
 from slimkv.data import load_dataset
 from slimkv.model import load_model_folder
 from slimkv.train.config import TrainConfig
@@ -166,20 +166,6 @@ def prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> None:
 
 def has_checkpoint(run_dir: Path) -> bool:
     return existing_directory(Path(run_dir) / CHECKPOINT_DIR) is not None
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Hide transformers' own progress bars (a "Writing model shards" bar per checkpoint) meanwhile."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def save_model_dir(run_dir: Path, save: Callable[[Path], None]) -> None:

@@ -75,7 +75,7 @@ def next_token_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
 
 
-def learning_rate(step: int, cfg: TrainConfig) -> float:
+def learning_rate(step: int, cfg: Any) -> float:
     """LR of optimizer step ``step`` (0-based): linear warmup to ``lr``, then cosine down to
     ``lr * min_lr_ratio``, reached at the last step."""
     if step < cfg.warmup_steps:
@@ -85,10 +85,11 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on matrices (projections, embeddings); none on 1-D
-    parameters (norm gains, biases)."""
-    params = list(model.parameters())  # tied weights appear once
+def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
+    """AdamW over the parameters of ``model`` that require gradients, with decoupled weight decay
+    on matrices (projections, embeddings) and none on 1-D parameters (norm gains, biases).
+    ``cfg`` supplies lr, betas and weight_decay (a TrainConfig or alike)."""
+    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -299,6 +300,7 @@ def finish(t: Trainer, clock: StepClock, start_step: int) -> dict[str, Any]:
         "steps": t.cfg.steps,
         "tokens_seen": t.tokens_seen,
         **{f"val_{k}": evaluation.get(k) for k in ("ce", "bpb", "tokens")},
+        **{f"val_{k}": v for k, v in evaluation.items() if k not in ("step", "ce", "bpb", "tokens")},
         "parameters": sum(p.numel() for p in t.model.parameters()),
         **{k: v for k, v in t.state.items() if k != "config"},
         "device": str(t.device),

@@ -89,27 +89,81 @@ class Rows:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.s_k, self.s_v, self.radius, self.read_k, self.read_v)
 
+    def detached(self) -> Rows:
+        """The same rows without autograd history (what a decode state stores)."""
+        return Rows(*(t.detach() for t in self.tensors()))
 
 
 def new_rows(prepared_k: torch.Tensor, v: torch.Tensor, params: KVMParams, settings: KVMSettings, weight: torch.Tensor | None = None) -> Rows:
-    """Rows founded by single tokens: s_k = prep(k), s_v = v (each times ``weight`` if given),
-    rho = ||v|| of the (unweighted) founding value, or count 1. (B, H, n, dim) -> n rows."""
-    s_v = v.to(prepared_k.dtype)
-    radius = torch.ones_like(s_v[..., 0]) if settings.value_norm == "count" else s_v.norm(dim=-1)
-    s_k = prepared_k
+    """Rows founded by single tokens: s_k = prep(k), s_v = v, each times ``weight`` if given (the
+    merge gate of ``gate_appends``), and rho = ||s_v||, the norm of the value the row holds (so
+    ||g v|| = g ||v|| for a gated append), or count 1. (B, H, n, dim) -> n rows. The sums are
+    never views of ``v`` (which may be a window buffer that later calls write into)."""
+    s_k, s_v = prepared_k, v.to(prepared_k.dtype, copy=True)
     if weight is not None:
         s_k, s_v = s_k * weight, s_v * weight
+    radius = torch.ones_like(s_v[..., 0]) if settings.value_norm == "count" else s_v.norm(dim=-1)
     return Rows.build(s_k, s_v, radius, params, settings.value_norm)
 
 
 # ---------------------------------------------------------------- the optimised path
 
 
-def _routing_scores(keys: torch.Tensor, row_keys: torch.Tensor, routing_dtype: str) -> torch.Tensor:
-    """<key_j, row_i> for every token j and row i, (batch, kv_heads, n, S), without gradient."""
-    dtype = keys.dtype if routing_dtype == "float32" else getattr(torch, routing_dtype)
+TIE_ULPS = 1024  # scores closer to the best than TIE_ULPS eps x |key| x |row| count as ties
+
+
+def routing_scores(keys: torch.Tensor, row_keys: torch.Tensor, routing_dtype: str) -> torch.Tensor:
+    """<key_j, row_i> for every token j and row i, (..., n, S) in the keys' dtype, without gradient.
+
+    ``float32`` (full precision): a product in the compute dtype. ``bfloat16``/``float16``: both
+    operands rounded to that dtype, their exact dot product (accumulated in float64, where the
+    products of 8- or 11-bit mantissas and their sums are exact) rounded once to that dtype, so
+    the score does not depend on how a kernel orders its sums (the reference scores alike)."""
     with torch.no_grad():
-        return keys.detach().to(dtype) @ row_keys.detach().to(dtype).transpose(-1, -2)
+        keys, row_keys = keys.detach(), row_keys.detach()
+        if routing_dtype == "float32":
+            return keys @ row_keys.transpose(-1, -2)
+        low = getattr(torch, routing_dtype)
+        exact = keys.to(low).double() @ row_keys.to(low).double().transpose(-1, -2)
+        return exact.to(low).to(keys.dtype)
+
+
+def tie_tolerance(keys: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
+    """The tie tolerance of a fold, (batch, kv_heads, 1): TIE_ULPS x eps(compute dtype) x the
+    largest |prepared key| x the largest |row key| (a bound on every score's size). Rounding
+    (GEMM vs dot products, LN_s written two ways) moves scores far less than this, so exact and
+    near-exact ties resolve the same in the optimised path and the reference."""
+    with torch.no_grad():
+        bound = keys.detach().norm(dim=-1).amax(-1) * row_keys.detach().norm(dim=-1).amax(-1)
+        return (TIE_ULPS * torch.finfo(keys.dtype).eps * bound).unsqueeze(-1)
+
+
+def least_novel(novelty: torch.Tensor, tol: torch.Tensor, count: int) -> torch.Tensor:
+    """Token indices (batch, kv_heads, count), ascending, of the ``count`` least novel tokens:
+    repeatedly the EARLIEST remaining token whose novelty is within ``tol`` (batch, kv_heads, 1)
+    of the lowest remaining one (with tol = 0, a stable ascending sort)."""
+    n = novelty.shape[-1]
+    position = torch.arange(n, device=novelty.device)
+    if count >= n:
+        return position.expand(*novelty.shape[:-1], n)
+    left, picks = novelty.clone(), []
+    for _ in range(count):
+        low = left.amin(dim=-1, keepdim=True)
+        pick = torch.where(left <= low + tol, position, n).amin(dim=-1, keepdim=True).clamp_max(n - 1)  # (NaN scores: any token)
+        picks.append(pick)
+        left = left.scatter(-1, pick, math.inf)
+    return torch.cat(picks, dim=-1).sort(dim=-1).values
+
+
+def route(scores: torch.Tensor, tol: torch.Tensor, sink_len: int) -> torch.Tensor:
+    """Merge targets (batch, kv_heads, n): for each token the LOWEST row index, the ``sink_len``
+    first rows excluded, whose score is within ``tol`` (batch, kv_heads, 1) of the token's best."""
+    rows = scores.shape[-1]
+    scores = scores.clone()
+    scores[..., :sink_len] = -math.inf
+    best = scores.amax(dim=-1, keepdim=True)
+    index = torch.arange(rows, device=scores.device)
+    return torch.where(scores >= best - tol.unsqueeze(-1), index, rows).amin(dim=-1).clamp_max(rows - 1)  # (NaN: any row)
 
 
 def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -124,14 +178,16 @@ def fold_chunk(rows: Rows, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor 
     (batch, kv_heads, C, 1) merge gates or None (g = 1). ``ctx`` is the position of the token that
     triggers the fold (= tokens seen through the end of the chunk just attended).
 
-    1. n_app = ``settings.append_count``. 2. The n_app tokens whose ungated prepared key is least
-    similar to every row (sink included) become rows, in position order. 3. Every other token j
-    goes to argmax_i <g_j prep(k_j), LN_s(s_k)_i> over the non-sink rows, appended ones included,
+    1. n_app = ``settings.append_count``. 2. The n_app tokens whose prepared key is least similar
+    to every row (sink included) become rows, in position order. 3. Every other token j goes to
+    the row of the highest <prep(k_j), LN_s(s_k)_i> over the non-sink rows, appended ones included,
     all targets chosen before any sum changes; s_k and s_v of the target grow by g_j prep(k_j) and
     g_j v_j; rho does not change (a count grows by one).
 
-    Step 3 scores with the ungated key: g_j > 0 scales all of token j's scores alike and cannot
-    change its argmax, so the similarities of step 2 are reused (one C x S product per fold).
+    Scores are taken with the ungated key: g_j > 0 scales all of token j's scores alike and cannot
+    change its choice, so step 3 reuses step 2's similarities (one C x S product per fold). Ties
+    (``tie_tolerance``): routing takes the lowest row index among scores within the tolerance of
+    the best, the novelty ranking the earliest token (``least_novel``, ``route``).
     """
     ko = prepare_keys(k, params, settings.rot_dim)
     vo = v.to(ko.dtype)
@@ -139,21 +195,20 @@ def fold_chunk(rows: Rows, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor 
     kg, vg = (ko * g, vo * g) if g is not None else (ko, vo)
     n_tokens, n_old = ko.shape[2], rows.count
     n_app = settings.append_count(n_old, ctx)
-    similarity = _routing_scores(ko, rows.read_k, settings.routing_dtype)  # (B, H, C, S)
+    scores = routing_scores(ko, rows.read_k, settings.routing_dtype)  # (B, H, C, S)
+    tol = tie_tolerance(ko, rows.read_k)
     if n_app:
-        chosen = similarity.amax(dim=-1).argsort(dim=-1, stable=True)[..., :n_app].sort(dim=-1).values
+        chosen = least_novel(scores.amax(dim=-1), tol, n_app)
         weight = _gather_tokens(g, chosen) if (settings.gate_appends and g is not None) else None
         appended = new_rows(_gather_tokens(ko, chosen), _gather_tokens(vo, chosen), params, settings, weight)
         if n_app == n_tokens:
             return rows.extend(appended)
         merge_weight = torch.ones_like(kg[..., 0]).scatter(-1, chosen, 0.0)  # 0 for appended tokens
         kg, vg = kg * merge_weight.unsqueeze(-1), vg * merge_weight.unsqueeze(-1)
-    # targets: best non-sink old row, unless a fresh row scores strictly higher (ties -> lower index)
-    similarity[..., : settings.sink_len] = float("-inf")
-    best, target = similarity.max(dim=-1)
-    if n_app:
-        fresh_best, fresh_target = _routing_scores(ko, appended.read_k, settings.routing_dtype).max(dim=-1)
-        target = torch.where(fresh_best > best, fresh_target + n_old, target)
+        scores = torch.cat((scores, routing_scores(ko, appended.read_k, settings.routing_dtype)), dim=-1)
+    # targets: the best non-sink row, old or fresh; ties (within tol) -> the lowest index, so an
+    # existing row beats a fresh one unless the fresh one scores clearly higher
+    target = route(scores, tol, settings.sink_len)
     index_k, index_v = target.unsqueeze(-1).expand_as(kg), target.unsqueeze(-1).expand_as(vg)
     if n_app:  # the concatenation is a fresh tensor: add in place
         s_k = torch.cat((rows.s_k, appended.s_k), dim=2).scatter_add_(2, index_k, kg)

@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from slimkv.ops.kvm.core import KVMParams, Rows, check_inputs
+from slimkv.common.buffer import GrowableBuffer
+from slimkv.ops.kvm.core import TIE_ULPS, KVMParams, Rows, check_inputs
 from slimkv.ops.kvm.settings import VALUE_EPS, KVMSettings
 from slimkv.ops.kvm.state import KVMState, check_state
 from slimkv.ops.norm import compute_dtype
@@ -43,18 +44,49 @@ def _ref_rows(s_k: torch.Tensor, s_v: torch.Tensor, radius: torch.Tensor, params
 
 
 def _ref_dot(a: torch.Tensor, b: torch.Tensor, routing_dtype: str) -> float:
-    dtype = a.dtype if routing_dtype == "float32" else getattr(torch, routing_dtype)
-    return float(torch.dot(a.to(dtype), b.to(dtype)))
+    """One routing score (see ``routing_scores``: low precision rounds the operands, takes their
+    exact dot product and rounds it once)."""
+    if routing_dtype == "float32":
+        return float(torch.dot(a, b))
+    low = getattr(torch, routing_dtype)
+    return float(torch.dot(a.to(low).double(), b.to(low).double()).to(low))
 
 
-def _ref_fold(state: KVMState, ctx: int, params: KVMParams, settings: KVMSettings) -> None:
+def _ref_norm(x: torch.Tensor) -> float:
+    return float(torch.sqrt((x * x).sum()))
+
+
+class _Work:
+    """A working copy of a ``KVMState`` for one call: plain tensors, so autograd can see every
+    step, and nothing reaches the state before the call has succeeded."""
+
+    def __init__(self, state: KVMState) -> None:
+        self.seq_len, self.rows = state.seq_len, state.rows
+        self.window_k, self.window_v = state.window_k.view(), state.window_v.view()
+        self.window_gate = state.window_gate.view() if state.window_gate is not None else None
+
+    def windows(self) -> tuple[str, ...]:
+        return ("window_k", "window_v") + (("window_gate",) if self.window_gate is not None else ())
+
+    def commit(self, state: KVMState) -> None:
+        """Write this copy into ``state``, without autograd history."""
+        for name in self.windows():
+            old, new = getattr(state, name), getattr(self, name).detach()
+            buffer = GrowableBuffer(*old.shape[:2], old.shape[2], dtype=old.dtype, device=old.device, capacity=2 * new.shape[2])
+            buffer.append(new)
+            setattr(state, name, buffer)
+        state.rows, state.seq_len = self.rows.detached(), self.seq_len
+
+
+def _ref_fold(work: _Work, ctx: int, params: KVMParams, settings: KVMSettings) -> None:
     """Fold the oldest window chunk into the rows, one (batch, kv head) and one token at a time."""
-    c, rows = settings.chunk_size, state.rows
-    work = rows.s_k.dtype
-    k_o = state.window_k.view()[:, :, :c].to(work)
-    v_o = state.window_v.view()[:, :, :c].to(work)
-    g_o = state.window_gate.view()[:, :, :c, 0].to(work) if state.window_gate is not None else torch.ones_like(k_o[..., 0])
+    c, rows = settings.chunk_size, work.rows
+    dtype = rows.s_k.dtype
+    k_o = work.window_k[:, :, :c].to(dtype)
+    v_o = work.window_v[:, :, :c].to(dtype)
+    g_o = work.window_gate[:, :, :c, 0].to(dtype) if work.window_gate is not None else torch.ones_like(k_o[..., 0])
     n_app = settings.append_count(rows.count, ctx)
+    eps = torch.finfo(dtype).eps
     batch, heads = k_o.shape[:2]
     new_k, new_v, new_r = [], [], []
     for b in range(batch):
@@ -62,27 +94,34 @@ def _ref_fold(state: KVMState, ctx: int, params: KVMParams, settings: KVMSetting
             s_k, s_v, radius = list(rows.s_k[b, h]), list(rows.s_v[b, h]), list(rows.radius[b, h])
             ko = [_ref_prepare(k_o[b, h, j], params, settings.rot_dim) for j in range(c)]
             g = [g_o[b, h, j] for j in range(c)]
-            # append: the n_app tokens least similar to any row (sink included, ungated keys)
+            # scores within tol of the best are ties (see tie_tolerance)
             read = [_ref_layer_norm(r, params) for r in s_k]
+            tol = TIE_ULPS * eps * max(_ref_norm(x) for x in ko) * max(_ref_norm(r) for r in read)
+            # append: the n_app tokens least similar to any row (sink included, ungated keys);
+            # each pick is the earliest token within tol of the lowest novelty left
             novelty = [max(_ref_dot(ko[j], r, settings.routing_dtype) for r in read) for j in range(c)]
-            chosen = sorted(sorted(range(c), key=lambda j: (novelty[j], j))[:n_app])
+            left, chosen = list(range(c)), []
+            for _ in range(n_app):
+                low = min(novelty[j] for j in left)
+                pick = next(j for j in left if novelty[j] <= low + tol)
+                chosen.append(pick)
+                left.remove(pick)
+            chosen.sort()
             for j in chosen:
                 weight = g[j] if settings.gate_appends else 1.0
                 s_k.append(weight * ko[j])
                 s_v.append(weight * v_o[b, h, j])
-                radius.append(torch.ones((), dtype=work) if settings.value_norm == "count" else torch.sqrt((v_o[b, h, j] ** 2).sum()))
-            # merge: every target is chosen against the post-append rows, then the sums grow
+                radius.append(torch.ones((), dtype=dtype) if settings.value_norm == "count" else torch.sqrt(((weight * v_o[b, h, j]) ** 2).sum()))
+            # merge: every target is chosen against the post-append rows (ungated keys: g > 0
+            # cannot change a choice), then the sums grow by the gated key and value
             read = [_ref_layer_norm(r, params) for r in s_k]
             targets = []
             for j in range(c):
                 if j in chosen:
                     continue
-                best, best_score = None, -math.inf
-                for i in range(settings.sink_len, len(s_k)):
-                    score = _ref_dot(g[j] * ko[j], read[i], settings.routing_dtype)
-                    if score > best_score:  # strictly greater: ties keep the lowest row index
-                        best, best_score = i, score
-                targets.append((j, best))
+                scores = {i: _ref_dot(ko[j], read[i], settings.routing_dtype) for i in range(settings.sink_len, len(s_k))}
+                best = max(scores.values())
+                targets.append((j, min(i for i, score in scores.items() if score >= best - tol)))  # ties: the lowest row index
             for j, i in targets:
                 s_k[i] = s_k[i] + g[j] * ko[j]
                 s_v[i] = s_v[i] + g[j] * v_o[b, h, j]
@@ -95,24 +134,24 @@ def _ref_fold(state: KVMState, ctx: int, params: KVMParams, settings: KVMSetting
     def unflat(parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(parts).unflatten(0, (batch, heads))
 
-    state.rows = _ref_rows(unflat(new_k), unflat(new_v), unflat(new_r), params, settings)
+    work.rows = _ref_rows(unflat(new_k), unflat(new_v), unflat(new_r), params, settings)
 
 
-def _ref_read(q: torch.Tensor, state: KVMState, show_state: bool, params: KVMParams, scale: float) -> torch.Tensor:
+def _ref_read(q: torch.Tensor, work: _Work, show_state: bool, params: KVMParams, scale: float) -> torch.Tensor:
     """Output of one token: q (B, Hq, d) against every visible row and window key, head by head."""
     batch, hq, _ = q.shape
-    win_k, win_v, rows = state.window_k.view(), state.window_v.view(), state.rows
-    work = rows.s_k.dtype
+    win_k, win_v, rows = work.window_k, work.window_v, work.rows
+    dtype = rows.s_k.dtype
     group = hq // win_k.shape[1]
     out = []
     for b in range(batch):
         for h in range(hq):
             kv = h // group
-            tau_s = params.tau_state[h].to(work) if params.tau_state is not None else 1.0
-            tau_w = params.tau_window[h].to(work) if params.tau_window is not None else 1.0
-            qh = q[b, h].to(work)
-            scores = [(win_k[b, kv].to(work) * tau_w) @ qh * scale]
-            values = [win_v[b, kv].to(work)]
+            tau_s = params.tau_state[h].to(dtype) if params.tau_state is not None else 1.0
+            tau_w = params.tau_window[h].to(dtype) if params.tau_window is not None else 1.0
+            qh = q[b, h].to(dtype)
+            scores = [(win_k[b, kv].to(dtype) * tau_w) @ qh * scale]
+            values = [win_v[b, kv].to(dtype)]
             if show_state:
                 scores.insert(0, (rows.read_k[b, kv] * tau_s) @ qh * scale)
                 values.insert(0, rows.read_v[b, kv])
@@ -132,28 +171,35 @@ def kvm_step_reference(
     *,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """``kvm_step`` written token by token from the spec (slow; the tests' yardstick)."""
+    """``kvm_step`` written token by token from the spec (slow; the tests' yardstick). Like
+    ``kvm_step``, differentiable in this call's inputs; the state is updated only once the whole
+    call has succeeded and keeps no autograd history."""
     check_inputs(q, k, v, gate, params)
     check_state(state, settings, k, gate)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     c, w = settings.chunk_size, settings.window_chunks
+    work = _Work(state)
     outs = []
     for i in range(q.shape[2]):
-        t = state.seq_len
+        t = work.seq_len
         if t % c == 0 and t >= w * c:  # the oldest window chunk leaves the window
             if t >= (w + 1) * c:  # (the first chunk is already in the rows)
-                _ref_fold(state, t, params, settings)
-            for buf in state.buffers():
-                buf.keep_last(len(buf) - c)
-        state.append_window(k[:, :, i : i + 1], v[:, :, i : i + 1], gate[:, :, i : i + 1] if gate is not None else None)
+                _ref_fold(work, t, params, settings)
+            for name in work.windows():
+                setattr(work, name, getattr(work, name)[:, :, c:])
+        work.window_k = torch.cat((work.window_k, k[:, :, i : i + 1]), dim=2)
+        work.window_v = torch.cat((work.window_v, v[:, :, i : i + 1]), dim=2)
+        if gate is not None:
+            work.window_gate = torch.cat((work.window_gate, gate[:, :, i : i + 1, None]), dim=2)
         if t < c:  # the first chunk becomes rows as it arrives
             ki = _ref_prepare(k[:, :, i : i + 1], params, settings.rot_dim)
             vi = v[:, :, i : i + 1].to(ki.dtype)
             ri = torch.ones_like(vi[..., 0]) if settings.value_norm == "count" else torch.sqrt((vi**2).sum(dim=-1))
-            rows = state.rows
-            state.rows = _ref_rows(torch.cat((rows.s_k, ki), 2), torch.cat((rows.s_v, vi), 2), torch.cat((rows.radius, ri), 2), params, settings)
-        outs.append(_ref_read(q[:, :, i], state, t >= w * c, params, scale))
-        state.seq_len = t + 1
+            rows = work.rows
+            work.rows = _ref_rows(torch.cat((rows.s_k, ki), 2), torch.cat((rows.s_v, vi), 2), torch.cat((rows.radius, ri), 2), params, settings)
+        outs.append(_ref_read(q[:, :, i], work, t >= w * c, params, scale))
+        work.seq_len = t + 1
+    work.commit(state)
     return torch.stack(outs, dim=2)
 
 

@@ -48,6 +48,24 @@ class KVMState:
         gates = self.window_gate.append(gate.unsqueeze(-1)) if self.window_gate is not None else None
         return keys, values, gates
 
+    def window_with(self, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None) -> tuple:
+        """The window followed by new tokens, as fresh tensors (the state is not changed)."""
+        gates = torch.cat((self.window_gate.view(), gate.unsqueeze(-1)), dim=2) if self.window_gate is not None else None
+        return torch.cat((self.window_k.view(), k), dim=2), torch.cat((self.window_v.view(), v), dim=2), gates
+
+    def window_lengths(self) -> tuple[int, ...]:
+        return tuple(len(b) for b in self.buffers())
+
+    def restore_window(self, lengths: tuple[int, ...]) -> None:
+        """Drop what was appended to the window buffers since they held ``lengths`` tokens."""
+        for name, length in zip(("window_k", "window_v", "window_gate"), lengths):
+            buf = getattr(self, name)
+            if len(buf) == length:
+                continue
+            kept = GrowableBuffer(*buf.shape[:2], buf.shape[2], dtype=buf.dtype, device=buf.device, capacity=buf.capacity)
+            kept.append(buf.view()[:, :, :length])
+            setattr(self, name, kept)
+
     def trim_window(self, settings: KVMSettings) -> None:
         """Keep only tokens not yet folded; give back storage a long prefill left behind."""
         keep = self.seq_len - settings.window_start(self.seq_len)
@@ -99,13 +117,32 @@ def kvm_step(
     not depend on how a sequence is cut into calls. Per decoded token the work is the attention
     over S rows + at most W*C window keys, plus one fold every C tokens: O(1) for ``fixed``,
     O(sqrt N) for ``sqrt``.
+
+    Autograd: with grad enabled the outputs are differentiable in this call's inputs (q, k, v,
+    gate and the parameters), while what the state stores is detached: earlier calls' tokens enter
+    as constants, a later call never reaches back into an earlier call's graph, and a state never
+    keeps a graph alive. A call that raises leaves the state exactly as it was.
     """
     check_inputs(q, k, v, gate, params)
     check_state(state, settings, k, gate)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     start = state.seq_len
-    keys, values, gates = state.append_window(k, v, gate)
-    out, state.rows = process(q, keys, values, gates, settings.window_start(start), start, state.rows, params, settings, scale)
+    base = settings.window_start(start)
+    if torch.is_grad_enabled():
+        # fresh tensors for autograd (the buffers are written in place by later calls); the state
+        # is only written once the call has succeeded
+        keys, values, gates = state.window_with(k, v, gate)
+        out, rows = process(q, keys, values, gates, base, start, state.rows, params, settings, scale)
+        state.append_window(k.detach(), v.detach(), gate.detach() if gate is not None else None)
+    else:
+        lengths = state.window_lengths()
+        keys, values, gates = state.append_window(k, v, gate)
+        try:
+            out, rows = process(q, keys, values, gates, base, start, state.rows, params, settings, scale)
+        except BaseException:
+            state.restore_window(lengths)
+            raise
+    state.rows = rows.detached()
     state.seq_len = start + q.shape[2]
     state.trim_window(settings)
     return out

@@ -1,0 +1,187 @@
+"""``convert_pretrained``: a pretrained Llama-family model -> a slimkv model with a smaller KV
+cache, saved as a transformers folder with a manifest.
+
+Steps: check everything that can be checked before any work (the method and the ratio it can
+represent, the destination, the calibration text, the architecture); load the source; one
+calibration pass of the original model (``slimkv.convert.calibrate``); the method plans per-layer
+sizes that meet the cache ratio and fits every layer; the non-attention weights are copied
+exactly; the cache each layer will hold is measured from a live cache; the folder is published
+(``slimkv.common.files.OutputFolder``: nothing the user wrote there is deleted).
+
+``cache_ratio`` R is the kept fraction of the original model's KV-cache elements per token
+(summed over layers): 0.5 keeps half.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from slimkv.common.checks import check_float, check_int
+from slimkv.common.files import OutputFolder, read_json, write_json
+from slimkv.common.quiet import quiet_transformers
+from slimkv.common.version import VERSION
+from slimkv.convert.calibrate import layer_statistics
+from slimkv.convert.heal import HealConfig, heal
+from slimkv.convert.methods import LayerContext, get_conversion
+from slimkv.convert.source import Source, check_convertible, copy_shared_weights, slimkv_config
+from slimkv.data.texts import DOC_SEPARATOR, calibration_documents, calibration_ids, text_sha256
+from slimkv.model import SlimKVForCausalLM, load_model_folder
+from slimkv.pretrained import load_pretrained, resolve_model_path, weights_fingerprint
+from slimkv.pretrained.loading import CONVERTED_MANIFEST
+
+CONVERTED_FOLDER = OutputFolder(CONVERTED_MANIFEST, "slimkv conversion folder")
+FORMAT = "slimkv-converted"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ConvertOptions:
+    """What decides a conversion (stored in the manifest)."""
+
+    method: str
+    cache_ratio: float
+    calib: str = "shakespeare"
+    calib_tokens: int = 8192
+    calib_seq_len: int = 1024
+    seed: int = 0
+
+    def validate(self) -> None:
+        get_conversion(self.method)
+        check_float("cache_ratio", self.cache_ratio, 0.0, 1.0, open_low=True, open_high=True)
+        check_int("calib_tokens", self.calib_tokens, 1)
+        check_int("calib_seq_len", self.calib_seq_len, 2)
+        check_int("seed", self.seed, 0)
+
+
+def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path | None, heal_cfg: HealConfig | None = None) -> None:
+    """Every check that needs no weights: ValueError naming the problem, before anything is loaded."""
+    options.validate()
+    if heal_cfg is not None:
+        heal_cfg.validate()
+        calibration_documents(heal_cfg.text)
+    if out_dir is not None:
+        CONVERTED_FOLDER.check(out_dir)
+    shape = check_convertible(AutoConfig.from_pretrained(resolve_model_path(model), trust_remote_code=False))
+    method = get_conversion(options.method)
+    minimum = method.min_ratio(shape)
+    if options.cache_ratio < minimum:
+        raise ValueError(f"--cache-ratio {options.cache_ratio} is below what --to {options.method} can represent for this model: "
+                         f"the minimum is {minimum:.4f} ({method.description})")
+    calibration_documents(options.calib)
+
+
+def cache_elements(model: SlimKVForCausalLM, tokens: int = 64) -> list[float]:
+    """Cache elements per token of each layer, measured from a live cache after ``tokens`` tokens."""
+    dtype = next(model.parameters()).dtype
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        model(torch.zeros(1, tokens, dtype=torch.long, device=next(model.parameters()).device), cache=cache)
+    size = torch.empty((), dtype=dtype).element_size()
+    return [layer.nbytes() / tokens / size for layer in cache.layers]
+
+
+def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = True) -> tuple[SlimKVForCausalLM, dict[str, Any]]:
+    """The converted model and its manifest body (nothing written)."""
+    started = time.perf_counter()
+    shape = source.shape
+    method = get_conversion(options.method)
+    documents = calibration_documents(options.calib)
+    windows = calibration_ids(source.loaded.tokenizer, documents, options.calib_tokens, options.calib_seq_len, options.seed)
+    stats = layer_statistics(source, windows, progress=progress)
+    calibrated = time.perf_counter()
+    inv_freq = source.rotary_inv_freq()
+    layers = [LayerContext(i, shape, source.attention(i), stats[i], inv_freq) for i in range(shape.n_layers)]
+    plan, allocation = method.plan(layers, options.cache_ratio)
+    fields = {"attention": method.kind, "attention_options": method.options(shape), "per_layer_options": plan}
+    model = SlimKVForCausalLM(slimkv_config(shape, fields)).eval()
+    copy_shared_weights(source, model)
+    layer_info, changed = [], []
+    for layer, block, options_of_layer in zip(layers, model.model.layers, plan):
+        fit = method.fit(layer, options_of_layer)
+        block.attn.load_state_dict({k: v.to(torch.float32) for k, v in fit.state.items()})
+        changed += [f"model.layers.{layer.index}.attn.{name}" for name in fit.changed]
+        layer_info.append({"layer": layer.index, "options": options_of_layer, **fit.info})
+    before = [float(shape.cache_elements)] * shape.n_layers
+    after = cache_elements(model)
+    manifest = {
+        "method": options.method,
+        "kind": method.kind,
+        "cache_ratio": options.cache_ratio,
+        "achieved_cache_ratio": sum(after) / sum(before),
+        "cache_elements_per_token_per_layer": {"before": before, "after": after},
+        "allocation": allocation,
+        "layers": layer_info,
+        "changed_parameters": changed,
+        "calibration": {
+            "source": options.calib,
+            "text_sha256": text_sha256(DOC_SEPARATOR.join(documents)),
+            "tokens_sha256": hashlib.sha256(windows.numpy().tobytes()).hexdigest(),
+            "sequences": windows.shape[0],
+            "seq_len": windows.shape[1],
+            "tokens": windows.numel(),
+            "seed": options.seed,
+            "statistics": "one pass of the original model: attention-input covariance and attention mass per distance, per layer",
+        },
+        "options": asdict(options),
+        "seconds": {"calibration": calibrated - started, "fit": time.perf_counter() - calibrated},
+        "healing": None,
+    }
+    return model, manifest
+
+
+def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str, Any], out_dir: str | Path) -> Path:
+    """Publish ``out_dir``: the slimkv model (config + safetensors), the tokenizer, the manifest."""
+    out_dir = Path(out_dir).expanduser()
+    with CONVERTED_FOLDER.publish(out_dir) as folder, quiet_transformers():
+        model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        files = sorted(p.name for p in folder.iterdir())
+        write_json(folder / CONVERTED_MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": files})
+    return out_dir
+
+
+def convert_pretrained(model: str, options: ConvertOptions, out_dir: str | Path | None, *, heal_cfg: HealConfig | None = None,
+                       progress: bool = True) -> tuple[SlimKVForCausalLM, dict[str, Any]]:
+    """Check, load, convert and (if ``out_dir``) save, then heal if ``heal_cfg`` is given (which
+    needs ``out_dir``: the healing run lives there); returns the model and the full manifest."""
+    if heal_cfg is not None and out_dir is None:
+        raise ValueError("healing needs an output folder (--out): its checkpoints live there")
+    check_before_work(model, options, out_dir, heal_cfg)
+    loaded = load_pretrained(model)
+    source = Source(loaded)
+    converted, body = convert_loaded(source, options, progress=progress)
+    identity = dict(loaded.identity)
+    identity["weights_sha256"] = weights_fingerprint(Path(identity["path"]))
+    manifest = {"library_version": VERSION, "base_model": identity, **body}
+    if out_dir is not None:
+        save_converted(converted, loaded.tokenizer, manifest, out_dir)
+    if heal_cfg is not None:
+        del loaded, source
+        manifest = heal_converted(out_dir, heal_cfg, progress=progress)
+        converted = load_model_folder(out_dir)
+    return converted, manifest
+
+
+def heal_converted(out_dir: str | Path, cfg: HealConfig, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
+    """Heal the converted model in ``out_dir`` by distillation from its original
+    (``slimkv.convert.heal``) and publish the healed weights there; returns the updated manifest.
+    ``stop_after``: stop after this many steps, as a killed run would (tests)."""
+    out_dir = Path(out_dir)
+    manifest = read_json(out_dir / CONVERTED_MANIFEST, expect=dict)
+    student = load_model_folder(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=False)
+    teacher = load_pretrained(manifest["base_model"]["name"]).model
+    summary = heal(student, teacher, tokenizer, cfg, out_dir, manifest["changed_parameters"], resume=resume, progress=progress, stop_after=stop_after)
+    body = {k: v for k, v in manifest.items() if k not in ("format", "format_version", "files")}
+    body["healing"] = summary
+    if summary.get("status") == "finished":  # a stopped run leaves its checkpoint in OUT/healing, the published model unhealed
+        save_converted(student, tokenizer, body, out_dir)
+    return body
