@@ -1,11 +1,14 @@
-"""``slimkv demo`` / ``make demo``: a small ``slimkv compare`` and the LatentLLM compression demo.
+"""``slimkv demo`` / ``make demo``: a small ``slimkv compare``, a conversion of SmolLM2 to a smaller
+KV cache, and the LatentLLM compression demo (``DEMO_PARTS``).
 
 1. Prepares Shakespeare (reused when already there) and compares ``DEMO_ENTRIES`` with one seed
    and a short recipe (``demo_recipe``): mha, gqa, mqa, swa, mla, lrkv (at about half of MHA's
    cache), kvm with the fixed and the sqrt schedule, and the swa/kvm hybrid. Prints the table and
    writes ``report.json``, ``report.md`` and the PNGs into the output folder (default
    ``demo_runs/``, git-ignored). One seed cannot support "A beats B": the report says so.
-2. Compresses SmolLM2 at ratio 0.2 with rootcov and latentllm and prints the perplexities beside
+2. Converts SmolLM2 to a smaller KV cache (``DEMO_CONVERSION``, one-shot) and prints perplexity
+   and the live cache bytes of a real generate() beside the original's, into ``OUT/conversion``.
+3. Compresses SmolLM2 at ratio 0.2 with rootcov and latentllm and prints the perplexities beside
    the dense model's (``slimkv.compress.demo_compression``), into ``OUT/compression``.
 
 Finished runs in the output folder are reused; interrupted ones resume from their checkpoint.
@@ -14,17 +17,29 @@ Finished runs in the output folder are reused; interrupted ones resume from thei
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from slimkv.attention import ATTENTION_KINDS, kind_spec
 from slimkv.bench.compare import run_compare
 from slimkv.bench.entries import parse_entries
-from slimkv.common.files import check_folder_target
+from slimkv.common.files import check_folder_target, read_json, write_json
 from slimkv.compress import demo_compression
+from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
 from slimkv.data import prepare_shakespeare
+from slimkv.eval.cache import cache_report
+from slimkv.eval.cache import format_report as format_cache
+from slimkv.eval.ppl import format_table as format_ppl
+from slimkv.eval.ppl import perplexity_report
+from slimkv.pretrained import SMOLLM2, fetch_smollm2
+from slimkv.pretrained.loading import CONVERTED_MANIFEST
 from slimkv.train.config import TrainConfig
 
+DEMO_PARTS = ("compare", "convert", "compress")
+DEMO_CONVERSION = ("gqa", 0.5)  # method and cache ratio of the conversion demo
+DEMO_CONVERSION_CALIB_TOKENS = 2048
+DEMO_CONVERSION_EVAL_TOKENS = 4096
 DEMO_STEPS = 120  # per entry: the default recipe; about 40 s per entry with evaluation on 2 quiet CPU cores
 DEMO_EVAL_TOKENS = 16384  # val tokens scored per entry (windows spread over the held-out plays)
 DEMO_DECODE_CONTEXTS = (128, 512, 2048)
@@ -54,11 +69,14 @@ def run_demo(
     kinds: list[str] | None = None,
     eval_tokens: int | None = None,
     progress: bool = True,
-    compression: bool = True,
+    parts: tuple[str, ...] = DEMO_PARTS,
 ) -> dict[str, Any]:
-    """Run the small comparison (and then the compression demo); returns the compare report.
+    """Run the demo's ``parts`` in order (``DEMO_PARTS``); returns the comparison's report.
 
     ``kinds``: a subset of ``demo_entries()`` (default all of them)."""
+    for part in parts:
+        if part not in DEMO_PARTS:
+            raise ValueError(f"--parts: {part!r} is not a demo part; allowed values: {', '.join(DEMO_PARTS)}")
     entries_allowed = demo_entries()
     specs = list(entries_allowed) if kinds is None else list(kinds)
     for spec in specs:
@@ -69,6 +87,19 @@ def run_demo(
     entries = parse_entries(specs, recipe)
     out_dir = Path(out_dir)
     started = time.perf_counter()
+    report: dict[str, Any] = {}
+    if "compare" in parts:
+        report = run_compare_demo(entries, recipe, out_dir, eval_tokens, progress)
+    if "convert" in parts:
+        run_conversion_demo(out_dir / "conversion", progress)
+    if "compress" in parts:
+        run_compression_demo(out_dir / "compression")
+    print(f"demo wall time {time.perf_counter() - started:.0f} s; reports in {out_dir.resolve()}", flush=True)
+    return report
+
+
+def run_compare_demo(entries: list, recipe: TrainConfig, out_dir: Path, eval_tokens: int | None, progress: bool) -> dict[str, Any]:
+    """The comparison: one small model per entry, one seed, the shared recipe."""
     print(f"slimkv demo: {len(entries)} attention entries x 1 seed, {recipe.steps} steps each; output in {out_dir.resolve()}", flush=True)
     report = run_compare(
         entries,
@@ -83,10 +114,24 @@ def run_demo(
     )
     print("(one seed per entry: differences between entries are not evidence that one beats another; "
           "`slimkv compare --seeds 3` measures the spread)", flush=True)
-    if compression:
-        run_compression_demo(out_dir / "compression")
-    print(f"demo wall time {time.perf_counter() - started:.0f} s; reports in {out_dir.resolve()}", flush=True)
     return report
+
+
+def run_conversion_demo(out_dir: Path, progress: bool, *, method: str = DEMO_CONVERSION[0], ratio: float = DEMO_CONVERSION[1]) -> dict[str, Any]:
+    """SmolLM2 converted to a smaller cache (one-shot): perplexity and the live cache before/after."""
+    print(f"\n== conversion demo (SmolLM2 -> {method} at {ratio:.0%} of its KV cache, one-shot) into {out_dir}", flush=True)
+    fetch_smollm2()
+    options = ConvertOptions(method, ratio, calib_tokens=DEMO_CONVERSION_CALIB_TOKENS)
+    if (out_dir / CONVERTED_MANIFEST).is_file() and read_json(out_dir / CONVERTED_MANIFEST).get("options") == asdict(options):
+        print(f"reusing the conversion in {out_dir}", flush=True)
+    else:
+        convert_pretrained(SMOLLM2, options, out_dir, progress=progress)
+    quality = perplexity_report(str(out_dir), "shakespeare-val", 1024, DEMO_CONVERSION_EVAL_TOKENS, progress=progress)
+    print(format_ppl(quality))
+    cache = cache_report(str(out_dir), 1024, new_tokens=16)
+    print(format_cache(cache))
+    write_json(out_dir.parent / "conversion_demo.json", {"perplexity": quality, "cache": cache})
+    return {"perplexity": quality, "cache": cache}
 
 
 def run_compression_demo(out_dir: Path) -> None:

@@ -97,9 +97,15 @@ class Attention(nn.Module):
         """x (batch, time, d_model) -> (batch, time, d_model); updates ``cache`` in place if given."""
         if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[1] < 1:
             raise ValueError(f"expected input of shape (batch, time>=1, {self.d_model}), got {tuple(x.shape)}")
-        if cache is not None:
-            cache.check_compatible(self.cache_spec(), x)
-        return self._forward(x, cache)
+        if cache is None:
+            return self._forward(x, None)
+        cache.check_compatible(self.cache_spec(), x)
+        mark = cache.mark()
+        try:
+            return self._forward(x, cache)
+        except BaseException:
+            cache.rollback(mark)
+            raise
 
     def _forward(self, x: torch.Tensor, cache: AttentionCache | None) -> torch.Tensor:
         raise NotImplementedError

@@ -3,11 +3,16 @@
 It knows its batch size, dtype, device and owner, counts ``seq_len`` and reports ``nbytes()`` from
 the live tensors it holds, never from a formula (the contract compares it with the analytic
 ``cache_bytes``). Storage that grows per token is a ``slimkv.common.buffer.GrowableBuffer``.
+
+A cache is an inference object: what it stores never carries autograd history. A cached call made
+with gradients enabled is differentiable in its own tokens (and the parameters); earlier tokens
+are constants. A call that raises leaves the cache as it was before the call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -37,6 +42,17 @@ class AttentionCache:
         for t in self.tensors():
             total += t.nbytes() if isinstance(t, GrowableBuffer) else t.numel() * t.element_size()
         return total
+
+    def mark(self) -> Any:
+        """A mark of the current state; ``rollback(mark)`` undoes every change made after it (a call
+        that fails half way must not leave the cache advanced). Caches whose state is not only
+        growable buffers override both."""
+        return self.seq_len, [t.mark() for t in self.tensors() if isinstance(t, GrowableBuffer)]
+
+    def rollback(self, mark: Any) -> None:
+        self.seq_len, marks = mark
+        for buffer, buffer_mark in zip((t for t in self.tensors() if isinstance(t, GrowableBuffer)), marks):
+            buffer.restore(buffer_mark)
 
     def check_compatible(self, spec: tuple, x: torch.Tensor) -> None:
         """Raise ValueError if this cache cannot serve a call with input ``x`` to a module with ``spec``."""

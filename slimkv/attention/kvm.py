@@ -59,7 +59,15 @@ def _check_rope_leaves_content(d_model, n_heads, head_dim, rope, fraction) -> No
 class KVMCache(AttentionCache):
     """Compressed rows + exact window of one KVM layer (see ``KVMState``); kernel layout
     (batch, kv_heads, time, dim). ``nbytes`` counts the window buffers (live part) and every row
-    tensor, including the read cache (LN_s'd keys, radius-normalised values) decode reads."""
+    tensor, including the read cache (LN_s'd keys, radius-normalised values) decode reads.
+
+    A cache is an inference object, but a cached call also works with grad enabled: its output is
+    differentiable in the call's own tokens and the layer's parameters, while what the cache
+    stores is detached. Earlier calls' tokens enter later calls as constants (gradients do not
+    flow back through the cache into earlier calls), each call's output can be backpropagated
+    on its own, before or after later calls, and a cache never keeps an autograd graph alive.
+    Train without a cache: one call over the whole sequence. A call that raises leaves the cache
+    exactly as it was, so it can be retried."""
 
     def __init__(self, owner_spec: tuple, batch_size: int, state: KVMState, *, dtype, device) -> None:
         super().__init__(owner_spec, batch_size, dtype, device)
@@ -72,6 +80,17 @@ class KVMCache(AttentionCache):
 
     def tensors(self):
         return iter(self.state.tensors())
+
+    def mark(self) -> tuple:
+        """The state's rows (never modified in place), its window buffers (objects and extents) and counts."""
+        buffers = {name: getattr(self.state, name) for name in ("window_k", "window_v", "window_gate")}
+        return self.seq_len, self.state.seq_len, self.state.rows, {name: (b, b.mark()) for name, b in buffers.items() if b is not None}
+
+    def rollback(self, mark: tuple) -> None:
+        self.seq_len, self.state.seq_len, self.state.rows, buffers = mark
+        for name, (buffer, buffer_mark) in buffers.items():
+            buffer.restore(buffer_mark)
+            setattr(self.state, name, buffer)
 
 
 class KVMAttention(MultiHeadAttention):

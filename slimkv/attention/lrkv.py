@@ -115,6 +115,11 @@ class TimeLastBuffer:
         live = self.buffer.append(x.reshape(b, self.heads * self.dim, n, 1))
         return live.view(b, self.heads, self.dim, live.shape[2])
 
+    def view(self) -> torch.Tensor:
+        """The live (batch, heads, dim, time) entries."""
+        live = self.buffer.view()
+        return live.view(live.shape[0], self.heads, self.dim, live.shape[2])
+
 
 class LRKVCache(AttentionCache):
     """Shared keys/values, per-head latents and (with qk_norm) per-head key scales of every past token."""
@@ -133,11 +138,19 @@ class LRKVCache(AttentionCache):
         return iter(b for b in buffers if b is not None)
 
     def extend(self, new: LRKVEntries) -> LRKVEntries:
-        """Append the new tokens' entries; return views of every cached entry (past and new)."""
+        """Append the new tokens' entries; return views of every cached entry (past and new). With
+        autograd recording, the returned entries are a fresh copy (differentiable in the new
+        tokens) and the buffers store the new entries detached."""
         buffers = (self.shared_k, self.shared_v, self.latent_k, self.latent_v, self.key_scale)
-        views = LRKVEntries(*(None if buf is None else buf.append(t) for buf, t in zip(buffers, new)))
         self.seq_len += new.shared_k.shape[2]
-        return views
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in new):
+            dims = (2, 2, -1, -1, 2)  # the time dimension of each entry
+            entries = LRKVEntries(*(None if buf is None else torch.cat((buf.view(), t), dim=d) for buf, t, d in zip(buffers, new, dims)))
+            for buf, t in zip(buffers, new):
+                if buf is not None:
+                    buf.append(t.detach())
+            return entries
+        return LRKVEntries(*(None if buf is None else buf.append(t) for buf, t in zip(buffers, new)))
 
 
 def resolve_ranks(rank: int | None, rank_k: int | None, rank_v: int | None) -> tuple[int, int]:

@@ -31,8 +31,15 @@ class KVCache(AttentionCache):
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new (batch, kv_heads, n, head_dim) keys/values; return every key/value the new
-        queries may need (the retained past plus the new ones)."""
-        keys, values = self.k.append(k), self.v.append(v)
+        queries may need (the retained past plus the new ones). With autograd recording, the
+        returned tensors are a fresh copy (differentiable in the new tokens) and the buffers store
+        the new tokens detached."""
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            keys, values = torch.cat((self.k.view(), k), dim=2), torch.cat((self.v.view(), v), dim=2)
+            self.k.append(k.detach())
+            self.v.append(v.detach())
+        else:
+            keys, values = self.k.append(k), self.v.append(v)
         self.seq_len += k.shape[2]
         return keys, values
 

@@ -31,7 +31,9 @@ Common options:
 
 Cache: the normalised latent and the rotated rotary key, (kv_rank + rope_dim) elements per token
 per layer, in one buffer of kernel layout (batch, 1, time, rope_dim + kv_rank) whose rows are
-[k_pe | c]. No per-head tensor is ever cached.
+[k_pe | c]. No per-head tensor is ever cached. With grad enabled a cached call is differentiable in
+its own tokens; the cache stores detached rows (earlier calls' tokens are constants, and a cache
+never keeps an autograd graph alive).
 
 Two exact paths, picked by the option ``decode_path``:
 
@@ -199,13 +201,22 @@ class MultiHeadLatentAttention(Attention):
         start = cache.seq_len if cache is not None else 0
         q = self.queries(x, start)
         rows = self.latent_rows(x, start)
-        if cache is not None:
-            rows = cache.extend(rows)
-        if self.uses_absorbed(t, rows.shape[2]):
-            out = self._attend_absorbed(q, rows)
+        if cache is None:
+            out = self._attend(q, rows)
+        elif q.requires_grad or rows.requires_grad:
+            # differentiable in this call's tokens only: attend over a fresh copy of past + new rows
+            # (the buffer is written in place by later calls) and cache the new rows detached
+            out = self._attend(q, torch.cat((cache.latent.view(), rows), dim=2))
+            cache.extend(rows.detach())
         else:
-            out = self._attend_expanded(q, rows)
+            out = self._attend(q, cache.extend(rows))
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))
+
+    def _attend(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The path ``uses_absorbed`` picks for these queries over these rows."""
+        if self.uses_absorbed(q.shape[2], rows.shape[2]):
+            return self._attend_absorbed(q, rows)
+        return self._attend_expanded(q, rows)
 
     # -- projections -------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from slimkv.demo import run_demo
+from slimkv.demo import DEMO_PARTS, run_demo
 
 
 def add_commands(subparsers) -> None:
@@ -16,20 +16,22 @@ def add_commands(subparsers) -> None:
         description=(
             "A small `slimkv compare`: prepare Shakespeare, train one small model per attention entry (mha, gqa, mqa, swa, "
             "mla, lrkv at half of MHA's cache, kvm fixed and sqrt, the swa/kvm hybrid) with one short recipe and one seed, "
-            "print the table and write report.json, report.md and PNGs into --out; then compress SmolLM2 at ratio 0.2 "
-            "with rootcov and latentllm beside the dense model (into --out/compression). Finished runs are reused."
+            "print the table and write report.json, report.md and PNGs into --out; then convert SmolLM2 to a smaller KV cache "
+            "(perplexity and live cache bytes before/after, into --out/conversion) and compress it at ratio 0.2 with rootcov and "
+            "latentllm beside the dense model (into --out/compression). Finished runs are reused."
         ),
     )
     d.add_argument("--out", default="demo_runs", metavar="DIR", help="folder for the runs and the report (default demo_runs)")
     d.add_argument("--steps", type=int, help="optimizer steps per kind (default: the recipe's)")
     d.add_argument("--kinds", nargs="+", metavar="ENTRY", help="entries to compare (default: every entry of the demo)")
-    d.add_argument("--no-compression", action="store_true", help="skip the SmolLM2 compression step")
+    d.add_argument("--parts", default=",".join(DEMO_PARTS), help=f"comma-separated parts to run, in order (default: all of {', '.join(DEMO_PARTS)})")
+    d.add_argument("--no-compression", action="store_true", help="skip the SmolLM2 compression part (same as leaving compress out of --parts)")
     d.add_argument("--eval-tokens", type=int, default=None, help="val tokens to evaluate per kind (default: the demo's)")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.set_defaults(func=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    run_demo(Path(args.out), steps=args.steps, kinds=args.kinds, eval_tokens=args.eval_tokens, progress=not args.no_progress,
-             compression=not args.no_compression)
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip() and not (args.no_compression and p.strip() == "compress"))
+    run_demo(Path(args.out), steps=args.steps, kinds=args.kinds, eval_tokens=args.eval_tokens, progress=not args.no_progress, parts=parts)
     return 0

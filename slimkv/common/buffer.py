@@ -53,6 +53,15 @@ class GrowableBuffer:
         if len(self) > n:
             self._start = self._end - n
 
+    def mark(self) -> tuple[torch.Tensor, int, int]:
+        """What ``restore`` needs to undo every append and trim made after this call."""
+        return self._storage, self._start, self._end
+
+    def restore(self, mark: tuple[torch.Tensor, int, int]) -> None:
+        """Undo the appends and trims since ``mark`` (the marked live entries are never overwritten:
+        a later compaction writes only into dropped slots or into new storage)."""
+        self._storage, self._start, self._end = mark
+
     def nbytes(self) -> int:
         b, h, d = self.shape
         return b * h * len(self) * d * self._storage.element_size()

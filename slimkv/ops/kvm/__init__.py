@@ -22,14 +22,19 @@ the merge gate Hkv heads; query head h reads kv head h // (Hq // Hkv). Rows and 
 head, the two temperatures per query head. Keys arrive after QK-norm and RoPE; RoPE rotates their
 first ``rot_dim`` channels, which are zeroed before ``LN_s`` when a key enters the state.
 
-Ties: routing picks the LOWEST row index among equal scores (``torch.argmax``); the novelty ranking
-prefers the EARLIEST token among equal scores (stable sort).
+Ties: scores within a fold's tolerance (``tie_tolerance``: 1024 eps x the largest key and row
+norms) count as equal, so rounding cannot break them differently in the two implementations.
+Routing picks the LOWEST row index among the ties of a token's best score (``route``); the novelty
+ranking prefers the EARLIEST token among the ties of the lowest novelty left (``least_novel``).
+Both score the ungated key (a positive gate cannot change a choice).
 
 Two implementations of the same computation live here:
 
 * ``kvm_attention`` (no state; differentiable, for training) and ``kvm_step`` (a ``KVMState``;
   any number of tokens per call) share ``process``: a loop over chunk segments whose attention,
   fold and row updates are whole-tensor operations; only routing and selection carry no gradient.
+  A ``kvm_step`` call is differentiable in its own inputs but stores detached state, and a call
+  that raises leaves the state as it was.
 * ``kvm_attention_reference`` / ``kvm_step_reference``: a token-by-token loop with explicit
   per-(batch, head, token) loops written straight from the rules in docs/kvm.md. Slow; kept for the tests and the
   layer's ``reference`` backend.

@@ -138,32 +138,40 @@ def tie_tolerance(keys: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
         return (TIE_ULPS * torch.finfo(keys.dtype).eps * bound).unsqueeze(-1)
 
 
+def _first(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the first True along the last dim (0 where there is none: NaN scores)."""
+    return mask.to(torch.uint8).argmax(dim=-1, keepdim=True)  # argmax returns the first of equal maxima
+
+
 def least_novel(novelty: torch.Tensor, tol: torch.Tensor, count: int) -> torch.Tensor:
     """Token indices (batch, kv_heads, count), ascending, of the ``count`` least novel tokens:
     repeatedly the EARLIEST remaining token whose novelty is within ``tol`` (batch, kv_heads, 1)
     of the lowest remaining one (with tol = 0, a stable ascending sort)."""
     n = novelty.shape[-1]
-    position = torch.arange(n, device=novelty.device)
     if count >= n:
-        return position.expand(*novelty.shape[:-1], n)
+        return torch.arange(n, device=novelty.device).expand(*novelty.shape[:-1], n)
     left, picks = novelty.clone(), []
     for _ in range(count):
-        low = left.amin(dim=-1, keepdim=True)
-        pick = torch.where(left <= low + tol, position, n).amin(dim=-1, keepdim=True).clamp_max(n - 1)  # (NaN scores: any token)
+        pick = _first(left <= left.amin(dim=-1, keepdim=True) + tol)
         picks.append(pick)
         left = left.scatter(-1, pick, math.inf)
     return torch.cat(picks, dim=-1).sort(dim=-1).values
 
 
-def route(scores: torch.Tensor, tol: torch.Tensor, sink_len: int) -> torch.Tensor:
+def route(scores: torch.Tensor, tol: torch.Tensor, sink_len: int, fresh: torch.Tensor | None = None) -> torch.Tensor:
     """Merge targets (batch, kv_heads, n): for each token the LOWEST row index, the ``sink_len``
-    first rows excluded, whose score is within ``tol`` (batch, kv_heads, 1) of the token's best."""
-    rows = scores.shape[-1]
-    scores = scores.clone()
-    scores[..., :sink_len] = -math.inf
-    best = scores.amax(dim=-1, keepdim=True)
-    index = torch.arange(rows, device=scores.device)
-    return torch.where(scores >= best - tol.unsqueeze(-1), index, rows).amin(dim=-1).clamp_max(rows - 1)  # (NaN: any row)
+    first rows excluded, whose score is within ``tol`` (batch, kv_heads, 1) of the token's best.
+    ``scores`` (batch, kv_heads, n, S) are against the S existing rows and ``fresh`` (optional,
+    n x S_new) against rows appended after them (indices S, S + 1, ...)."""
+    old = scores[..., sink_len:]
+    best = old_best = old.amax(dim=-1, keepdim=True)
+    if fresh is not None:
+        best = torch.maximum(old_best, fresh.amax(dim=-1, keepdim=True))
+    threshold = best - tol.unsqueeze(-1)
+    target = _first(old >= threshold) + sink_len
+    if fresh is not None:  # a fresh row only where no existing row is within tol of the best
+        target = torch.where(old_best >= threshold, target, _first(fresh >= threshold) + scores.shape[-1])
+    return target.squeeze(-1)
 
 
 def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -205,10 +213,10 @@ def fold_chunk(rows: Rows, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor 
             return rows.extend(appended)
         merge_weight = torch.ones_like(kg[..., 0]).scatter(-1, chosen, 0.0)  # 0 for appended tokens
         kg, vg = kg * merge_weight.unsqueeze(-1), vg * merge_weight.unsqueeze(-1)
-        scores = torch.cat((scores, routing_scores(ko, appended.read_k, settings.routing_dtype)), dim=-1)
     # targets: the best non-sink row, old or fresh; ties (within tol) -> the lowest index, so an
     # existing row beats a fresh one unless the fresh one scores clearly higher
-    target = route(scores, tol, settings.sink_len)
+    fresh = routing_scores(ko, appended.read_k, settings.routing_dtype) if n_app else None
+    target = route(scores, tol, settings.sink_len, fresh)
     index_k, index_v = target.unsqueeze(-1).expand_as(kg), target.unsqueeze(-1).expand_as(vg)
     if n_app:  # the concatenation is a fresh tensor: add in place
         s_k = torch.cat((rows.s_k, appended.s_k), dim=2).scatter_add_(2, index_k, kg)

@@ -46,6 +46,7 @@ def _ref_rows(s_k: torch.Tensor, s_v: torch.Tensor, radius: torch.Tensor, params
 def _ref_dot(a: torch.Tensor, b: torch.Tensor, routing_dtype: str) -> float:
     """One routing score (see ``routing_scores``: low precision rounds the operands, takes their
     exact dot product and rounds it once)."""
+    a, b = a.detach(), b.detach()  # (routing carries no gradient)
     if routing_dtype == "float32":
         return float(torch.dot(a, b))
     low = getattr(torch, routing_dtype)
@@ -53,7 +54,7 @@ def _ref_dot(a: torch.Tensor, b: torch.Tensor, routing_dtype: str) -> float:
 
 
 def _ref_norm(x: torch.Tensor) -> float:
-    return float(torch.sqrt((x * x).sum()))
+    return float(torch.sqrt((x.detach() ** 2).sum()))
 
 
 class _Work:

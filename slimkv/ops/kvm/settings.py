@@ -32,7 +32,8 @@ class KVMSettings:
     targets (0 = the "no sink" ablation). ``value_norm``: ``radius`` (rho fixed at row creation) or
     ``count`` (the plain-sum-over-count ablation). ``routing_dtype``: dtype of the novelty and
     routing scores; ``float32`` means full precision (float64 inputs keep float64).
-    ``gate_appends``: weight appended rows by their merge gate (the reference does not).
+    ``gate_appends``: weight appended rows by their merge gate (off by default, as in the
+    reference); such a row holds g prep(k) and g v, and its radius is ||g v|| = g ||v||.
     ``rot_dim``: leading key channels that carry RoPE (zeroed before LN_s).
     """
 

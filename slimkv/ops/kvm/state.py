@@ -128,7 +128,8 @@ def kvm_step(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     start = state.seq_len
     base = settings.window_start(start)
-    if torch.is_grad_enabled():
+    tracked = (q, k, v, gate, params.ln_weight, params.ln_bias, params.tau_state, params.tau_window)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked):
         # fresh tensors for autograd (the buffers are written in place by later calls); the state
         # is only written once the call has succeeded
         keys, values, gates = state.window_with(k, v, gate)
