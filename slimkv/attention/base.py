@@ -5,7 +5,8 @@ Every mechanism subclasses ``Attention`` and implements three things:
 * ``_forward(x, cache)``: output for x of shape (batch, time, d_model), causal, starting at
   position ``cache.seq_len`` (0 without a cache); it updates the cache in place.
 * ``new_cache(batch_size, dtype, device)``: an empty ``AttentionCache`` for this module.
-* ``cache_bytes(seq_len, dtype, batch_size)``: the analytic size of that cache after seq_len tokens.
+* ``_cache_bytes(seq_len, dtype, batch_size)``: the analytic size of that cache after seq_len tokens
+  (``cache_bytes`` checks the arguments and calls it).
 
 Mechanisms are registered with ``register_attention`` and built with ``build_attention``; the
 registry also carries small ``example_options`` per kind, which the shared test runner uses, so a
@@ -114,6 +115,15 @@ class Attention(nn.Module):
         raise NotImplementedError
 
     def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
+        """The analytic size of this layer's cache after ``seq_len`` tokens (what ``nbytes()`` of a
+        live cache must equal); ValueError for a negative or non-integer length or batch."""
+        check_int("seq_len", seq_len, 0)
+        check_int("batch_size", batch_size, 1)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+        return self._cache_bytes(seq_len, dtype, batch_size)
+
+    def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
         raise NotImplementedError
 
     def cache_spec(self) -> tuple:

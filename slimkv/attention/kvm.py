@@ -171,7 +171,7 @@ class KVMAttention(MultiHeadAttention):
         state = KVMState(b, self.n_kv_heads, self.head_dim, dtype=dtype, device=device, gated=self.gate_proj is not None)
         return KVMCache(self.cache_spec(), b, state, dtype=dtype, device=device)
 
-    def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
+    def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
         hd = self.head_dim
         return KVMState.expected_nbytes(self.settings, seq_len, batch_size, self.n_kv_heads, hd, hd, dtype, self.gate_proj is not None)
 

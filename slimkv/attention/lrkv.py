@@ -339,7 +339,7 @@ class LowRankKVAttention(Attention):
         b, dtype, device = self._cache_args(batch_size, dtype, device)
         return LRKVCache(self.cache_spec(), b, self.n_kv_heads, self.head_dim, self.rank_k, self.rank_v, self.use_qk_norm, dtype=dtype, device=device)
 
-    def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
+    def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
         return batch_size * seq_len * self.cache_elements_per_token() * dtype_bytes(dtype)
 
     def head_qk_maps(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,7 +88,7 @@ class MultiHeadAttention(Attention):
         keep = None if self.window is None else self.window - 1
         return KVCache(self.cache_spec(), b, self.n_kv_heads, self.head_dim, dtype=dtype, device=device, keep=keep)
 
-    def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
+    def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
         kept = seq_len if self.window is None else min(seq_len, self.window - 1)
         return batch_size * kept * 2 * self.n_kv_heads * self.head_dim * dtype_bytes(dtype)
 

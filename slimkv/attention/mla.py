@@ -169,7 +169,7 @@ class MultiHeadLatentAttention(Attention):
         b, dtype, device = self._cache_args(batch_size, dtype, device)
         return LatentCache(self.cache_spec(), b, self.rope_dim + self.kv_rank, dtype=dtype, device=device)
 
-    def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
+    def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
         return batch_size * seq_len * (self.kv_rank + self.rope_dim) * dtype_bytes(dtype)
 
     def head_qk_maps(self) -> tuple[torch.Tensor, torch.Tensor]:

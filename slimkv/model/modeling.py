@@ -198,7 +198,7 @@ class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
         return SlimKVCache([attn.new_cache(batch_size, dtype=dtype, device=device) for attn in self.attention_layers])
 
     def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
-        """Analytic cache bytes of the whole model after ``seq_len`` tokens."""
+        """Analytic cache bytes of the whole model after ``seq_len`` tokens (each layer checks the arguments)."""
         return sum(attn.cache_bytes(seq_len, dtype, batch_size) for attn in self.attention_layers)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")

@@ -127,3 +127,14 @@ def test_heads_errors_name_the_right_option():
         build_attention("mha", 16, 0)
     with pytest.raises(ValueError, match="n_heads must be an integer >= 1, got 0"):
         ModelConfig(vocab_size=10, d_model=16, n_layers=1, n_heads=0)
+
+
+@pytest.mark.parametrize("seq_len, batch", [(-1, 1), (1.5, 1), (True, 1), (4, 0)])
+def test_cache_bytes_refuses_lengths_that_are_not_token_counts(seq_len, batch):
+    from slimkv.attention import build_attention
+
+    attn = build_attention("mha", 16, 2)
+    with pytest.raises(ValueError, match="must be an integer"):
+        attn.cache_bytes(seq_len, batch_size=batch)
+    with pytest.raises(ValueError, match="must be an integer"):
+        tiny_slimkv().cache_bytes(seq_len, batch_size=batch)
