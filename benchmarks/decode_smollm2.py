@@ -1,0 +1,139 @@
+"""End-to-end decode speed of SmolLM2-135M: transformers' own decode (SDPA, its default
+DynamicCache) against slimkv's decode of the same model (the exact slimkv copy: gqa layers) and
+of converted compact-cache models (``slimkv convert`` output folders).
+
+For every context (default 1K, 4K, 16K) each model's cache is filled by one prefill of that many
+tokens of held-out text, then single-token greedy decode steps are timed, the models interleaved
+step by step (``--rounds`` rounds of ``--steps`` steps per model). Reported: median ms/token,
+tokens/s, the live cache bytes each step reads and the parameter bytes, and the ratio of each
+model's time to what its memory traffic predicts at the bandwidth the original achieves in the
+same run ((weights + cache bytes) / original's bytes per second).
+
+    .venv/bin/python benchmarks/decode_smollm2.py --threads 1
+    .venv/bin/python benchmarks/decode_smollm2.py --threads 2 --converted runs/smollm2-mla50 runs/smollm2-lrkv50
+    .venv/bin/python benchmarks/decode_smollm2.py --quick
+
+Writes benchmarks/results/<name>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from slimkv.common.plotting import new_figure
+from slimkv.common.timing import write_results
+from slimkv.convert.source import Source, exact_copy
+from slimkv.data.texts import evaluation_text, tokenize
+from slimkv.eval.cache import layer_bytes
+from slimkv.eval.models import load_language_model
+from slimkv.pretrained import SMOLLM2, fetch_smollm2, load_pretrained
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="1024,4096,16384", help="cached tokens (comma-separated; default 1024,4096,16384)")
+    p.add_argument("--converted", nargs="*", default=[], help="converted model folders to time beside the original")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per model per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--quick", action="store_true", help="contexts 256,1024; 1 round of 3 steps")
+    p.add_argument("--name", default=None, help="results file name (default decode_smollm2_<threads>thread)")
+    p.add_argument("--out-dir", default=str(RESULTS))
+    return p.parse_args()
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor, slimkv: bool):
+    """The cache after ``ids`` (1, T) and the last token's logits."""
+    if slimkv:
+        cache = model.new_cache(1)
+        logits = model(ids, cache=cache, logits_to_keep=1).logits
+    else:
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        cache, logits = out.cache, out.logits
+    return cache, logits[:, -1:].argmax(-1)
+
+
+@torch.no_grad()
+def step(model, cache, token: torch.Tensor, slimkv: bool) -> torch.Tensor:
+    """One greedy decode step through the model's cache; the next token."""
+    if slimkv:
+        logits = model(token, cache=cache).logits
+    else:
+        logits = model(token, cache=cache, use_cache=True).logits
+    return logits[:, -1:].argmax(-1)
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(args.threads)
+    contexts = [256, 1024] if args.quick else [int(c) for c in args.contexts.split(",")]
+    steps, rounds = (3, 1) if args.quick else (args.steps, args.rounds)
+    fetch_smollm2()
+    original = load_pretrained(SMOLLM2)
+    models = {"transformers (SDPA, DynamicCache)": (original.model, False),
+              "slimkv exact copy (gqa)": (exact_copy(Source(original)), True)}
+    for folder in args.converted:
+        loaded = load_language_model(folder)
+        models[f"slimkv {Path(folder).name}"] = (loaded.model, True)
+    text_ids = tokenize(original.tokenizer, evaluation_text("shakespeare-val"))
+    load_before = os.getloadavg()
+    rows = []
+    for context in contexts:
+        ids = torch.tensor([(text_ids * (context // len(text_ids) + 1))[:context]])
+        state = {}
+        for label, (model, slim) in models.items():
+            t0 = time.perf_counter()
+            state[label] = list(prefill(model, ids, slim)) + [time.perf_counter() - t0]
+        samples = {label: [] for label in models}
+        for _ in range(rounds):
+            for label, (model, slim) in models.items():
+                cache, token, _ = state[label]
+                step(model, cache, token, slim)  # warm-up step
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    token = step(model, cache, token, slim)
+                    samples[label].append(time.perf_counter() - t0)
+                state[label][1] = token
+        base_label = next(iter(models))
+        base_bytes = None
+        for label, (model, _) in models.items():
+            median = statistics.median(samples[label])
+            cache_bytes = sum(layer_bytes(state[label][0]))
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            if label == base_label:
+                base_bytes = (weights + cache_bytes) / median
+            rows.append({"model": label, "context": context, "median_s": median, "tokens_per_s": 1 / median, "min_s": min(samples[label]),
+                         "max_s": max(samples[label]), "cache_bytes": cache_bytes, "parameter_bytes": weights, "prefill_s": state[label][2],
+                         "time_over_traffic_prediction": median / ((weights + cache_bytes) / base_bytes), "samples_s": samples[label]})
+            print(f"{context:>6} {label:<40} {median * 1e3:8.2f} ms/token {1 / median:8.1f} tok/s  cache {cache_bytes / 2**20:8.1f} MiB  "
+                  f"x{rows[-1]['time_over_traffic_prediction']:.2f} of its traffic prediction", flush=True)
+        del state
+        gc.collect()
+    payload = {"settings": {"contexts": contexts, "threads": args.threads, "steps": steps, "rounds": rounds, "models": list(models)},
+               "load_average": {"before": list(load_before), "after": list(os.getloadavg())}, "rows": rows}
+    fig, ax = new_figure(figsize=(7, 4.5))
+    for label in models:
+        mine = [r for r in rows if r["model"] == label]
+        ax.plot([r["context"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (cached tokens)")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_title(f"SmolLM2-135M decode, {args.threads} thread(s), float32", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    path = write_results(args.name or f"decode_smollm2_{args.threads}thread", payload, args.out_dir, figure=fig)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
