@@ -33,9 +33,9 @@ from slimkv.ops.kvm import (
     KVMState,
     kvm_attention,
     kvm_attention_reference,
-    kvm_step,
     kvm_step_reference,
 )
+from slimkv.ops.kvm.state import step
 from slimkv.ops.rope import ROPE_MODES, rotary_dim
 
 LN_S_EPS = 1e-5
@@ -194,8 +194,8 @@ class KVMAttention(MultiHeadAttention):
             run = kvm_attention_reference if reference else kvm_attention
             out = run(q, k, v, gate, params, self.settings)
         else:
-            step = kvm_step_reference if reference else kvm_step
-            out = step(q, k, v, gate, params, self.settings, cache.state)
+            advance = kvm_step_reference if reference else step  # ``step``: kvm_step without input checks (built here)
+            out = advance(q, k, v, gate, params, self.settings, cache.state)
             cache.seq_len = cache.state.seq_len
         b, t = x.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

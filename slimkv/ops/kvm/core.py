@@ -257,6 +257,27 @@ def _attend_one(q: torch.Tensor, rows: Rows | None, win_k: torch.Tensor, win_v: 
     return out.reshape(b, hq, 1, -1).to(q.dtype)
 
 
+def decode_token(q: torch.Tensor, rows: Rows, win_k: torch.Tensor, win_v: torch.Tensor, params: KVMParams, scale: float) -> torch.Tensor:
+    """One decode step between folds, when the state is visible: the same softmax over the rows
+    and the window as ``_attend_one`` in fewer operations, for float32/float64 inputs (whose rows
+    share their dtype). The temperatures and the scale are folded into the two query copies (one
+    per region), the logits are keys x queries^T (the cache is the large row-major operand; see
+    ``slimkv.ops.attention.decode_attention``), and one softmax covers both regions.
+    q (B, Hq, 1, d), win_k/win_v (B, Hkv, L, .) -> (B, Hq, 1, dv)."""
+    b, hq = q.shape[:2]
+    hkv = win_k.shape[1]
+    grouped = fold_groups(q, hkv)  # (B, Hkv, group, d)
+    tau_s = params.tau_state.view(hkv, -1, 1) * scale if params.tau_state is not None else scale
+    tau_w = params.tau_window.view(hkv, -1, 1) * scale if params.tau_window is not None else scale
+    logits = torch.cat((rows.read_k @ (grouped * tau_s).transpose(-1, -2), win_k @ (grouped * tau_w).transpose(-1, -2)), dim=-2)
+    probs = logits.transpose(-1, -2).contiguous().softmax(dim=-1)  # (B, Hkv, group, S + L)
+    s = rows.count
+    out = torch.baddbmm(
+        (probs[..., s:] @ win_v).flatten(0, 1), probs[..., :s].flatten(0, 1), rows.read_v.flatten(0, 1)
+    )
+    return out.view(b, hq, 1, -1)
+
+
 def _attend(q: torch.Tensor, rows: Rows | None, win_k: torch.Tensor, win_v: torch.Tensor, params: KVMParams, scale: float) -> torch.Tensor:
     """One softmax over the state rows (all visible; None = no state yet) and the window keys
     (causal, queries aligned to the END of the window). q (B, Hq, n, d), win_k/win_v (B, Hkv, L, .)

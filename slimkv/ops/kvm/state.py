@@ -7,7 +7,7 @@ import math
 import torch
 
 from slimkv.common.buffer import GrowableBuffer, dtype_bytes
-from slimkv.ops.kvm.core import KVMParams, Rows, check_inputs, process
+from slimkv.ops.kvm.core import KVMParams, Rows, check_inputs, decode_token, process
 from slimkv.ops.kvm.settings import KVMSettings
 from slimkv.ops.norm import compute_dtype
 
@@ -125,7 +125,34 @@ def kvm_step(
     """
     check_inputs(q, k, v, gate, params)
     check_state(state, settings, k, gate)
+    return step(q, k, v, gate, params, settings, state, scale=scale)
+
+
+def can_decode_fast(q: torch.Tensor, state: KVMState, settings: KVMSettings) -> bool:
+    """Whether a call is one token between folds with the state visible, in a dtype the rows share,
+    without autograd (``decode_token``'s conditions)."""
+    pos = state.seq_len
+    return (q.shape[2] == 1 and pos % settings.chunk_size != 0 and settings.state_visible(pos) and q.dtype == state.rows.read_k.dtype
+            and not torch.is_grad_enabled())
+
+
+def step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor | None,
+    params: KVMParams,
+    settings: KVMSettings,
+    state: KVMState,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``kvm_step`` without the input checks (the layer builds its inputs itself)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if can_decode_fast(q, state, settings):
+        keys, values, _ = state.append_window(k, v, gate)
+        state.seq_len += 1
+        return decode_token(q, state.rows, keys, values, params, scale)
     start = state.seq_len
     base = settings.window_start(start)
     tracked = (q, k, v, gate, params.ln_weight, params.ln_bias, params.tau_state, params.tau_window)
