@@ -100,7 +100,10 @@ class Attention(nn.Module):
             raise ValueError(f"expected input of shape (batch, time>=1, {self.d_model}), got {tuple(x.shape)}")
         if cache is None:
             return self._forward(x, None)
-        cache.check_compatible(self.cache_spec(), x)
+        spec = self.__dict__.get("_spec")
+        if spec is None:  # computed once: a decode step should not rebuild it
+            spec = self.__dict__["_spec"] = self.cache_spec()
+        cache.check_compatible(spec, x)
         mark = cache.mark()
         try:
             return self._forward(x, cache)

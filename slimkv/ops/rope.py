@@ -12,6 +12,7 @@ import torch
 from slimkv.ops.norm import compute_dtype
 
 ROPE_MODES = ("full", "partial", "none")
+TABLE_POSITIONS = 1024  # positions whose rotations a Rotary keeps at a time (a block of the angle table)
 
 
 def rotary_dim(head_dim: int, mode: str, fraction: float = 0.5) -> int:
@@ -34,10 +35,11 @@ class Rotary:
         self.theta = float(theta)
         self.rot_dim = rotary_dim(head_dim, mode, fraction)
         # Per-call overhead matters at decode (one token, every layer, twice): the inverse
-        # frequencies are computed once per device, and the rotation of the last call is kept
-        # because queries and keys of a call share it. Values are those of the float64 formula.
+        # frequencies are computed once per device, and the rotations of a block of
+        # ``TABLE_POSITIONS`` positions are kept, so consecutive decode steps slice a table instead
+        # of computing angles. Values are those of the float64 formula.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
-        self._last: tuple[tuple, torch.Tensor] | None = None
+        self._table: tuple[tuple, int, torch.Tensor] | None = None
 
     def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
         """theta^(-2i / rot_dim) for each channel pair i, float64, shape (rot_dim // 2,)."""
@@ -55,11 +57,14 @@ class Rotary:
 
     def rotation(self, start: int, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """cos + i sin as a complex tensor (length, 1, rot_dim // 2) of ``dtype``'s complex type."""
-        key = (start, length, torch.device(device), dtype)
-        if self._last is None or self._last[0] != key:
-            cos, sin = self.angles(start, length, device, dtype)
-            self._last = (key, torch.complex(cos, sin)[:, None, :])
-        return self._last[1]
+        key = (torch.device(device), dtype)
+        table = self._table
+        if table is None or table[0] != key or start < table[1] or start + length > table[1] + table[2].shape[0]:
+            first = start - start % TABLE_POSITIONS
+            count = max(TABLE_POSITIONS, start + length - first)
+            cos, sin = self.angles(first, count, device, dtype)
+            table = self._table = (key, first, torch.complex(cos, sin)[:, None, :])
+        return table[2][start - table[1] : start - table[1] + length]
 
     def __call__(self, x: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
         """Rotate ``x`` of shape (batch, time, heads, head_dim) whose first token sits at ``start``.
