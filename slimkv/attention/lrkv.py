@@ -366,6 +366,8 @@ class LowRankKVAttention(Attention):
                 out = self._attend_expanded(q, entries)
             elif self.rope_placement == "full":
                 out = self._attend_rebuilt(q, entries)
+            elif x.shape[1] == 1:
+                out = self._decode_factored(q, entries)
             else:
                 out = self._attend_factored(q, entries)
         b, t = x.shape[:2]
@@ -497,6 +499,27 @@ class LowRankKVAttention(Attention):
                 out = out + (mixed @ self.v_up.transpose(-1, -2)).view(b, heads, n, hd)
             outs.append(out)
         return torch.cat(outs, dim=2)
+
+    def _decode_factored(self, q: torch.Tensor, entries: LRKVEntries) -> torch.Tensor:
+        """``_attend_factored`` for one query per head (a decode step) in few operations: the
+        shared logits as keys x queries^T with the cache as the large operand (all H heads as the
+        columns), the latent logits per group, one softmax; no mask, no blocks. (b, H, 1, hd) -> same."""
+        b, heads, _, hd = q.shape
+        groups, length = self.n_kv_heads, entries.shared_k.shape[2]
+        group = heads // groups
+        q = self._prepared_queries(q)
+        logits = (entries.shared_k[:, 0] @ q[:, :, 0].transpose(-1, -2)).transpose(-1, -2)  # (b, H, L)
+        if self.rank_k:
+            q_latent = q[:, :, 0, self.key_residual_start :].reshape(b, groups, group, -1) @ self.k_up  # (b, G, g, r_k)
+            logits = logits + (q_latent @ entries.latent_k).view(b, heads, length)
+        if entries.key_scale is not None:
+            logits = logits * entries.key_scale.transpose(-1, -2).repeat_interleave(group, dim=1)[:, :, 0]
+        weights = logits.softmax(dim=-1, dtype=compute_dtype(q.dtype)).to(q.dtype)  # (b, H, L)
+        out = weights @ entries.shared_v[:, 0]  # (b, H, hd)
+        if self.rank_v:
+            mixed = weights.view(b, groups, group, length) @ entries.latent_v.transpose(-1, -2)  # (b, G, g, r_v)
+            out = out + (mixed @ self.v_up.transpose(-1, -2)).view(b, heads, hd)
+        return out[:, :, None]
 
     def _attend_rebuilt(self, q: torch.Tensor, entries: LRKVEntries) -> torch.Tensor:
         """Exact attention for ``full`` rope from the compact cache: each group's keys are rebuilt,
