@@ -226,9 +226,11 @@ def _kvm_comparable(shape: LayerShape, explicit: dict) -> tuple[dict, str]:
 
 
 def _kvm_sizes(shape: LayerShape) -> list[tuple[str, dict]]:
-    chunk = max(2, shape.seq_len // 8)
-    sizes = [(f"kvm:chunk_size={chunk},min_rows={rows}", {"chunk_size": chunk, "schedule": "fixed", "min_rows": rows}) for rows in dict.fromkeys((max(1, chunk // 2), chunk, 2 * chunk))]
-    sizes.append((f"kvm:chunk_size={chunk},schedule=sqrt", {"chunk_size": chunk, "schedule": "sqrt", "min_rows": max(1, chunk // 2), "sqrt_coef": 2.0}))
+    """Fixed state of 1, 2 and 4 chunks' worth of rows, and the sqrt schedule (rows never fall
+    below one chunk: the first chunk enters the state whole, so smaller settings would coincide)."""
+    chunk = max(2, shape.seq_len // 16)
+    sizes = [(f"kvm:chunk_size={chunk},min_rows={rows}", {"chunk_size": chunk, "schedule": "fixed", "min_rows": rows}) for rows in (chunk, 2 * chunk, 4 * chunk)]
+    sizes.append((f"kvm:chunk_size={chunk},schedule=sqrt", {"chunk_size": chunk, "schedule": "sqrt", "min_rows": chunk, "sqrt_coef": 2.0}))
     return sizes
 
 

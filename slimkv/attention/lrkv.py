@@ -580,7 +580,8 @@ def _lrkv_comparable(shape: LayerShape, explicit: dict) -> tuple[dict, str]:
 
 
 def _lrkv_sizes(shape: LayerShape) -> list[tuple[str, dict]]:
-    ranks = dict.fromkeys(_rank_for(shape, f) for f in (0.25, 0.5, 0.75))
+    """Caches between MQA's (1/H of MHA's) and half of MHA's: where LRKV competes with GQA and MQA."""
+    ranks = dict.fromkeys(max(1, _rank_for(shape, f)) for f in (0.3, 0.4, 0.5))
     return [(f"lrkv:rank={r}", {"rank": r}) for r in ranks]
 
 

@@ -10,6 +10,7 @@ steps, batch, schedule and the seed set are the recipe's.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +51,9 @@ class Entry:
         return {"label": self.label, "kinds": list(self.kinds), "options": self.options, "defaults": self.defaults}
 
 
-def recipe_shape(recipe: TrainConfig) -> LayerShape:
-    """The layer shape of the recipe (what the presets are computed for)."""
+def recipe_shape(recipe: Any) -> LayerShape:
+    """The layer shape of a recipe (a TrainConfig, a RecallRecipe: anything with d_model, n_heads,
+    head_dim and seq_len), for which the presets are computed."""
     return LayerShape(recipe.d_model, recipe.n_heads, recipe.head_dim or recipe.d_model // recipe.n_heads, recipe.seq_len)
 
 
@@ -69,7 +71,7 @@ def parse_kind_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def parse_entry(text: str, recipe: TrainConfig, kind_overrides: dict[str, dict[str, Any]] | None = None) -> Entry:
+def parse_entry(text: str, recipe: Any, kind_overrides: dict[str, dict[str, Any]] | None = None) -> Entry:
     """An ``Entry`` from its text (module docstring). Options: the kind's comparable preset, then
     ``kind_overrides``, then the entry's own options for every kind, then its ``KIND.NAME`` ones;
     options whose value is ``None`` are dropped (the kind's own default applies)."""
@@ -88,8 +90,11 @@ def parse_entry(text: str, recipe: TrainConfig, kind_overrides: dict[str, dict[s
     return Entry(text.strip(), spec.kinds, options, defaults)
 
 
-def parse_entries(texts: list[str], recipe: TrainConfig, kind_overrides: dict[str, dict[str, Any]] | None = None) -> list[Entry]:
-    """Entries of ``texts`` (validated, distinct labels, every config buildable) before any work."""
+def parse_entries(texts: list[str], recipe: Any, kind_overrides: dict[str, dict[str, Any]] | None = None, *,
+                  check: Callable[[Entry], Any] | None = None) -> list[Entry]:
+    """Entries of ``texts`` (validated, distinct labels, every config buildable) before any work.
+    ``check(entry)`` raises ValueError for an entry the recipe cannot build (default: the
+    TrainConfig of a ``compare`` recipe)."""
     if not texts:
         raise ValueError("--kinds: name at least one entry (e.g. --kinds mha,gqa,lrkv:rank=8)")
     entries = [parse_entry(t, recipe, kind_overrides) for t in texts]
@@ -102,7 +107,10 @@ def parse_entries(texts: list[str], recipe: TrainConfig, kind_overrides: dict[st
         if slug in seen:
             raise ValueError(f"--kinds: entries {seen[slug]!r} and {entry.label!r} are the same entry (one run folder {slug!r}); list it once")
         seen[slug] = entry.label
-        config_for(entry, recipe, recipe.seed)  # builds every layer on the meta device
+        if check is None:
+            config_for(entry, recipe, recipe.seed)  # builds every layer on the meta device
+        else:
+            check(entry)
     return entries
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from slimkv.bench import recall
 from slimkv.bench.compare import DEFAULT_EVAL_TOKENS, run_compare
 from slimkv.bench.entries import (
     parse_contexts,
@@ -17,6 +18,7 @@ from slimkv.bench.entries import (
 )
 from slimkv.bench.report import load_report, render_markdown, write_report_files
 from slimkv.common.checks import check_int
+from slimkv.common.files import read_json
 from slimkv.data import prepare_shakespeare
 from slimkv.train.config import load_config, parse_override
 
@@ -96,10 +98,16 @@ def _sweep(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
 
     path = Path(args.report)
-    report = load_report(path)
     out = Path(args.out) if args.out else path.parent
-    written = write_report_files(report, out)
-    print(render_markdown(report).split("\n## Options")[0])
+    if path.is_file() and recall.is_recall_report(read_json(path)):
+        report = recall.load_recall_report(path)
+        out.mkdir(parents=True, exist_ok=True)
+        written = recall.write_report_files(report, out)
+        print(recall.render_markdown(report).split("\n## Accuracy by")[0])
+    else:
+        report = load_report(path)
+        written = write_report_files(report, out)
+        print(render_markdown(report).split("\n## Options")[0])
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
@@ -140,7 +148,7 @@ def add_commands(subparsers) -> None:
     _add_recipe_arguments(s)
     s.set_defaults(func=_sweep)
 
-    r = subparsers.add_parser("report", help="regenerate report.md and the plots of a compare from its report.json")
-    r.add_argument("report", metavar="REPORT.json", help="report.json written by `slimkv compare` or `slimkv sweep`")
+    r = subparsers.add_parser("report", help="regenerate report.md and the plots of a compare, sweep or recall frontier from its report.json")
+    r.add_argument("report", metavar="REPORT.json", help="report.json written by `slimkv compare`, `slimkv sweep` or `slimkv eval recall`")
     r.add_argument("--out", default=None, metavar="DIR", help="folder for report.md and the PNGs (default: the JSON's folder)")
     r.set_defaults(func=_report)

@@ -6,10 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
+from slimkv.bench.entries import parse_entries, parse_kind_overrides, parse_seeds, split_entries
+from slimkv.bench.recall import check_entries, frontier_entries, run_recall
 from slimkv.common.checks import check_int
 from slimkv.common.files import write_json
+from slimkv.data.recall import GAP_KINDS, RecallTask
 from slimkv.eval import cache, niah, positions, ppl
 from slimkv.eval.lm import MAX_NEW_TOKENS, evaluate_run, generate_ids
+from slimkv.eval.recall import RecallRecipe
 from slimkv.train.checkpoint import load_run
 
 
@@ -91,11 +97,66 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recall_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults, task = RecallRecipe(), RecallTask()
+    parser.add_argument("--kinds", default=None, help="entries in compare's grammar (mha,lrkv:rank=2,swa+kvm:swa.window=8); default: every kind at the cache "
+                        "sizes of its preset plus the swa+kvm hybrid (`--kinds list` prints them)")
+    parser.add_argument("--kind-option", dest="kind_options", action="append", default=[], metavar="KIND.NAME=VALUE",
+                        help="change a kind's default options for entries that do not set them (e.g. lrkv.rank=2)")
+    parser.add_argument("--seeds", default="3", help="a count (3 = seeds 0,1,2) or a list (0,1,2); default 3")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder: runs/, report.json, report.md, recall_frontier.png (finished runs are reused)")
+    group = parser.add_argument_group("task (MQAR)")
+    for name in ("vocab_size", "seq_len", "n_pairs", "n_queries", "query_start"):
+        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(task, name), help=f"default {getattr(task, name)}")
+    group.add_argument("--gap", default=task.gap, help=f"where queries fall after the context: {', '.join(GAP_KINDS)} (default {task.gap})")
+    group.add_argument("--power-a", type=float, default=task.power_a, help=f"exponent of the power-law gaps (default {task.power_a})")
+    group = parser.add_argument_group("recipe")
+    for name in ("d_model", "n_layers", "n_heads", "steps", "batch_size", "eval_sequences", "warmup_steps"):
+        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=f"default {getattr(defaults, name)}")
+    group.add_argument("--lr", type=float, default=defaults.lr, help=f"default {defaults.lr}")
+    group.add_argument("--train-pairs", default=",".join(map(str, defaults.train_pairs)), help="pairs per training sequence, cycled over steps (default 2,4,8,12)")
+    group.add_argument("--lengths", default=",".join(map(str, defaults.lengths)), help="test lengths as factors of --seq-len, 1 included (default 1,2,4)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 when running one process per core)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _int_list(option: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"{option} must be comma-separated integers, got {text!r}") from None
+
+
+def recall_recipe_from_args(args: argparse.Namespace) -> RecallRecipe:
+    """The recall recipe of the command line, validated."""
+    task = RecallTask(**{name: getattr(args, name) for name in ("vocab_size", "seq_len", "n_pairs", "n_queries", "query_start", "gap", "power_a")})
+    recipe = RecallRecipe(task=task, train_pairs=_int_list("--train-pairs", args.train_pairs), lengths=_int_list("--lengths", args.lengths),
+                          lr=args.lr, **{name: getattr(args, name) for name in ("d_model", "n_layers", "n_heads", "steps", "batch_size", "eval_sequences", "warmup_steps")})
+    return recipe.validate()
+
+
+def _recall(args: argparse.Namespace) -> int:
+    recipe = recall_recipe_from_args(args)
+    if args.threads is not None:
+        check_int("--threads", args.threads, 1)
+        torch.set_num_threads(args.threads)
+    if args.kinds is None or args.kinds.strip() == "list":
+        entries = frontier_entries(recipe)
+        if args.kinds is not None:
+            print("\n".join(e.label for e in entries))
+            return 0
+    else:
+        entries = parse_entries(split_entries(args.kinds), recipe, parse_kind_overrides(args.kind_options), check=lambda e: check_entries([e], recipe))
+    run_recall(entries, recipe, parse_seeds(args.seeds), Path(args.out), progress=not args.no_progress)
+    return 0
+
+
 # Evaluation tasks: name -> (description, add the task's arguments, run it).
 EVAL_TASKS = {
     "ppl": ("perplexity of a pretrained, compressed or converted model on held-out text (its original beside it)", _ppl_arguments, _ppl),
     "niah": ("needle-in-a-haystack retrieval of a training run over a length x depth grid", _niah_arguments, _niah),
     "positions": ("val loss by position out to several times a training run's length", _positions_arguments, _positions),
+    "recall": ("the recall frontier: MQAR accuracy against measured cache bytes per token, every kind at several sizes, several seeds", _recall_arguments, _recall),
     "cache": ("live KV-cache bytes of a real generate() (per token, per layer, total), beside the original model's", _cache_arguments, _cache),
 }
 

@@ -1,7 +1,8 @@
 """Text sources for calibration and evaluation (never overlapping), and calibration windows.
 
 ``shakespeare`` is the text of the training plays (calibration), ``shakespeare-val`` the text of
-the held-out plays (evaluation), anything else a local text file or a folder of ``*.txt`` files.
+the held-out plays (evaluation), ``austen`` Jane Austen's novels (out-of-domain evaluation,
+``slimkv.data.austen``), anything else a local text file or a folder of ``*.txt`` files.
 Documents are joined with a blank line ("\\n\\n").
 """
 
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import torch
 
+from slimkv.data.austen import austen_documents
 from slimkv.data.shakespeare import shakespeare_plays, shakespeare_split
 
 CALIB_SHAKESPEARE = "shakespeare"
 EVAL_SHAKESPEARE = "shakespeare-val"
+AUSTEN = "austen"  # Jane Austen's novels: the out-of-domain evaluation text (slimkv.data.austen)
 DOC_SEPARATOR = "\n\n"
 
 
@@ -61,15 +64,18 @@ def _local_documents(spec: str) -> list[str]:
 
 def calibration_documents(spec: str) -> list[str]:
     """``shakespeare`` (the training plays) or a local PATH, as a list of documents."""
-    if spec == EVAL_SHAKESPEARE:
-        raise ValueError(f"--calib {spec!r} is the evaluation split; use {CALIB_SHAKESPEARE!r} or a PATH")
+    if spec in (EVAL_SHAKESPEARE, AUSTEN):
+        raise ValueError(f"--calib {spec!r} is an evaluation text; use {CALIB_SHAKESPEARE!r} or a PATH")
     return _shakespeare("train") if spec == CALIB_SHAKESPEARE else _local_documents(spec)
 
 
 def evaluation_text(spec: str) -> str:
-    """``shakespeare-val`` (the held-out plays) or a local PATH, documents joined with a blank line."""
+    """``shakespeare-val`` (the held-out plays), ``austen`` (out of domain) or a local PATH,
+    documents joined with a blank line."""
     if spec == CALIB_SHAKESPEARE:
-        raise ValueError(f"--text {spec!r} is the calibration split; use {EVAL_SHAKESPEARE!r} or a PATH")
+        raise ValueError(f"--text {spec!r} is the calibration split; use {EVAL_SHAKESPEARE!r}, {AUSTEN!r} or a PATH")
+    if spec == AUSTEN:
+        return DOC_SEPARATOR.join(austen_documents())
     return DOC_SEPARATOR.join(_shakespeare("val") if spec == EVAL_SHAKESPEARE else _local_documents(spec))
 
 

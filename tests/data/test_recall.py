@@ -1,0 +1,91 @@
+"""The MQAR generator: layout, determinism, length scaling and option checks."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from slimkv.data.recall import BOS, FILLER, FIRST_KEY, IGNORE, RecallBatches, RecallTask, eval_set, make_batch, query_gaps, unpack
+
+
+def check_layout(task: RecallTask, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """Every invariant of docs/recall.md, row by row."""
+    n = task.n_pairs
+    assert (inputs[:, 0] == BOS).all()
+    keys, values = inputs[:, 1 : 2 * n + 1 : 2], inputs[:, 2 : 2 * n + 2 : 2]
+    assert ((keys >= FIRST_KEY) & (keys < task.first_value)).all()
+    assert ((values >= task.first_value) & (values < task.vocab_size)).all()
+    for row in range(inputs.shape[0]):
+        pairs = dict(zip(keys[row].tolist(), values[row].tolist()))
+        assert len(pairs) == n, "keys of one sequence are distinct"
+        scored = torch.nonzero(targets[row] != IGNORE).flatten().tolist()
+        assert len(scored) == task.queries
+        assert len({int(inputs[row, p]) for p in scored}) == task.queries, "each query asks a different pair"
+        for p in scored:
+            assert p >= task.first_slot and (p - task.first_slot) % 2 == 0
+            key = int(inputs[row, p])
+            assert targets[row, p] == pairs[key] == inputs[row, p + 1]
+        region = inputs[row, task.first_slot :]
+        assert int(((region >= FIRST_KEY) & (region < task.first_value)).sum()) == task.queries, "keys appear in the query region only as queries"
+        assert set(region.tolist()) <= {FILLER} | set(pairs) | set(pairs.values())
+
+
+@pytest.mark.parametrize(
+    "task",
+    [RecallTask(), RecallTask(gap="uniform", query_start=33), RecallTask(n_queries=3), RecallTask(vocab_size=60, seq_len=52, n_pairs=12)],
+    ids=["default", "uniform-late", "fewer-queries", "small-vocab"],
+)
+def test_batches_follow_the_layout(task):
+    check_layout(task, *make_batch(task, 64, np.random.default_rng(1)))
+    for factor in (f for f in (2, 4) if task.n_keys >= f * task.n_pairs):
+        scaled = task.scaled(factor)
+        assert scaled.seq_len == task.seq_len * factor and scaled.n_pairs == task.n_pairs * factor
+        check_layout(scaled, *make_batch(scaled, 16, np.random.default_rng(factor)))
+
+
+def test_gaps_are_query_minus_context_position():
+    task = RecallTask()
+    inputs, targets = make_batch(task, 32, np.random.default_rng(0))
+    gaps = query_gaps(inputs, targets)
+    rows, positions = torch.nonzero(targets != IGNORE, as_tuple=True)
+    for gap, row, position in zip(gaps.tolist(), rows.tolist(), positions.tolist()):
+        context_position = inputs[row, : 2 * task.n_pairs + 1].tolist().index(int(inputs[row, position]))
+        assert gap == position - context_position >= 2
+    power, uniform = RecallTask(), RecallTask(gap="uniform")
+    median = [float(query_gaps(*make_batch(t, 256, np.random.default_rng(3))).median()) for t in (power, uniform)]
+    assert median[0] < median[1], "power-law placement puts queries closer to the context than uniform placement"
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    task = RecallTask()
+    a, b, other = RecallBatches(task, 5, (2, 8)), RecallBatches(task, 5, (2, 8)), RecallBatches(task, 6, (2, 8))
+    assert torch.equal(a.sample(3, 8), b.sample(3, 8))
+    assert not torch.equal(a.sample(3, 8), other.sample(3, 8))
+    b.sample(0, 8)  # drawing other steps first changes nothing: no hidden position
+    assert torch.equal(a.sample(7, 8), b.sample(7, 8))
+    inputs, targets = unpack(a.sample(0, 4))
+    assert int((targets[0] != IGNORE).sum()) == 2, "step 0 uses the first entry of the mixture (2 pairs)"
+    inputs, targets = unpack(a.sample(1, 4))
+    assert int((targets[0] != IGNORE).sum()) == 8
+    assert torch.equal(eval_set(task, 4)[0], eval_set(task, 4)[0])
+    assert not torch.equal(eval_set(task, 4)[0], eval_set(task, 4, seed=1)[0])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"n_pairs": 70}, "n_pairs=70 needs at least 70 key ids"),
+        ({"seq_len": 20}, "raise seq_len to >= 33"),
+        ({"gap": "normal"}, "gap='normal' is not allowed; allowed values: power, uniform"),
+        ({"n_queries": 9}, "n_queries"),
+        ({"query_start": 5}, "query_start"),
+        ({"power_a": -1.0}, "power_a"),
+        ({"vocab_size": 3}, "vocab_size"),
+    ],
+)
+def test_invalid_tasks_name_the_option(change, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        replace(RecallTask(), **change).validate()
+    with pytest.raises(ValueError, match="n_pairs=72 needs"):
+        RecallTask().scaled(9)  # 72 pairs do not fit 64 key ids
