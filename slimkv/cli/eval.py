@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -12,10 +13,12 @@ from slimkv.bench.entries import parse_entries, parse_kind_overrides, parse_seed
 from slimkv.bench.recall import check_entries, frontier_entries, run_recall
 from slimkv.common.checks import check_int
 from slimkv.common.files import write_json
-from slimkv.data.recall import GAP_KINDS, RecallTask
+from slimkv.data import prepare_shakespeare
+from slimkv.data.recall import GAP_KINDS
 from slimkv.eval import cache, niah, positions, ppl
 from slimkv.eval.lm import MAX_NEW_TOKENS, evaluate_run, generate_ids
-from slimkv.eval.recall import RecallRecipe
+from slimkv.eval.recall import TASKS as RECALL_TASKS
+from slimkv.eval.recall import RecallRecipe, default_recall_recipe
 from slimkv.train.checkpoint import load_run
 
 
@@ -97,27 +100,39 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+# recall options: flag name (dashes for underscores) -> type; the task's fields, then the recipe's
+RECALL_TASK_FLAGS = {"seq_len": int, "n_pairs": int, "vocab_size": int, "n_queries": int, "query_start": int, "gap": str, "power_a": float,
+                     "dataset": str, "digits": int}
+RECALL_RECIPE_FLAGS = {"d_model": int, "n_layers": int, "n_heads": int, "steps": int, "batch_size": int, "lr": float, "warmup_steps": int,
+                       "eval_sequences": int}
+
+
 def _recall_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults, task = RecallRecipe(), RecallTask()
+    parser.add_argument("--task", default="mqar", help=f"the recall task: {', '.join(RECALL_TASKS)} (default mqar; docs/recall.md)")
     parser.add_argument("--kinds", default=None, help="entries in compare's grammar (mha,lrkv:rank=2,swa+kvm:swa.window=8); default: every kind at the cache "
                         "sizes of its preset plus the swa+kvm hybrid (`--kinds list` prints them)")
     parser.add_argument("--kind-option", dest="kind_options", action="append", default=[], metavar="KIND.NAME=VALUE",
                         help="change a kind's default options for entries that do not set them (e.g. lrkv.rank=2)")
     parser.add_argument("--seeds", default="3", help="a count (3 = seeds 0,1,2) or a list (0,1,2); default 3")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder: runs/, report.json, report.md, recall_frontier.png (finished runs are reused)")
-    group = parser.add_argument_group("task (MQAR)")
-    for name in ("vocab_size", "seq_len", "n_pairs", "n_queries", "query_start"):
-        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(task, name), help=f"default {getattr(task, name)}")
-    group.add_argument("--gap", default=task.gap, help=f"where queries fall after the context: {', '.join(GAP_KINDS)} (default {task.gap})")
-    group.add_argument("--power-a", type=float, default=task.power_a, help=f"exponent of the power-law gaps (default {task.power_a})")
-    group = parser.add_argument_group("recipe")
-    for name in ("d_model", "n_layers", "n_heads", "steps", "batch_size", "eval_sequences", "warmup_steps"):
-        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name), help=f"default {getattr(defaults, name)}")
-    group.add_argument("--lr", type=float, default=defaults.lr, help=f"default {defaults.lr}")
-    group.add_argument("--train-pairs", default=",".join(map(str, defaults.train_pairs)), help="pairs per training sequence, cycled over steps (default 2,4,8,12)")
-    group.add_argument("--lengths", default=",".join(map(str, defaults.lengths)), help="test lengths as factors of --seq-len, 1 included (default 1,2,4)")
+    described = {task: default_recall_recipe(task) for task in RECALL_TASKS}
+    group = parser.add_argument_group("task (defaults per task: " + "; ".join(f"{name}: {dataclasses.asdict(r.task)}" for name, r in described.items()) + ")")
+    for name, kind in RECALL_TASK_FLAGS.items():
+        owners = [task for task, r in described.items() if name in _fields(r.task)]
+        group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"{name} ({', '.join(owners)})" + (f"; one of {', '.join(GAP_KINDS)}" if name == "gap" else ""))
+    group = parser.add_argument_group("recipe (defaults: docs/recall.md)")
+    for name, kind in RECALL_RECIPE_FLAGS.items():
+        group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"default {' / '.join(str(getattr(r, name)) for r in described.values())}")
+    group.add_argument("--train-pairs", default=None, help="pairs (needles) per training sequence, cycled over steps (default "
+                       + " / ".join(",".join(map(str, r.train_pairs)) for r in described.values()) + ")")
+    group.add_argument("--lengths", default=None, help="test lengths as factors of --seq-len, 1 included (default 1,2,4)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 when running one process per core)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _fields(task) -> set[str]:
+    """The settable options of a recall task (its dataclass fields; derived values are not options)."""
+    return {f.name for f in dataclasses.fields(task)}
 
 
 def _int_list(option: str, text: str) -> tuple[int, ...]:
@@ -128,14 +143,24 @@ def _int_list(option: str, text: str) -> tuple[int, ...]:
 
 
 def recall_recipe_from_args(args: argparse.Namespace) -> RecallRecipe:
-    """The recall recipe of the command line, validated."""
-    task = RecallTask(**{name: getattr(args, name) for name in ("vocab_size", "seq_len", "n_pairs", "n_queries", "query_start", "gap", "power_a")})
-    recipe = RecallRecipe(task=task, train_pairs=_int_list("--train-pairs", args.train_pairs), lengths=_int_list("--lengths", args.lengths),
-                          lr=args.lr, **{name: getattr(args, name) for name in ("d_model", "n_layers", "n_heads", "steps", "batch_size", "eval_sequences", "warmup_steps")})
-    return recipe.validate()
+    """The recall recipe of the command line: the task's default recipe, then the options; validated."""
+    base = default_recall_recipe(args.task)
+    task_values = {name: getattr(args, name) for name in RECALL_TASK_FLAGS if getattr(args, name) is not None}
+    for name in task_values:
+        if name not in _fields(base.task):
+            raise ValueError(f"--{name.replace('_', '-')} does not apply to --task {args.task}; its options: "
+                             + ", ".join(f"--{f.replace('_', '-')}" for f in RECALL_TASK_FLAGS if f in _fields(base.task)))
+    recipe_values = {name: getattr(args, name) for name in RECALL_RECIPE_FLAGS if getattr(args, name) is not None}
+    if args.train_pairs is not None:
+        recipe_values["train_pairs"] = _int_list("--train-pairs", args.train_pairs)
+    if args.lengths is not None:
+        recipe_values["lengths"] = _int_list("--lengths", args.lengths)
+    return dataclasses.replace(base, task=dataclasses.replace(base.task, **task_values), **recipe_values).validate()
 
 
 def _recall(args: argparse.Namespace) -> int:
+    if args.task == "needles" and (args.dataset or "shakespeare") == "shakespeare":
+        prepare_shakespeare(progress=not args.no_progress)
     recipe = recall_recipe_from_args(args)
     if args.threads is not None:
         check_int("--threads", args.threads, 1)
@@ -156,7 +181,7 @@ EVAL_TASKS = {
     "ppl": ("perplexity of a pretrained, compressed or converted model on held-out text (its original beside it)", _ppl_arguments, _ppl),
     "niah": ("needle-in-a-haystack retrieval of a training run over a length x depth grid", _niah_arguments, _niah),
     "positions": ("val loss by position out to several times a training run's length", _positions_arguments, _positions),
-    "recall": ("the recall frontier: MQAR accuracy against measured cache bytes per token, every kind at several sizes, several seeds", _recall_arguments, _recall),
+    "recall": ("the recall frontier: MQAR (or needles-in-prose) accuracy against measured cache bytes per token, every kind at several sizes, several seeds", _recall_arguments, _recall),
     "cache": ("live KV-cache bytes of a real generate() (per token, per layer, total), beside the original model's", _cache_arguments, _cache),
 }
 

@@ -19,12 +19,18 @@ value) and ``IGNORE`` (-100) elsewhere: only the queried values are trained on a
 
 Every batch is a pure function of ``(seed, step)`` (``RecallBatches``), so a run resumes
 exactly without saving a data position, and the test sets (``eval_set``) are fixed per length.
+
+A recall task is any object with the methods of ``RecallTask`` (``validate``, ``scaled``,
+``with_pairs``, ``for_evaluation``, ``make_batch``, ``gaps``, ``to_dict``, ``vocab_size``,
+``seq_len``): ``slimkv.data.needle_recall.NeedleTask`` (needles in prose) is the other one.
+An *answer* is a run of consecutive scored positions of one row (one token for MQAR, the digits
+of a value for needles); it counts as recalled when all its tokens are.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -43,6 +49,7 @@ class RecallTask:
     """One MQAR task. ``n_queries`` None = one query per pair; ``query_start`` None = right after
     the context. Field names are also the command-line option names (``--n-pairs``)."""
 
+    name: ClassVar[str] = "mqar"
     vocab_size: int = 130
     seq_len: int = 64
     n_pairs: int = 8
@@ -106,12 +113,28 @@ class RecallTask:
             query_start=None if self.query_start is None else self.query_start * factor,
         ).validate()
 
+    def with_pairs(self, n_pairs: int) -> RecallTask:
+        """The task with ``n_pairs`` pairs (a training mixture entry), one query per pair."""
+        return replace(self, n_pairs=n_pairs, n_queries=None).validate()
+
+    def for_evaluation(self) -> RecallTask:
+        """The task the test sets are drawn from (the same: its tokens are synthetic)."""
+        return self
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"task": self.name, **asdict(self)}
+
+    def make_batch(self, batch: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both (batch, seq_len) int64, drawn from ``rng``."""
+        return make_batch(self, batch, rng)
+
+    def gaps(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Key-to-query distance of every answer (``answer_index`` order)."""
+        return query_gaps(inputs, targets)
 
 
 def make_batch(task: RecallTask, batch: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets), both (batch, seq_len) int64, drawn from ``rng``."""
+    """(inputs, targets) of the MQAR task, both (batch, seq_len) int64, drawn from ``rng``."""
     task.validate()
     n, t, q = task.n_pairs, task.seq_len, task.queries
     keys = np.argpartition(rng.random((batch, task.n_keys)), n - 1, axis=1)[:, :n] + FIRST_KEY
@@ -144,9 +167,24 @@ def query_gaps(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return positions - (1 + 2 * index)
 
 
-def eval_set(task: RecallTask, sequences: int, seed: int = 0, factor: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def answer_index(targets: torch.Tensor) -> torch.Tensor:
+    """For every scored position (order of ``targets != IGNORE``), the index of its answer: runs
+    of consecutive scored positions in one row are one answer."""
+    scored = targets != IGNORE
+    starts = scored & ~torch.nn.functional.pad(scored[:, :-1], (1, 0), value=False)
+    return torch.cumsum(starts.flatten(), 0)[scored.flatten()] - 1
+
+
+def answer_accuracy(correct: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per answer, 1.0 when every one of its tokens is correct (``correct``: per scored position)."""
+    index = answer_index(targets)
+    wrong = torch.zeros(int(index.max()) + 1 if index.numel() else 0).index_add_(0, index, (~correct.bool()).float())
+    return (wrong == 0).float()
+
+
+def eval_set(task: Any, sequences: int, seed: int = 0, factor: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed test set of ``task`` (already scaled by ``factor``), the same for every model."""
-    return make_batch(task, sequences, np.random.default_rng([EVAL_STREAM, seed, factor]))
+    return task.for_evaluation().make_batch(sequences, np.random.default_rng([EVAL_STREAM, seed, factor]))
 
 
 class RecallBatches:
@@ -154,13 +192,13 @@ class RecallBatches:
     ``(seed, step)`` with ``n_pairs = train_pairs[step % len(train_pairs)]`` (a mixture of
     easier and harder sequences of the same length), packed as (n, 2 seq_len): inputs, then targets."""
 
-    def __init__(self, task: RecallTask, seed: int, train_pairs: tuple[int, ...] = ()) -> None:
-        self.tasks = [replace(task, n_pairs=p, n_queries=None).validate() for p in train_pairs] or [task.validate()]
+    def __init__(self, task: Any, seed: int, train_pairs: tuple[int, ...] = ()) -> None:
+        self.tasks = [task.with_pairs(p) for p in train_pairs] or [task.validate()]
         self.seed = seed
 
     def sample(self, step: int, n: int) -> torch.Tensor:
         task = self.tasks[step % len(self.tasks)]
-        inputs, targets = make_batch(task, n, np.random.default_rng([self.seed, step]))
+        inputs, targets = task.make_batch(n, np.random.default_rng([self.seed, step]))
         return torch.cat([inputs, targets], dim=1)
 
     def state(self) -> dict[str, torch.Tensor]:

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from slimkv.common.checks import check_float, check_int
 from slimkv.common.files import folder_lock, read_json, write_json
 from slimkv.common.spec import AttentionSpec
-from slimkv.data.recall import IGNORE, RecallBatches, RecallTask, eval_set, query_gaps, unpack
+from slimkv.data.needle_recall import NeedleTask
+from slimkv.data.recall import IGNORE, RecallBatches, RecallTask, answer_accuracy, eval_set, unpack
 from slimkv.model import ModelConfig, SlimKVForCausalLM
 from slimkv.model.config import MLP_KINDS
 from slimkv.train.checkpoint import has_checkpoint
@@ -41,6 +42,16 @@ RUN_FILE = "recall_run.json"  # a finished (trained + evaluated) recall run
 RUN_CONFIG = "recall_config.json"
 GAP_EDGES = (0, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 PROGRESS_SEQUENCES = 128  # the test sequences scored at each periodic evaluation
+TASKS = {task.name: task for task in (RecallTask, NeedleTask)}  # what ``--task`` may name
+
+
+def task_from_dict(data: dict[str, Any]) -> Any:
+    """A recall task from its ``to_dict()`` (ValueError naming the allowed tasks)."""
+    values = dict(data)
+    name = values.pop("task", RecallTask.name)
+    if name not in TASKS:
+        raise ValueError(f"task={name!r} is not allowed; allowed values: {', '.join(TASKS)}")
+    return TASKS[name](**values)
 
 
 @dataclass
@@ -51,7 +62,7 @@ class RecallRecipe:
     the task's own); ``lengths``: the test-length factors; ``eval_sequences``: test sequences at
     1x (``eval_sequences / f`` at f x, at least 32)."""
 
-    task: RecallTask = field(default_factory=RecallTask)
+    task: Any = field(default_factory=RecallTask)
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
@@ -102,17 +113,27 @@ class RecallRecipe:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        return {**out, "betas": list(self.betas), "train_pairs": list(self.train_pairs), "lengths": list(self.lengths)}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**out, "task": self.task.to_dict(), "betas": list(self.betas), "train_pairs": list(self.train_pairs), "lengths": list(self.lengths)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RecallRecipe:
         values = dict(data)
-        values["task"] = RecallTask(**values.get("task", {}))
+        values["task"] = task_from_dict(values.get("task", {}))
         for name in ("betas", "train_pairs", "lengths"):
             if name in values:
                 values[name] = tuple(values[name])
         return cls(**values)
+
+
+def default_recall_recipe(task: str = RecallTask.name) -> RecallRecipe:
+    """The recipe a task starts from (ValueError naming the allowed tasks). Needles: 256-token
+    documents of prose with 4 needles; documents with 1 to 6 needles are mixed in training."""
+    if task == RecallTask.name:
+        return RecallRecipe()
+    if task == NeedleTask.name:
+        return RecallRecipe(task=NeedleTask(), train_pairs=(1, 2, 4, 6), batch_size=32)
+    raise ValueError(f"--task {task!r} is not allowed; allowed values: {', '.join(TASKS)}")
 
 
 def model_config(spec: AttentionSpec, recipe: RecallRecipe) -> ModelConfig:
@@ -139,13 +160,14 @@ def scored_logits(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.T
 
 @torch.no_grad()
 def recall_accuracy(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, batch_tokens: int = 16384) -> torch.Tensor:
-    """Per queried position (order of ``targets != IGNORE``): 1.0 where the argmax is the value."""
+    """Per answer (``slimkv.data.recall.answer_index`` order): 1.0 where the argmax is right at
+    every one of its positions, i.e. greedy decoding would produce the answer."""
     rows = max(1, batch_tokens // inputs.shape[1])
-    hits = []
+    correct = []
     for start in range(0, inputs.shape[0], rows):
         logits, wanted = scored_logits(model, inputs[start : start + rows], targets[start : start + rows])
-        hits.append((logits.argmax(-1) == wanted).float())
-    return torch.cat(hits)
+        correct.append(logits.argmax(-1) == wanted)
+    return answer_accuracy(torch.cat(correct), targets)
 
 
 def accuracy_by_gap(hits: torch.Tensor, gaps: torch.Tensor) -> dict[str, dict[str, float]]:
@@ -183,7 +205,7 @@ def evaluate_recall(model: SlimKVForCausalLM, recipe: RecallRecipe) -> dict[str,
             "sequences": int(inputs.shape[0]),
             "queries": int(hits.numel()),
             "accuracy": float(hits.mean()),
-            "by_gap": accuracy_by_gap(hits, query_gaps(inputs, targets)),
+            "by_gap": accuracy_by_gap(hits, task.gaps(inputs, targets)),
             "cache": measured_cache(model, inputs),
         }
     return out
