@@ -10,6 +10,8 @@ KV cache, and the LatentLLM compression demo (``DEMO_PARTS``).
    and the live cache bytes of a real generate() beside the original's, into ``OUT/conversion``.
 3. Compresses SmolLM2 at ratio 0.2 with rootcov and latentllm and prints the perplexities beside
    the dense model's (``slimkv.compress.demo_compression``), into ``OUT/compression``.
+4. Maps recall against cache size for a few kinds (``DEMO_RECALL_ENTRIES``, one seed, a short
+   MQAR recipe; ``slimkv eval recall`` runs the full sweep), into ``OUT/recall``.
 
 Finished runs in the output folder are reused; interrupted ones resume from their checkpoint.
 """
@@ -24,6 +26,7 @@ from typing import Any
 from slimkv.attention import ATTENTION_KINDS, kind_spec
 from slimkv.bench.compare import run_compare
 from slimkv.bench.entries import parse_entries
+from slimkv.bench.recall import check_entries, run_recall
 from slimkv.common.files import check_folder_target, read_json, write_json
 from slimkv.compress import demo_compression
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
@@ -32,11 +35,12 @@ from slimkv.eval.cache import cache_report
 from slimkv.eval.cache import format_report as format_cache
 from slimkv.eval.ppl import format_table as format_ppl
 from slimkv.eval.ppl import perplexity_report
+from slimkv.eval.recall import RecallRecipe
 from slimkv.pretrained import SMOLLM2, fetch_smollm2
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
 from slimkv.train.config import TrainConfig
 
-DEMO_PARTS = ("compare", "convert", "compress")
+DEMO_PARTS = ("compare", "convert", "compress", "recall")
 DEMO_CONVERSION = ("gqa", 0.5)  # method and cache ratio of the conversion demo
 DEMO_CONVERSION_CALIB_TOKENS = 2048
 DEMO_CONVERSION_EVAL_TOKENS = 4096
@@ -44,6 +48,8 @@ DEMO_STEPS = 120  # per entry: the default recipe; about 40 s per entry with eva
 DEMO_EVAL_TOKENS = 16384  # val tokens scored per entry (windows spread over the held-out plays)
 DEMO_DECODE_CONTEXTS = (128, 512, 2048)
 DEMO_SEED = 0
+DEMO_RECALL_ENTRIES = ("mha", "mqa", "swa:window=16", "swa+kvm:swa.window=8,kvm.chunk_size=4,kvm.schedule=fixed,kvm.min_rows=8")
+DEMO_RECALL_STEPS = 500  # MHA solves the default task by about step 500 (docs/recall.md)
 
 
 def demo_entries() -> tuple[str, ...]:
@@ -94,6 +100,8 @@ def run_demo(
         run_conversion_demo(out_dir / "conversion", progress)
     if "compress" in parts:
         run_compression_demo(out_dir / "compression")
+    if "recall" in parts:
+        run_recall_demo(out_dir / "recall", progress)
     print(f"demo wall time {time.perf_counter() - started:.0f} s; reports in {out_dir.resolve()}", flush=True)
     return report
 
@@ -138,3 +146,13 @@ def run_compression_demo(out_dir: Path) -> None:
     """The LatentLLM step: SmolLM2 at ratio 0.2 with rootcov and latentllm beside the dense model."""
     print(f"\n== compression demo (SmolLM2, ratio 0.2, rootcov and latentllm) into {out_dir}", flush=True)
     demo_compression(out_dir, ratio=0.2, methods=("rootcov", "latentllm"))
+
+
+def run_recall_demo(out_dir: Path, progress: bool) -> dict[str, Any]:
+    """A few kinds on the MQAR recall task, one seed, a short recipe: accuracy against live cache bytes."""
+    recipe = RecallRecipe(steps=DEMO_RECALL_STEPS, eval_every=DEMO_RECALL_STEPS, checkpoint_every=0)
+    print(f"\n== recall demo (MQAR, {len(DEMO_RECALL_ENTRIES)} entries x 1 seed, {recipe.steps} steps) into {out_dir}", flush=True)
+    entries = parse_entries(list(DEMO_RECALL_ENTRIES), recipe, check=lambda e: check_entries([e], recipe))
+    report = run_recall(entries, recipe, [DEMO_SEED], out_dir, title="slimkv demo: recall against cache size (one seed, short recipe)", progress=progress)
+    print("(one seed and a short recipe: `slimkv eval recall` trains every kind at several cache sizes over 3 seeds)", flush=True)
+    return report

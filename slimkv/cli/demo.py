@@ -18,7 +18,7 @@ def add_commands(subparsers) -> None:
             "mla, lrkv at half of MHA's cache, kvm fixed and sqrt, the swa/kvm hybrid) with one short recipe and one seed, "
             "print the table and write report.json, report.md and PNGs into --out; then convert SmolLM2 to a smaller KV cache "
             "(perplexity and live cache bytes before/after, into --out/conversion) and compress it at ratio 0.2 with rootcov and "
-            "latentllm beside the dense model (into --out/compression). Finished runs are reused."
+            "latentllm beside the dense model (into --out/compression); last, MQAR recall against cache size for a few kinds (into --out/recall). Finished runs are reused."
         ),
     )
     d.add_argument("--out", default="demo_runs", metavar="DIR", help="folder for the runs and the report (default demo_runs)")

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from slimkv.data.recall import BOS, FILLER, FIRST_KEY, IGNORE, RecallBatches, RecallTask, eval_set, make_batch, query_gaps, unpack
+from slimkv.data.needle_recall import NeedleTask, _needle_position
+from slimkv.data.recall import BOS, FILLER, FIRST_KEY, IGNORE, RecallBatches, RecallTask, answer_index, eval_set, make_batch, query_gaps, unpack
+from tests.train.tiny import tiny_cache, tiny_env  # noqa: F401  (fixtures)
 
 
 def check_layout(task: RecallTask, inputs: torch.Tensor, targets: torch.Tensor) -> None:
@@ -89,3 +91,34 @@ def test_invalid_tasks_name_the_option(change, message):
         replace(RecallTask(), **change).validate()
     with pytest.raises(ValueError, match="n_pairs=72 needs"):
         RecallTask().scaled(9)  # 72 pairs do not fit 64 key ids
+
+
+def test_needle_documents_hold_every_needle_and_ask_each_once(tiny_env):
+    task = NeedleTask(dataset="tiny", seq_len=200, n_pairs=3, digits=2)
+    source = task.source
+    inputs, targets = task.make_batch(8, np.random.default_rng(0))
+    assert inputs.shape == targets.shape == (8, 200)
+    index = answer_index(targets)
+    assert int(index.max()) + 1 == 8 * 3, "three answers per document"
+    assert torch.bincount(index).tolist() == [2] * 24, "each answer is its two digits"
+    for row in range(8):
+        tokens = inputs[row].tolist()
+        scored = torch.nonzero(targets[row] != IGNORE).flatten().tolist()
+        for position in scored:
+            assert targets[row, position] == inputs[row, position + 1] and int(inputs[row, position + 1]) in source.digits.tolist()
+        gap = len(source.is_space)  # key, " is ", answer
+        for first in scored[::2]:
+            key = tokens[first - gap]
+            needle = _needle_position(tokens, key, source.prefix)
+            assert needle < first - gap, "the needle comes before its question"
+            assert tokens[needle + 1 + gap : needle + 3 + gap] == tokens[first + 1 : first + 3], "the answer is the needle's value"
+    gaps = task.gaps(inputs, targets)
+    assert gaps.shape == (24,) and (gaps > 0).all()
+    longer = task.scaled(4)
+    assert longer.n_pairs == 3 and longer.make_batch(2, np.random.default_rng(1))[0].shape == (2, 800)
+    val = task.for_evaluation()
+    assert val.split == "val" and not torch.equal(val.make_batch(2, np.random.default_rng(0))[0], task.make_batch(2, np.random.default_rng(0))[0])
+    with pytest.raises(ValueError, match="raise seq_len to >= "):
+        replace(task, seq_len=40).validate()
+    with pytest.raises(ValueError, match="split='test' is not allowed; allowed values: train, val"):
+        replace(task, split="test").validate()
