@@ -46,16 +46,17 @@ DEFAULT_DECODE_CONTEXTS = (256, 1024, 4096)
 # ---------------------------------------------------------------- one run: train, evaluate, measure
 
 
-def train_and_evaluate(cfg: TrainConfig, run_dir: Path, *, eval_tokens: int | None, progress: bool) -> tuple[dict[str, Any], bool]:
-    """(row, reused): train ``cfg`` into ``run_dir`` (resuming an interrupted run), evaluate it and
-    measure cache and head diversity. A run whose ``compare_run.json`` matches is reused."""
+def train_and_evaluate(cfg: TrainConfig, run_dir: Path, *, eval_tokens: int | None, progress: bool, other_text: str | None = None) -> tuple[dict[str, Any], bool]:
+    """(row, reused): train ``cfg`` into ``run_dir`` (resuming an interrupted run), evaluate it
+    (and on ``other_text``) and measure cache and head diversity. A run whose ``compare_run.json``
+    matches is reused."""
     marker = run_dir / RUN_FILE
     if marker.is_file():
         stored = read_json(marker)
-        if stored.get("config") == cfg.to_dict() and stored.get("eval_tokens") == eval_tokens:
+        if stored.get("config") == cfg.to_dict() and stored.get("eval_tokens") == eval_tokens and stored.get("other_text") == other_text:
             return stored["row"], True
     summary = train(cfg, run_dir, resume=has_checkpoint(run_dir), progress=progress)
-    result = evaluate_run(run_dir, max_tokens=eval_tokens, progress=progress, verbose=False)
+    result = evaluate_run(run_dir, max_tokens=eval_tokens, other_text=other_text, progress=progress, verbose=False)
     model, _, _ = load_run(run_dir)
     layers = model_diversity(model)
     measured = [r["r_eff_over_heads"] for r in layers if "error" not in r]
@@ -68,6 +69,7 @@ def train_and_evaluate(cfg: TrainConfig, run_dir: Path, *, eval_tokens: int | No
         "val_bpb": result["val_bpb"],
         "val_tokens": result["val_tokens"],
         "val_bytes": result["val_bytes"],
+        "other": result["other"],
         "cache": {
             "context": cache["seq_len"],
             "dtype": cache["dtype"],
@@ -83,7 +85,7 @@ def train_and_evaluate(cfg: TrainConfig, run_dir: Path, *, eval_tokens: int | No
         "train_seconds": summary.get("train_seconds"),
         "train_tokens_per_s": summary.get("train_tokens_per_s"),
     }
-    write_json(marker, {"config": cfg.to_dict(), "eval_tokens": eval_tokens, "row": row})
+    write_json(marker, {"config": cfg.to_dict(), "eval_tokens": eval_tokens, "other_text": other_text, "row": row})
     return row, False
 
 
@@ -125,6 +127,7 @@ def run_compare(
     eval_tokens: int | None = DEFAULT_EVAL_TOKENS,
     decode_contexts: list[int] | tuple[int, ...] = DEFAULT_DECODE_CONTEXTS,
     decode_repeats: int = 5,
+    other_text: str | None = None,
     title: str = "Attention comparison",
     progress: bool = True,
     prepare: Any = None,
@@ -132,7 +135,8 @@ def run_compare(
     """Train, evaluate and measure every entry x seed, aggregate, write ``report.json``,
     ``report.md`` and the plots into ``out_dir``, print the table; returns the report.
 
-    ``prepare``: a callable run once before training (e.g. preparing the dataset)."""
+    ``prepare``: a callable run once before training (e.g. preparing the dataset). ``other_text``:
+    a second evaluation text (``austen``: out of domain), reported beside val."""
 
     configs = {(e.label, s): config_for(e, recipe, s) for e in entries for s in seeds}  # every error before any work
     out_dir = Path(out_dir)
@@ -147,7 +151,7 @@ def run_compare(
         run_dir = out_dir / "runs" / run_slug(label) / f"seed{seed}"
         print(f"[{i}/{total}] {label} seed {seed}: {run_dir}", flush=True)
         t0 = time.perf_counter()
-        row, reused = train_and_evaluate(cfg, run_dir, eval_tokens=eval_tokens, progress=progress)
+        row, reused = train_and_evaluate(cfg, run_dir, eval_tokens=eval_tokens, progress=progress, other_text=other_text)
         runs.append({"label": label, **row, "reused": reused})
         state = f"reused the finished run in {run_dir} ({RUN_FILE})" if reused else f"trained and evaluated in {time.perf_counter() - t0:.0f} s"
         print(f"[{i}/{total}] {label} seed {seed}: val BPB {row['val_bpb']:.4f}, CE {row['val_ce']:.4f}, cache {row['cache']['ratio_to_mha']:.3f} of MHA; {state}", flush=True)
@@ -162,10 +166,12 @@ def run_compare(
         "recipe": {k: v for k, v in recipe.to_dict().items() if k not in ("attention", "attention_options", "kind_options", "seed")},
         "seeds": seeds,
         "eval_tokens": eval_tokens,
+        "other_text": other_text,
         "entries": [e.to_dict() for e in entries],
         "runs": runs,
         "aggregate": rows,
         "comparisons": comparisons(rows),
+        "comparisons_other": comparisons(rows, metric="other_bpb") if other_text else [],
         "decode": decode,
         "machine": machine_info(),
         "wall_seconds": time.perf_counter() - started,

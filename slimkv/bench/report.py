@@ -47,6 +47,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     contexts = report["decode"]["contexts"]
     top = str(contexts[-1]) if contexts else None
     seeds = report["seeds"]
+    other = report.get("other_text")
     lines = [
         f"# {report['title']}",
         "",
@@ -56,9 +57,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Cache measured from the cache tensors after prefilling {report['aggregate'][0]['cache']['context']} tokens "
         f"({report['aggregate'][0]['cache']['dtype']}, batch 1); ratio = to MHA of the same shape.",
         "",
-        "| entry | options | params | cache B/token/layer | B/token (model) | vs MHA | val BPB mean ± std [min, max] | val CE (nats) | head diversity r_eff/H"
+        "| entry | options | params | cache B/token/layer | B/token (model) | vs MHA | val BPB mean ± std [min, max] | val CE (nats)"
+        + (f" | {other} BPB (out of domain)" if other else "") + " | head diversity r_eff/H"
         + (f" | decode ms/token/layer @ {top}" if top else "") + " | train tok/s |",
-        "|---|---|---:|---:|---:|---:|---|---|---|" + ("---:|" if top else "") + "---:|",
+        "|---|---|---:|---:|---:|---:|---|---|" + ("---|" if other else "") + "---|" + ("---:|" if top else "") + "---:|",
     ]
     for row in report["aggregate"]:
         cache = row["cache"]
@@ -68,7 +70,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {row['label']} | {_options_text(entries[row['label']])} | {row['parameters']:,} | {cache['bytes_per_token_per_layer']:.1f}{check} | "
             f"{cache['bytes_per_token_model']:.1f} | {cache['ratio_to_mha']:.3f} | {fmt_stat(row['val_bpb'])} | {fmt_stat(row['val_ce'])} | "
-            f"{fmt_stat(row['r_eff_over_heads'], 3)}{decode} | {speed} |"
+            + (f"{fmt_stat(row.get('other_bpb'))} | " if other else "")
+            + f"{fmt_stat(row['r_eff_over_heads'], 3)}{decode} | {speed} |"
         )
     lines += ["", "## Differences in val BPB against the reference", ""]
     lines.append(
@@ -81,6 +84,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     for c in report["comparisons"]:
         spread = "-" if c["sum_of_stds"] is None else f"{c['sum_of_stds']:.4f}"
         lines.append(f"| {c['a']} | {c['b']} | {c['delta_bpb']:+.4f} | {spread} | {c['verdict']} |")
+    if report.get("comparisons_other"):
+        lines += ["", f"Out of domain ({other} BPB), same rule:", "", "| entry | reference | mean difference | std(entry) + std(ref) | verdict |", "|---|---|---:|---:|---|"]
+        for c in report["comparisons_other"]:
+            spread = "-" if c["sum_of_stds"] is None else f"{c['sum_of_stds']:.4f}"
+            lines.append(f"| {c['a']} | {c['b']} | {c['delta_bpb']:+.4f} | {spread} | {c['verdict']} |")
     if contexts:
         settings = report["decode"]["settings"]
         lines += [

@@ -36,6 +36,7 @@ def aggregate(entries: list[Entry], runs: list[dict[str, Any]]) -> list[dict[str
             raise ValueError(f"entry {entry.label!r}: the cache size differs between seeds ({sorted(ratios)}); the runs do not share one shape")
         diversity = [r["diversity"]["mean_r_eff_over_heads"] for r in mine if r["diversity"]["mean_r_eff_over_heads"] is not None]
         speeds = [r["train_tokens_per_s"] for r in mine if r.get("train_tokens_per_s")]
+        other = [r["other"]["bpb"] for r in mine if r.get("other")]
         out.append(
             {
                 "label": entry.label,
@@ -44,6 +45,7 @@ def aggregate(entries: list[Entry], runs: list[dict[str, Any]]) -> list[dict[str
                 "cache": first["cache"],
                 "val_bpb": summarize([r["val_bpb"] for r in mine]),
                 "val_ce": summarize([r["val_ce"] for r in mine]),
+                "other_bpb": summarize(other) if other else None,
                 "r_eff_over_heads": summarize(diversity) if diversity else None,
                 "train_tokens_per_s": summarize(speeds) if speeds else None,
             }
@@ -51,14 +53,14 @@ def aggregate(entries: list[Entry], runs: list[dict[str, Any]]) -> list[dict[str
     return out
 
 
-def compare_pair(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+def compare_pair(a: dict[str, Any], b: dict[str, Any], metric: str = "val_bpb") -> dict[str, Any]:
     """Whether the seeds resolve the val-BPB difference of aggregate rows ``a`` and ``b``.
 
     The rule: both need >= ``MIN_SEEDS_FOR_CLAIM`` seeds, every seed of one must lie below every
     seed of the other (the [min, max] ranges do not overlap) and the difference of the means must
     exceed the sum of the two stds. Otherwise no claim is made. ``delta`` = mean(a) - mean(b)
     (negative: a has lower BPB)."""
-    sa, sb = a["val_bpb"], b["val_bpb"]
+    sa, sb = a[metric], b[metric]
     delta = sa["mean"] - sb["mean"]
     spread = None if sa["std"] is None or sb["std"] is None else sa["std"] + sb["std"]
     if min(sa["n"], sb["n"]) < MIN_SEEDS_FOR_CLAIM:
@@ -68,12 +70,12 @@ def compare_pair(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         verdict = f"{a['label']} {side} BPB than {b['label']} (seed ranges apart, |difference| > std sum)"
     else:
         verdict = "within the spread: no claim"
-    return {"a": a["label"], "b": b["label"], "delta_bpb": delta, "sum_of_stds": spread, "verdict": verdict}
+    return {"a": a["label"], "b": b["label"], "metric": metric, "delta_bpb": delta, "sum_of_stds": spread, "verdict": verdict}
 
 
-def comparisons(rows: list[dict[str, Any]], reference: str | None = None) -> list[dict[str, Any]]:
-    """Every entry against the reference (``mha`` if present, else the first entry)."""
+def comparisons(rows: list[dict[str, Any]], reference: str | None = None, metric: str = "val_bpb") -> list[dict[str, Any]]:
+    """Every entry against the reference (``mha`` if present, else the first entry) on ``metric``."""
     labels = [r["label"] for r in rows]
     ref_label = reference if reference in labels else (REFERENCE if REFERENCE in labels else labels[0])
     ref = rows[labels.index(ref_label)]
-    return [compare_pair(r, ref) for r in rows if r["label"] != ref_label]
+    return [compare_pair(r, ref, metric) for r in rows if r["label"] != ref_label and r.get(metric) and ref.get(metric)]

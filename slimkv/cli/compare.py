@@ -20,6 +20,7 @@ from slimkv.bench.report import load_report, render_markdown, write_report_files
 from slimkv.common.checks import check_int
 from slimkv.common.files import read_json
 from slimkv.data import prepare_shakespeare
+from slimkv.data.texts import evaluation_text
 from slimkv.train.config import load_config, parse_override
 
 # recipe flags shared by compare and sweep: flag -> TrainConfig key (the attention and the seed
@@ -48,6 +49,7 @@ def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-tokens", type=int, default=None, help="val tokens evaluated per run (default 32768; 0 = the whole split)")
     p.add_argument("--decode-contexts", "--decode-context", dest="decode_contexts", default="256,1024,4096",
                    help="contexts for the one-layer decode latency (comma-separated; 'none' skips it); the table shows the largest")
+    p.add_argument("--other-text", default=None, metavar="TEXT", help="also evaluate every run on this text: austen (out of domain) or a local file/folder")
     p.add_argument("--decode-repeats", type=int, default=5, help="timed calls per round of the decode measurement (default 5)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder: runs/, report.json, report.md, PNGs (re-running reuses finished runs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -80,8 +82,10 @@ def _run(args: argparse.Namespace, specs: list[str], title: str) -> int:
         raise ValueError(f"--eval-tokens must be >= 0 (0 = the whole val split), got {args.eval_tokens}")
     eval_tokens = DEFAULT_EVAL_TOKENS if args.eval_tokens is None else (args.eval_tokens or None)
     prepare = (lambda: prepare_shakespeare(progress=not args.no_progress)) if recipe.dataset == "shakespeare" else None
+    if args.other_text is not None:
+        evaluation_text(args.other_text)  # fetch / read it before any training (errors name the text)
     run_compare(entries, recipe, seeds, Path(args.out), eval_tokens=eval_tokens, decode_contexts=contexts, decode_repeats=args.decode_repeats,
-                title=title, progress=not args.no_progress, prepare=prepare)
+                other_text=args.other_text, title=title, progress=not args.no_progress, prepare=prepare)
     return 0
 
 

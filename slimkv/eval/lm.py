@@ -7,6 +7,8 @@
   cache tensors (``nbytes()``) beside the analytic ``cache_bytes``, per token per layer, and the
   ratio to MHA of the same shape (same d_model, n_heads, head_dim, dtype).
 * A sample continuation of a fixed prompt (the start of the val split), seeded.
+* Optionally the same CE/BPB on another text (``other_text``, e.g. ``austen``: out of domain for
+  a model trained on Shakespeare), tokenized with the run's tokenizer, same window protocol.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from slimkv.attention import build_attention
 from slimkv.common.checks import check_float, check_int
 from slimkv.common.files import write_json
+from slimkv.data.texts import evaluation_text
 from slimkv.scoring import eval_windows, lm_metrics, score_windows
 from slimkv.train.checkpoint import load_run
 
@@ -108,6 +112,7 @@ def evaluate_run(
     context: int | None = None,
     batch_size: int | None = None,
     seed: int = 0,
+    other_text: str | None = None,
     progress: bool = True,
     verbose: bool = True,
 ) -> dict[str, Any]:
@@ -115,6 +120,7 @@ def evaluate_run(
 
     ``context``: tokens per window (default: the training ``seq_len``). ``max_tokens``: evaluate
     about this many tokens, in windows spread over the split (default: the whole split).
+    ``other_text``: also score this text (``slimkv.data.texts.evaluation_text``), as ``other``.
     """
     run_dir = Path(run_dir)
     if max_tokens is not None:
@@ -130,6 +136,11 @@ def evaluate_run(
     windows = eval_windows(dataset.val, context, None if max_tokens is None else max(1, max_tokens // context))
     token_bytes = torch.as_tensor(dataset.token_bytes, dtype=torch.int64)
     quality = lm_metrics(*score_windows(model, windows, token_bytes, batch_size=batch_size, progress=progress))
+    other = None
+    if other_text is not None:
+        other_ids = np.asarray(dataset.encode(evaluation_text(other_text)), dtype=np.int64)
+        other_windows = eval_windows(other_ids, context, None if max_tokens is None else max(1, max_tokens // context))
+        other = {"text": other_text, **lm_metrics(*score_windows(model, other_windows, token_bytes, batch_size=batch_size, progress=progress))}
     cache = cache_report(model, windows[:1, :context].to(next(model.parameters()).device))
     prompt_ids = dataset.val[:SAMPLE_PROMPT_TOKENS].tolist()
     sample_settings = {"max_new_tokens": SAMPLE_NEW_TOKENS, "temperature": 0.8, "top_k": 40, "seed": seed}
@@ -149,6 +160,7 @@ def evaluate_run(
         "val_bpb": quality["bpb"],
         "val_tokens": quality["tokens"],
         "val_bytes": quality["bytes"],
+        "other": other,
         "cache": cache,
         "sample": {"prompt": dataset.decode(prompt_ids), "continuation": dataset.decode(continuation), **sample_settings},
     }

@@ -174,3 +174,18 @@ def test_cli_errors_are_clean(tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"format": 99}))
     assert main(["report", str(tmp_path / "bad.json")]) == 2
     assert "is not a report.json" in capsys.readouterr().err
+
+
+def test_compare_evaluates_another_text_beside_val(tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text("An entirely different text, with its own words and lines.\n" * 40)
+    recipe = tiny_config(steps=2)
+    entries = parse_entries(["mha", "mqa"], recipe)
+    report = run_compare(entries, recipe, [0], tmp_path / "cmp", eval_tokens=64, decode_contexts=[], other_text=str(other), progress=False)
+    for run in report["runs"]:
+        assert run["other"]["text"] == str(other) and run["other"]["bpb"] > 0 and run["other"]["bpb"] != run["val_bpb"]
+    assert report["aggregate"][1]["other_bpb"]["mean"] == report["runs"][1]["other"]["bpb"]
+    assert [c["metric"] for c in report["comparisons_other"]] == ["other_bpb"]
+    assert "BPB (out of domain)" in (tmp_path / "cmp" / "report.md").read_text()
+    again = run_compare(entries, recipe, [0], tmp_path / "cmp", eval_tokens=64, decode_contexts=[], progress=False)
+    assert not any(r["reused"] for r in again["runs"]), "a run evaluated on another text set is evaluated again without it"

@@ -178,3 +178,14 @@ def test_bad_options_raise_before_work(bad):
 def test_data_methods_need_calibration_tokens():
     with pytest.raises(ValueError, match="calibration"):
         compress_model(tiny_model("llama"), None, CompressOptions(method="rootcov", ratio=0.2), progress=False)
+
+
+def test_identity_block_factor_matches_its_dense_weight():
+    torch.manual_seed(0)
+    factor = IdentityBlockInputFactor(12, 5)
+    with torch.no_grad():
+        factor.perm.copy_(torch.randperm(12))
+        factor.rest_weight.normal_()
+    x = torch.randn(2, 7, 12)
+    assert torch.allclose(factor(x), x @ factor.dense_weight().T, atol=1e-6)
+    assert torch.allclose(factor(x[0, :1]), x[0, :1] @ factor.dense_weight().T, atol=1e-6), "one token (decode)"
