@@ -163,15 +163,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# {report['title']}",
         "",
-        f"MQAR task: vocabulary {task['vocab_size']}, {task['seq_len']} tokens, {task['n_pairs']} pairs, "
-        f"{task['n_queries'] or task['n_pairs']} queries, {task['gap']} gaps"
-        + (f" (power_a {task['power_a']})" if task["gap"] == "power" else "") + ". "
-        "At f x: f times the tokens, pairs and queries.",
+        task_text(task),
         f"Recipe (the same for every entry; only the attention changes): d_model {recipe['d_model']}, {recipe['n_layers']} layers, "
         f"{recipe['n_heads']} heads, options {recipe['base_options']} under each entry's own, {recipe['steps']} steps of {recipe['batch_size']} "
         f"sequences with {list(recipe['train_pairs']) or task['n_pairs']} pairs, lr {recipe['lr']}.",
         f"Seeds: {', '.join(map(str, report['seeds']))}. Accuracy = exact match of the queried values on fixed test sets "
-        f"({recipe['eval_sequences']} sequences at 1x, fewer at longer lengths); mean [min, max] over seeds; "
+        f"({recipe['eval_sequences']} sequences at 1x, fewer at longer lengths; an answer counts when all its tokens are right); mean [min, max] over seeds; "
         f"solved = seeds with accuracy >= {SOLVED} at 1x. Cache = live cache bytes per token of the whole model after "
         f"prefilling one test sequence of that length (float32).",
         "",
@@ -207,6 +204,17 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def task_text(task: dict[str, Any]) -> str:
+    """One sentence describing a recall task from its ``to_dict()``."""
+    if task.get("task") == "needles":
+        return (f"Needles task: {task['n_pairs']} needle lines with {task['digits']}-digit values in {task['seq_len']}-token documents of "
+                f"{task['dataset']} prose (train split in training, val split in the test sets), each needle asked once at the end. "
+                "At f x: f times longer documents, the same needles.")
+    return (f"MQAR task: vocabulary {task['vocab_size']}, {task['seq_len']} tokens, {task['n_pairs']} pairs, "
+            f"{task['n_queries'] or task['n_pairs']} queries, {task['gap']} gaps" + (f" (power_a {task['power_a']})" if task["gap"] == "power" else "")
+            + ". At f x: f times the tokens, pairs and queries.")
+
+
 def plot_frontier(report: dict[str, Any]):
     """Accuracy against measured cache bytes per token, one panel per length; a point per entry
     (mean over seeds, bar = min..max), a line per family in order of cache size."""
@@ -231,7 +239,7 @@ def plot_frontier(report: dict[str, Any]):
         ax.set_xlabel(f"live cache bytes per token at {factor} ({report['aggregate'][0]['lengths'][factor]['seq_len']} tokens)")
         ax.set_title(f"test length {factor}", fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("MQAR accuracy (mean, bar = min..max over seeds)")
+    axes[0][0].set_ylabel(f"{report['recipe']['task'].get('task', 'mqar')} accuracy (mean, bar = min..max over seeds)")
     axes[0][0].legend(fontsize=7, loc="lower right")
     recipe = report["recipe"]
     fig.suptitle("\n".join(textwrap.wrap(f"{report['title']}: trained at {recipe['task']['seq_len']} tokens, {recipe['steps']} steps, "

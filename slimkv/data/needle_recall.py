@@ -56,7 +56,6 @@ class NeedleSource:
     keys: np.ndarray  # single-token words
     digits: np.ndarray  # ids of "0".."9"
     prefix: list[int]  # "The magic number of"
-    is_space: list[int]  # " is "
     end: list[int]  # ".\n"
 
 
@@ -79,7 +78,6 @@ def _source(name: str, folder: Path) -> NeedleSource:
         keys=np.asarray(words, dtype=np.int64),
         digits=np.asarray([d[0] for d in digits], dtype=np.int64),
         prefix=dataset.encode(PREFIX),
-        is_space=dataset.encode(" is "),
         end=dataset.encode(".\n"),
     )
 
@@ -95,6 +93,7 @@ class NeedleTask:
     value, prose from ``split``. Same methods as ``slimkv.data.recall.RecallTask``."""
 
     name: ClassVar[str] = "needles"
+    layout: ClassVar[int] = 2  # the document layout's version: runs made with another layout are not reused
     dataset: str = "shakespeare"
     seq_len: int = 256
     n_pairs: int = 4
@@ -112,7 +111,7 @@ class NeedleTask:
     @property
     def needle_tokens(self) -> int:
         source = self.source
-        return len(source.prefix) + 1 + len(source.is_space) + self.digits + len(source.end)
+        return len(source.prefix) + 1 + self.digits + len(source.end)
 
     def validate(self) -> NeedleTask:
         check_int("n_pairs", self.n_pairs, 1)
@@ -141,7 +140,7 @@ class NeedleTask:
         return replace(self, split="val")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"task": self.name, **asdict(self)}
+        return {"task": self.name, "layout": self.layout, **asdict(self)}
 
     def make_batch(self, batch: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both (batch, seq_len) int64; targets hold the answer digits at the
@@ -155,7 +154,7 @@ class NeedleTask:
         keys = rng.choice(source.keys, size=self.n_pairs, replace=False)
         values = rng.integers(0, 10, size=(self.n_pairs, self.digits))
         values[:, 0] = rng.integers(1 if self.digits > 1 else 0, 10, size=self.n_pairs)
-        head = [source.prefix + [int(k)] + source.is_space for k in keys]
+        head = [source.prefix + [int(k)] for k in keys]
         needles = [h + source.digits[v].tolist() + source.end for h, v in zip(head, values)]
         budget = self.seq_len - 2 * self.n_pairs * self.needle_tokens - 1
         prose, starts = source.splits[self.split], source.line_starts[self.split]
@@ -183,13 +182,12 @@ class NeedleTask:
     def gaps(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per answer: its question's key position minus the needle's key position."""
         source = self.source
-        before_answer = len(source.is_space)  # the key, then " is ", then the answer's digits
         out = []
         for row, flags in enumerate((targets != IGNORE).tolist()):
             tokens = inputs[row].tolist()
             for position, flag in enumerate(flags):
                 if flag and not (position > 0 and flags[position - 1]):
-                    question = position - before_answer
+                    question = position  # the key predicts the first digit
                     out.append(question - _needle_position(tokens, tokens[question], source.prefix))
         return torch.tensor(out, dtype=torch.int64)
 

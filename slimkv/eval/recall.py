@@ -51,6 +51,9 @@ def task_from_dict(data: dict[str, Any]) -> Any:
     name = values.pop("task", RecallTask.name)
     if name not in TASKS:
         raise ValueError(f"task={name!r} is not allowed; allowed values: {', '.join(TASKS)}")
+    layout = values.pop("layout", None)
+    if layout is not None and layout != getattr(TASKS[name], "layout", None):
+        raise ValueError(f"task {name!r} with layout {layout} was made by another version of slimkv (this one writes layout {TASKS[name].layout})")
     return TASKS[name](**values)
 
 

@@ -106,12 +106,11 @@ def test_needle_documents_hold_every_needle_and_ask_each_once(tiny_env):
         scored = torch.nonzero(targets[row] != IGNORE).flatten().tolist()
         for position in scored:
             assert targets[row, position] == inputs[row, position + 1] and int(inputs[row, position + 1]) in source.digits.tolist()
-        gap = len(source.is_space)  # key, " is ", answer
         for first in scored[::2]:
-            key = tokens[first - gap]
+            key = tokens[first]  # the question ends on the key, which predicts the first digit
             needle = _needle_position(tokens, key, source.prefix)
-            assert needle < first - gap, "the needle comes before its question"
-            assert tokens[needle + 1 + gap : needle + 3 + gap] == tokens[first + 1 : first + 3], "the answer is the needle's value"
+            assert needle < first, "the needle comes before its question"
+            assert tokens[needle + 1 : needle + 3] == tokens[first + 1 : first + 3], "the answer is the needle's value"
     gaps = task.gaps(inputs, targets)
     assert gaps.shape == (24,) and (gaps > 0).all()
     longer = task.scaled(4)
