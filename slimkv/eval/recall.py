@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slimkv.common.checks import check_float, check_int
+from slimkv.common.checks import check_int
 from slimkv.common.files import folder_lock, read_json, write_json
 from slimkv.common.spec import AttentionSpec
 from slimkv.data.needle_recall import NeedleTask
@@ -36,6 +36,7 @@ from slimkv.data.recall import IGNORE, RecallBatches, RecallTask, answer_accurac
 from slimkv.model import ModelConfig, SlimKVForCausalLM
 from slimkv.model.config import MLP_KINDS
 from slimkv.train.checkpoint import has_checkpoint
+from slimkv.train.config import check_optimizer_settings
 from slimkv.train.trainer import Trainer, make_optimizer, run_loop
 
 RUN_FILE = "recall_run.json"  # a finished (trained + evaluated) recall run
@@ -98,16 +99,13 @@ class RecallRecipe:
         self.task.validate()
         for name in ("d_model", "n_layers", "n_heads", "steps", "batch_size", "eval_sequences", "log_every", "grad_accum"):
             check_int(name, getattr(self, name), 1)
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "eval_seed"):
+        for name in ("eval_every", "checkpoint_every", "eval_seed"):
             check_int(name, getattr(self, name), 0)
         if self.head_dim is not None:
             check_int("head_dim", self.head_dim, 1)
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"mlp={self.mlp!r} is not allowed; allowed values: {', '.join(MLP_KINDS)}")
-        check_float("lr", self.lr, 0.0, open_low=True)
-        check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        check_float("weight_decay", self.weight_decay, 0.0)
-        check_float("grad_clip", self.grad_clip, 0.0)
+        check_optimizer_settings(self)
         if not self.lengths or len(set(self.lengths)) != len(self.lengths) or 1 not in self.lengths:
             raise ValueError(f"lengths must be distinct factors including 1 (e.g. 1,2,4), got {list(self.lengths)}")
         for factor in self.lengths:

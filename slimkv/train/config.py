@@ -131,20 +131,30 @@ class TrainConfig:
         check_bool("tie_embeddings", self.tie_embeddings)
         if not isinstance(self.dataset, str) or not self.dataset:
             raise ValueError(f"dataset must be a dataset name (e.g. shakespeare), got {self.dataset!r}")
-        check_float("lr", self.lr, 0.0, open_low=True)
-        check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        check_float("weight_decay", self.weight_decay, 0.0)
-        check_float("grad_clip", self.grad_clip, 0.0)
-        if not (isinstance(self.betas, list) and len(self.betas) == 2):
-            raise ValueError(f"betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {self.betas!r}")
-        for i, beta in enumerate(self.betas):
-            check_float(f"betas[{i}]", beta, 0.0, math.nextafter(1.0, 0.0))
+        check_optimizer_settings(self)
         if self.device not in DEVICES and not (isinstance(self.device, str) and self.device.startswith("cuda:")):
             raise ValueError(f"device={self.device!r} is not allowed; allowed values: {', '.join(DEVICES)}, cuda:N")
         check_choice("dtype", self.dtype, DTYPES)
         check_float("needle_mix", self.needle_mix, 0.0, 1.0)
         check_int("needle_seed", self.needle_seed, 0)
         self.model_config(vocab_size=256)  # kinds, options and shapes (every layer built on the meta device), before any data is read
+
+
+def check_optimizer_settings(cfg: Any, prefix: str = "") -> None:
+    """The optimisation fields every training loop reads (``make_optimizer``, ``learning_rate``):
+    lr > 0, min_lr_ratio in [0, 1], weight_decay >= 0, grad_clip >= 0 (0 = off), two betas in
+    [0, 1), warmup_steps >= 0 when the config has it. ``prefix`` goes before the names in messages."""
+    check_float(f"{prefix}lr", cfg.lr, 0.0, open_low=True)
+    check_float("min_lr_ratio", cfg.min_lr_ratio, 0.0, 1.0)
+    check_float("weight_decay", cfg.weight_decay, 0.0)
+    check_float("grad_clip", cfg.grad_clip, 0.0)
+    if not (isinstance(cfg.betas, (list, tuple)) and len(cfg.betas) == 2):
+        raise ValueError(f"betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {cfg.betas!r}")
+    for i, beta in enumerate(cfg.betas):
+        check_float(f"betas[{i}]", beta, 0.0, math.nextafter(1.0, 0.0))
+    if isinstance(getattr(type(cfg), "warmup_steps", None), property):
+        return
+    check_int("warmup_steps", cfg.warmup_steps, 0)
 
 
 def check_keys(values: dict[str, Any], allowed: list[str], where: str = "") -> None:
