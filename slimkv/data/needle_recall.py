@@ -3,19 +3,25 @@
 A document of ``seq_len`` tokens (docs/recall.md, "Needles in prose")::
 
     prose lines, with n_pairs needle lines at random line boundaries:
-        "The magic number of{key} is {digits}.\\n"
-    then every needle asked once, in random order, as the same line with the digits to fill in:
-        "The magic number of{key} is " -> the digits are the answer
+        "The magic word of{key}{value}.\n"             e.g. "The magic word of enem rans."
+    then every needle asked once, in random order, as the same line with the value to fill in:
+        "The magic word of{key}" -> the value is the answer
 
-``key`` is a single-token word of the tokenizer (`` castle``); the value is ``digits`` decimal
-digits (one token each in slimkv's byte-level BPE). Only the answer digits are trained on and
-scored; an answer is recalled when all its digits are (what greedy decoding would write).
+``key`` and ``value`` are single-token words of the tokenizer, from two disjoint sets of the
+words rarest in the training prose (a key that also occurs in the prose is a distractor). With
+``values="digits"`` the value is ``digits`` decimal digits instead ("The magic number of
+enem42."), one token each. The value follows its key directly and a question ends on its key,
+so the answer is found by looking up the one earlier occurrence of the current token: with a
+separator (" is ") every needle would end in the same tokens and the lookup would need the token
+two back, which small models did not learn within budget; a second digit needs the same.
+Only the answer tokens are trained on and scored; an answer is recalled when all its tokens are
+(what greedy decoding would write).
 
 Why this shape, when the RULER-style needles of ``slimkv eval niah`` are not learned by the
 small models trained here: one long needle and one question per document give a handful of
 scored tokens per sequence, and a 7-digit value is hard to copy. Here every needle is asked,
-values are short, and the training mixes documents with fewer needles (``with_pairs``), as the
-MQAR recipe does. What remains is retrieval from prose: the needles sit between real lines.
+values are one token, and the training mixes documents with fewer needles (``with_pairs``), as
+the MQAR recipe does. What remains is retrieval from prose: the needles sit between real lines.
 
 Training documents take their prose from the dataset's train split; test documents
 (``for_evaluation``) from the held-out val split. ``scaled(f)`` makes the haystack longer with
@@ -39,9 +45,10 @@ from slimkv.data.dataset import load_dataset
 from slimkv.data.needles import line_end_ids
 from slimkv.data.recall import IGNORE
 
-PREFIX = "The magic number of"
+PREFIXES = {"words": "The magic word of", "digits": "The magic number of"}
+VALUE_KINDS = tuple(PREFIXES)
 SPLITS = ("train", "val")
-MIN_KEYS = 2  # n_pairs is checked against the real count
+MIN_WORDS = 4  # keys and values are checked against the real count
 
 
 @dataclass(frozen=True)
@@ -53,9 +60,9 @@ class NeedleSource:
     line_starts: dict[str, np.ndarray]  # per split: positions just after a newline token
     line_ends: np.ndarray
     vocab_size: int
-    keys: np.ndarray  # single-token words
+    words: np.ndarray  # single-token words, rarest in the train split first
     digits: np.ndarray  # ids of "0".."9"
-    prefix: list[int]  # "The magic number of"
+    prefixes: dict[str, list[int]]  # PREFIXES, tokenized
     end: list[int]  # ".\n"
 
 
@@ -65,19 +72,21 @@ def _source(name: str, folder: Path) -> NeedleSource:
     vocabulary = dataset.tokenizer.get_vocab_size()
     words = [i for i in range(vocabulary) if re.fullmatch(r" [a-z]{4,}", dataset.tokenizer.decode([i], skip_special_tokens=False))]
     digits = [dataset.encode(str(d)) for d in range(10)]
-    if len(words) < MIN_KEYS or any(len(d) != 1 for d in digits):
-        raise ValueError(f"dataset {name!r}: its tokenizer needs >= {MIN_KEYS} single-token words and one token per digit for the needles task "
+    if len(words) < MIN_WORDS or any(len(d) != 1 for d in digits):
+        raise ValueError(f"dataset {name!r}: its tokenizer needs >= {MIN_WORDS} single-token words and one token per digit for the needles task "
                          f"(it has {len(words)} words; digits take {[len(d) for d in digits]} tokens)")
     splits = {"train": np.asarray(dataset.train, dtype=np.int64), "val": np.asarray(dataset.val, dtype=np.int64)}
+    counts = np.bincount(splits["train"], minlength=vocabulary)
+    words = sorted(words, key=lambda i: (counts[i], i))  # rare words first: a key should rarely occur in the prose
     line_ends = line_end_ids(dataset.tokenizer)
     return NeedleSource(
         splits=splits,
         line_starts={name: np.flatnonzero(np.isin(ids[:-1], line_ends)) + 1 for name, ids in splits.items()},
         line_ends=line_ends,
         vocab_size=dataset.vocab_size,
-        keys=np.asarray(words, dtype=np.int64),
+        words=np.asarray(words, dtype=np.int64),
         digits=np.asarray([d[0] for d in digits], dtype=np.int64),
-        prefix=dataset.encode(PREFIX),
+        prefixes={kind: dataset.encode(text) for kind, text in PREFIXES.items()},
         end=dataset.encode(".\n"),
     )
 
@@ -89,14 +98,21 @@ def needle_source(dataset: str) -> NeedleSource:
 
 @dataclass(frozen=True)
 class NeedleTask:
-    """Needles in prose. ``n_pairs`` needles per document (each asked once), ``digits`` per
-    value, prose from ``split``. Same methods as ``slimkv.data.recall.RecallTask``."""
+    """Needles in prose. ``n_pairs`` needles per document (each asked once); keys drawn from the
+    ``keys`` single-token words rarest in the train split, values from the next ``value_words``
+    (``values="words"``) or ``digits`` decimal digits (``values="digits"``); prose from
+    ``split``. ``n_queries`` (default: every needle) asks only that many of them, so that the
+    last answer cannot be inferred by elimination. Same methods as ``slimkv.data.recall.RecallTask``."""
 
     name: ClassVar[str] = "needles"
-    layout: ClassVar[int] = 2  # the document layout's version: runs made with another layout are not reused
+    layout: ClassVar[int] = 5  # the document layout's version: runs made with another layout are not reused
     dataset: str = "shakespeare"
     seq_len: int = 256
     n_pairs: int = 4
+    n_queries: int | None = None
+    values: str = "words"
+    keys: int = 64
+    value_words: int = 64
     digits: int = 2
     split: str = "train"
 
@@ -109,19 +125,37 @@ class NeedleTask:
         return self.source.vocab_size
 
     @property
+    def queries(self) -> int:
+        return self.n_pairs if self.n_queries is None else min(self.n_queries, self.n_pairs)
+
+    @property
+    def prefix(self) -> list[int]:
+        return self.source.prefixes[self.values]
+
+    @property
+    def answer_tokens(self) -> int:
+        return 1 if self.values == "words" else self.digits
+
+    @property
     def needle_tokens(self) -> int:
-        source = self.source
-        return len(source.prefix) + 1 + self.digits + len(source.end)
+        return len(self.prefix) + 1 + self.answer_tokens + len(self.source.end)
 
     def validate(self) -> NeedleTask:
         check_int("n_pairs", self.n_pairs, 1)
+        if self.n_queries is not None:
+            check_int("n_queries", self.n_queries, 1)
         check_int("digits", self.digits, 1, 9)
         check_int("seq_len", self.seq_len, 2)
+        check_choice("values", self.values, VALUE_KINDS)
         check_choice("split", self.split, SPLITS)
         source = self.source
-        if self.n_pairs > len(source.keys):
-            raise ValueError(f"n_pairs={self.n_pairs}: the tokenizer of {self.dataset!r} has {len(source.keys)} single-token keys")
-        least = 2 * self.n_pairs * self.needle_tokens + 8
+        check_int("keys", self.keys, self.n_pairs)
+        check_int("value_words", self.value_words, 2)
+        used = self.keys + (self.value_words if self.values == "words" else 0)
+        if used > len(source.words):
+            raise ValueError(f"keys={self.keys}" + (f" + value_words={self.value_words}" if self.values == "words" else "")
+                             + f" need {used} single-token words; the tokenizer of {self.dataset!r} has {len(source.words)}")
+        least = (self.n_pairs + self.queries) * self.needle_tokens + 8
         if self.seq_len < least:
             raise ValueError(f"seq_len={self.seq_len} is too short for {self.n_pairs} needles and their questions "
                              f"({self.needle_tokens} tokens each); raise seq_len to >= {least}")
@@ -143,7 +177,7 @@ class NeedleTask:
         return {"task": self.name, "layout": self.layout, **asdict(self)}
 
     def make_batch(self, batch: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), both (batch, seq_len) int64; targets hold the answer digits at the
+        """(inputs, targets), both (batch, seq_len) int64; targets hold the answer tokens at the
         positions that predict them, ``IGNORE`` elsewhere."""
         self.validate()
         rows = [self._document(rng) for _ in range(batch)]
@@ -151,12 +185,16 @@ class NeedleTask:
 
     def _document(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         source = self.source
-        keys = rng.choice(source.keys, size=self.n_pairs, replace=False)
-        values = rng.integers(0, 10, size=(self.n_pairs, self.digits))
-        values[:, 0] = rng.integers(1 if self.digits > 1 else 0, 10, size=self.n_pairs)
-        head = [source.prefix + [int(k)] for k in keys]
-        needles = [h + source.digits[v].tolist() + source.end for h, v in zip(head, values)]
-        budget = self.seq_len - 2 * self.n_pairs * self.needle_tokens - 1
+        keys = rng.choice(source.words[: self.keys], size=self.n_pairs, replace=False)
+        if self.values == "words":
+            answers = source.words[self.keys : self.keys + self.value_words][rng.integers(0, self.value_words, size=(self.n_pairs, 1))]
+        else:
+            digits = rng.integers(0, 10, size=(self.n_pairs, self.digits))
+            digits[:, 0] = rng.integers(1 if self.digits > 1 else 0, 10, size=self.n_pairs)
+            answers = source.digits[digits]
+        head = [self.prefix + [int(k)] for k in keys]
+        needles = [h + a.tolist() + source.end for h, a in zip(head, answers)]
+        budget = self.seq_len - (self.n_pairs + self.queries) * self.needle_tokens - 1
         prose, starts = source.splits[self.split], source.line_starts[self.split]
         first = int(starts[rng.integers(len(starts))]) if len(starts) else 0
         haystack = prose[(first + np.arange(budget)) % len(prose)]  # from a line start; wraps around a short split
@@ -169,26 +207,25 @@ class NeedleTask:
             start = cut
         ids += haystack[start:].tolist() + source.end[-1:]  # the questions start on a line of their own
         targets = [IGNORE] * len(ids)
-        for i in rng.permutation(self.n_pairs):
+        for i in rng.permutation(self.n_pairs)[: self.queries]:
             ids += head[i]
             targets += [IGNORE] * len(head[i])
-            for digit in source.digits[values[i]].tolist():
-                targets.append(digit)  # the position before a digit predicts it
-                ids.append(digit)
+            for token in answers[i].tolist():
+                targets.append(token)  # shifted below: the position before an answer token predicts it
+                ids.append(token)
             targets += [IGNORE] * len(source.end)
             ids += source.end
         return np.asarray(ids, dtype=np.int64), np.asarray(targets[1:] + [IGNORE], dtype=np.int64)
 
     def gaps(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per answer: its question's key position minus the needle's key position."""
-        source = self.source
         out = []
         for row, flags in enumerate((targets != IGNORE).tolist()):
             tokens = inputs[row].tolist()
             for position, flag in enumerate(flags):
                 if flag and not (position > 0 and flags[position - 1]):
-                    question = position  # the key predicts the first digit
-                    out.append(question - _needle_position(tokens, tokens[question], source.prefix))
+                    question = position  # the key predicts the answer's first token
+                    out.append(question - _needle_position(tokens, tokens[question], self.prefix))
         return torch.tensor(out, dtype=torch.int64)
 
 

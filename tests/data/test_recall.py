@@ -94,7 +94,7 @@ def test_invalid_tasks_name_the_option(change, message):
 
 
 def test_needle_documents_hold_every_needle_and_ask_each_once(tiny_env):
-    task = NeedleTask(dataset="tiny", seq_len=200, n_pairs=3, digits=2)
+    task = NeedleTask(dataset="tiny", seq_len=200, n_pairs=3, values="digits", digits=2, keys=10)
     source = task.source
     inputs, targets = task.make_batch(8, np.random.default_rng(0))
     assert inputs.shape == targets.shape == (8, 200)
@@ -108,7 +108,7 @@ def test_needle_documents_hold_every_needle_and_ask_each_once(tiny_env):
             assert targets[row, position] == inputs[row, position + 1] and int(inputs[row, position + 1]) in source.digits.tolist()
         for first in scored[::2]:
             key = tokens[first]  # the question ends on the key, which predicts the first digit
-            needle = _needle_position(tokens, key, source.prefix)
+            needle = _needle_position(tokens, key, task.prefix)
             assert needle < first, "the needle comes before its question"
             assert tokens[needle + 1 : needle + 3] == tokens[first + 1 : first + 3], "the answer is the needle's value"
     gaps = task.gaps(inputs, targets)
@@ -121,3 +121,18 @@ def test_needle_documents_hold_every_needle_and_ask_each_once(tiny_env):
         replace(task, seq_len=40).validate()
     with pytest.raises(ValueError, match="split='test' is not allowed; allowed values: train, val"):
         replace(task, split="test").validate()
+
+
+def test_needle_values_can_be_single_words(tiny_env):
+    task = NeedleTask(dataset="tiny", seq_len=200, n_pairs=3, keys=4, value_words=5)
+    inputs, targets = task.make_batch(4, np.random.default_rng(0))
+    source = task.source
+    keys, values = set(source.words[:4].tolist()), set(source.words[4:9].tolist())
+    scored = torch.nonzero(targets != IGNORE)
+    assert len(scored) == 4 * 3 and int(answer_index(targets).max()) + 1 == 12, "one token per answer"
+    for row, position in scored.tolist():
+        assert int(inputs[row, position]) in keys and int(targets[row, position]) in values
+    with pytest.raises(ValueError, match="value_words"):
+        replace(task, value_words=100).validate()
+    with pytest.raises(ValueError, match="values='letters' is not allowed; allowed values: words, digits"):
+        replace(task, values="letters").validate()
