@@ -15,7 +15,8 @@ its layers. Seeds are aggregated as mean, sample std, min and max.
 
 Resumable: each run directory ``OUT/runs/<entry>/seed<k>`` keeps ``compare_run.json`` once it is
 trained and evaluated; a second invocation reuses it (and says so), and an interrupted training
-resumes from its checkpoint. ``report.json`` holds everything; ``report.md`` and the PNGs are a
+resumes from its checkpoint. Two processes may share ``--out`` (one per core): a run the other
+holds is skipped and left out of this report; rerun once both are done for one report of all. ``report.json`` holds everything; ``report.md`` and the PNGs are a
 pure function of it (``slimkv report report.json`` regenerates them).
 """
 
@@ -30,7 +31,7 @@ from slimkv.bench.decode import DecodeVariant, decode_sweep
 from slimkv.bench.entries import Entry, config_for, run_slug
 from slimkv.bench.report import REPORT_FORMAT, render_markdown, write_report_files
 from slimkv.bench.statistics import aggregate, comparisons
-from slimkv.common.files import check_folder_target, read_json, write_json
+from slimkv.common.files import FolderBusyError, check_folder_target, read_json, write_json
 from slimkv.common.timing import machine_info
 from slimkv.eval.diversity import model_diversity
 from slimkv.eval.lm import evaluate_run
@@ -145,13 +146,18 @@ def run_compare(
     if prepare is not None:
         prepare()
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = []
+    runs, busy = [], []
     total = len(configs)
     for i, ((label, seed), cfg) in enumerate(configs.items(), 1):
         run_dir = out_dir / "runs" / run_slug(label) / f"seed{seed}"
         print(f"[{i}/{total}] {label} seed {seed}: {run_dir}", flush=True)
         t0 = time.perf_counter()
-        row, reused = train_and_evaluate(cfg, run_dir, eval_tokens=eval_tokens, progress=progress, other_text=other_text)
+        try:
+            row, reused = train_and_evaluate(cfg, run_dir, eval_tokens=eval_tokens, progress=progress, other_text=other_text)
+        except FolderBusyError:
+            busy.append(str(run_dir))
+            print(f"[{i}/{total}] {label} seed {seed}: another process is training {run_dir}; left out of this report", flush=True)
+            continue
         runs.append({"label": label, **row, "reused": reused})
         state = f"reused the finished run in {run_dir} ({RUN_FILE})" if reused else f"trained and evaluated in {time.perf_counter() - t0:.0f} s"
         print(f"[{i}/{total}] {label} seed {seed}: val BPB {row['val_bpb']:.4f}, CE {row['val_ce']:.4f}, cache {row['cache']['ratio_to_mha']:.3f} of MHA; {state}", flush=True)
@@ -176,6 +182,7 @@ def run_compare(
         "machine": machine_info(),
         "wall_seconds": time.perf_counter() - started,
         "reused_runs": sum(r["reused"] for r in runs),
+        "busy_runs": busy,
     }
     write_json(out_dir / "report.json", report)
     written = write_report_files(report, out_dir)

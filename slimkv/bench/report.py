@@ -73,6 +73,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             + (f"{fmt_stat(row.get('other_bpb'))} | " if other else "")
             + f"{fmt_stat(row['r_eff_over_heads'], 3)}{decode} | {speed} |"
         )
+    if report.get("busy_runs"):
+        lines += ["", f"Left out (another process was training them): {', '.join(report['busy_runs'])}."]
     lines += ["", "## Differences in val BPB against the reference", ""]
     lines.append(
         f"A difference is claimed only with >= {MIN_SEEDS_FOR_CLAIM} seeds on both sides, non-overlapping seed ranges "

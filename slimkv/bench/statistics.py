@@ -30,6 +30,8 @@ def aggregate(entries: list[Entry], runs: list[dict[str, Any]]) -> list[dict[str
     out = []
     for entry in entries:
         mine = [r for r in runs if r["label"] == entry.label]
+        if not mine:
+            continue  # every run of this entry was held by another process
         first = mine[0]
         ratios = {round(r["cache"]["ratio_to_mha"], 12) for r in mine}
         if len(ratios) != 1:

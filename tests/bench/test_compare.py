@@ -22,6 +22,7 @@ from slimkv.bench.entries import (
 from slimkv.bench.report import PLOT_BPB, PLOT_DECODE, load_report, render_markdown
 from slimkv.bench.statistics import aggregate, compare_pair, summarize
 from slimkv.cli import main
+from slimkv.common.files import folder_lock
 from slimkv.train import TrainConfig
 from tests.train.tiny import tiny_config
 
@@ -189,3 +190,13 @@ def test_compare_evaluates_another_text_beside_val(tmp_path):
     assert "BPB (out of domain)" in (tmp_path / "cmp" / "report.md").read_text()
     again = run_compare(entries, recipe, [0], tmp_path / "cmp", eval_tokens=64, decode_contexts=[], progress=False)
     assert not any(r["reused"] for r in again["runs"]), "a run evaluated on another text set is evaluated again without it"
+
+
+def test_a_run_held_by_another_process_is_left_out(tmp_path, capsys):
+    recipe = tiny_config(steps=2)
+    entries = parse_entries(["mha", "mqa"], recipe)
+    with folder_lock(tmp_path / "cmp" / "runs" / "mqa" / "seed0"):
+        report = run_compare(entries, recipe, [0], tmp_path / "cmp", eval_tokens=64, decode_contexts=[], progress=False)
+    assert [row["label"] for row in report["aggregate"]] == ["mha"] and report["busy_runs"] == [str(tmp_path / "cmp" / "runs" / "mqa" / "seed0")]
+    assert "another process is training" in capsys.readouterr().out
+    assert "Left out (another process" in (tmp_path / "cmp" / "report.md").read_text()
