@@ -7,8 +7,19 @@ import pytest
 import torch
 
 from slimkv.data.needle_recall import NeedleTask, _needle_position
-from slimkv.data.recall import BOS, FILLER, FIRST_KEY, IGNORE, RecallBatches, RecallTask, answer_index, eval_set, make_batch, query_gaps, unpack
-from tests.train.tiny import tiny_cache, tiny_env  # noqa: F401  (fixtures)
+from slimkv.data.recall import (
+    BOS,
+    FILLER,
+    FIRST_KEY,
+    IGNORE,
+    RecallBatches,
+    RecallTask,
+    answer_index,
+    eval_set,
+    make_batch,
+    query_gaps,
+    unpack,
+)
 
 
 def check_layout(task: RecallTask, inputs: torch.Tensor, targets: torch.Tensor) -> None:
