@@ -1,7 +1,8 @@
 """Multi-head latent attention (MLA, DeepSeek-V2), the latent-cache baseline.
 
 docs/mla.md explains the design. Per token, one matmul maps x (d_model) to a latent c (``kv_rank``)
-and a rotary key k_pe (``rope_dim``) shared by every head. c is RMS-normalised; head h reads
+and a rotary key k_pe (``rope_dim``) shared by every head. c is RMS-normalised (``latent_norm``,
+default on; off, c is linear in x, as a conversion from a pretrained GQA model needs); head h reads
 
     key_h   = [rotate(k_pe) | c W_UK_h]      (rope_dim + head_dim channels)
     value_h = c W_UV_h                       (v_head_dim channels)
@@ -22,6 +23,10 @@ Common options:
   head of ``head_dim`` (``full``: head_dim, ``partial``: rope_fraction x head_dim rounded down to
   even, ``none``: 0). An explicit ``rope_dim`` (even) overrides that (``rope_fraction`` then plays
   no part); ``rope="none"`` allows only rope_dim 0, and rope_dim 0 needs ``rope="none"``.
+* ``rope_frequencies``: one inverse frequency per rotary pair (rope_dim / 2 positive values, any
+  order, repeats allowed) instead of the ladder rope_theta^(-2i/rope_dim); without ``rope_dim`` it
+  sets rope_dim = 2 len(rope_frequencies) (overriding ``rope_fraction``, as an explicit rope_dim
+  does). Like ``rope_theta`` it plays no part when nothing rotates (``rope="none"``).
 * ``qk_norm``: RMSNorm over each head's whole query and over the shared rotary key k_pe (before
   rotation). The content keys already come from the normalised latent; a per-head norm of c W_UK_h
   would be non-linear in c and so could not be absorbed into the queries.
@@ -29,7 +34,7 @@ Common options:
   W_UK and W_UV have none: a key bias only shifts all logits of a query equally (softmax ignores
   it) and a value bias passes through the softmax average unchanged, i.e. it is an output bias.
 
-Cache: the normalised latent and the rotated rotary key, (kv_rank + rope_dim) elements per token
+Cache: the (normalised) latent and the rotated rotary key, (kv_rank + rope_dim) elements per token
 per layer, in one buffer of kernel layout (batch, 1, time, rope_dim + kv_rank) whose rows are
 [k_pe | c]. No per-head tensor is ever cached. With grad enabled a cached call is differentiable in
 its own tokens; the cache stores detached rows (earlier calls' tokens are constants, and a cache
@@ -50,6 +55,7 @@ Shapes: activations (batch, time, heads, dim); kernels and caches (batch, heads,
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +63,7 @@ from torch import nn
 from slimkv.attention.base import Attention, LayerShape, Presets, register_attention
 from slimkv.attention.cache import AttentionCache
 from slimkv.common.buffer import GrowableBuffer, dtype_bytes
-from slimkv.common.checks import Checked, check_choice, check_int
+from slimkv.common.checks import Checked, check_bool, check_choice, check_int
 from slimkv.ops.attention import attend
 from slimkv.ops.norm import RMSNorm
 from slimkv.ops.rope import Rotary, rotary_dim
@@ -66,7 +72,7 @@ DECODE_PATHS = ("auto", "absorbed", "expanded")
 
 
 class LatentCache(AttentionCache):
-    """Every past token's [rotated k_pe | normalised c] row, (batch, 1, time, rope_dim + kv_rank)."""
+    """Every past token's [rotated k_pe | (normalised) c] row, (batch, 1, time, rope_dim + kv_rank)."""
 
     def __init__(self, owner_spec: tuple, batch_size: int, width: int, *, dtype, device) -> None:
         super().__init__(owner_spec, batch_size, dtype, device)
@@ -94,13 +100,32 @@ def absorbed_is_cheaper(new_tokens: int, total_tokens: int, head_dim: int, rope_
     return absorbed <= expanded
 
 
-def resolve_rope_dim(rope_dim: int | None, head_dim: int, rope: str, rope_fraction: float) -> int:
-    """The rotary width from ``rope_dim`` and the common rope options (see the module docstring)."""
+def check_rope_frequencies(rope_frequencies: Any) -> None:
+    """``rope_frequencies`` must be None or a non-empty list of finite numbers > 0."""
+    if rope_frequencies is None:
+        return
+    ok = isinstance(rope_frequencies, (list, tuple)) and len(rope_frequencies) > 0
+    ok = ok and all(isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0 for f in rope_frequencies)
+    if not ok:
+        raise ValueError(f"rope_frequencies must be a non-empty list of finite numbers > 0 (one inverse frequency per rotary pair), got {rope_frequencies!r}")
+
+
+def resolve_rope_dim(rope_dim: int | None, head_dim: int, rope: str, rope_fraction: float, rope_frequencies: list[float] | None = None) -> int:
+    """The rotary width from ``rope_dim``, ``rope_frequencies`` and the common rope options (see the
+    module docstring); ValueError naming the option that contradicts another."""
+    check_rope_frequencies(rope_frequencies)
+    if rope_dim is not None:
+        check_int("rope_dim", rope_dim, 0)
+        if rope_dim % 2:
+            raise ValueError(f"rope_dim must be an even integer >= 0 (RoPE rotates channel pairs), got {rope_dim}")
+    if rope_frequencies is not None and rope != "none":
+        pairs = len(rope_frequencies)
+        if rope_dim is not None and rope_dim != 2 * pairs:
+            raise ValueError(f"rope_frequencies has {pairs} values but rope_dim={rope_dim} rotates {rope_dim // 2} pairs: "
+                             "give one inverse frequency per rotary pair")
+        rope_dim = 2 * pairs
     if rope_dim is None:
         return rotary_dim(head_dim, rope, rope_fraction)
-    check_int("rope_dim", rope_dim, 0)
-    if rope_dim % 2:
-        raise ValueError(f"rope_dim must be an even integer >= 0 (RoPE rotates channel pairs), got {rope_dim}")
     if rope == "none" and rope_dim:
         raise ValueError(f"rope_dim={rope_dim} needs rope='full' or rope='partial'; with rope='none' rope_dim must be 0")
     if rope != "none" and not rope_dim:
@@ -125,6 +150,8 @@ class MultiHeadLatentAttention(Attention):
         q_rank: int | None = None,
         rope_dim: int | None = None,
         v_head_dim: int | None = None,
+        latent_norm: bool = True,
+        rope_frequencies: list[float] | None = None,
         decode_path: str = "auto",
         **common,
     ) -> None:
@@ -135,14 +162,17 @@ class MultiHeadLatentAttention(Attention):
             check_int("q_rank", q_rank, 1)
         if v_head_dim is not None:
             check_int("v_head_dim", v_head_dim, 1)
+        check_bool("latent_norm", latent_norm)
         super().__init__(d_model, n_heads, head_dim, **common)
-        rope_dim = resolve_rope_dim(rope_dim, self.head_dim, self.rope_mode, self.rope_fraction)
+        rope_dim = resolve_rope_dim(rope_dim, self.head_dim, self.rope_mode, self.rope_fraction, rope_frequencies)
         self.kv_rank, self.q_rank, self.rope_dim = kv_rank, q_rank, rope_dim
+        self.latent_norm = latent_norm
+        self.rope_frequencies = list(rope_frequencies) if rope_frequencies is not None and rope_dim else None
         self.v_head_dim = self.head_dim if v_head_dim is None else v_head_dim
         self.qk_dim = rope_dim + self.head_dim
         self.scale = 1.0 / math.sqrt(self.qk_dim)
         # replaces the base class's per-head rotary: only the rope_dim leading channels of queries and k_pe turn
-        self.rotary = Rotary(rope_dim, "full" if rope_dim else "none", theta=self.rope_theta)
+        self.rotary = Rotary(rope_dim, "full" if rope_dim else "none", theta=self.rope_theta, frequencies=self.rope_frequencies)
         self.decode_path = decode_path
 
         h, bias = n_heads, self.use_bias
@@ -153,7 +183,7 @@ class MultiHeadLatentAttention(Attention):
             self.q_latent_norm = RMSNorm(q_rank)
             self.q_up = nn.Linear(q_rank, h * self.qk_dim, bias=bias)
         self.kv_down = nn.Linear(d_model, rope_dim + kv_rank, bias=bias)
-        self.kv_norm = RMSNorm(kv_rank)
+        self.kv_norm = RMSNorm(kv_rank) if latent_norm else nn.Identity()
         self.k_up = nn.Linear(kv_rank, h * self.head_dim, bias=False)
         self.v_up = nn.Linear(kv_rank, h * self.v_head_dim, bias=False)
         self.o_proj = nn.Linear(h * self.v_head_dim, d_model, bias=bias)
@@ -175,8 +205,8 @@ class MultiHeadLatentAttention(Attention):
     def head_qk_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Effective (W^Q_h, W^K_h), each (H, d_model, rope_dim + head_dim), channels ordered as the
         logits use them: [rotary | content]. The RMSNorms on c, c_q and (with qk_norm) the query and
-        k_pe count as their gains (their per-token rms scale depends on the input), so
-        W^K_h = [W_pe^T diag(g_k) | W_c^T diag(g_c) W_UK_h] (W_pe, W_c: the rotary and latent rows of
+        k_pe count as their gains (their per-token rms scale depends on the input; g_c = 1 without
+        ``latent_norm``), so W^K_h = [W_pe^T diag(g_k) | W_c^T diag(g_c) W_UK_h] (W_pe, W_c: the rotary and latent rows of
         ``kv_down.weight``) and, with q_rank, W^Q_h = W_qd^T diag(g_cq) W_qu,h (head h's rows of
         ``q_up.weight``, transposed); g_q (qk_norm) scales W^Q_h's columns."""
         h, p = self.n_heads, self.rope_dim
@@ -187,7 +217,8 @@ class MultiHeadLatentAttention(Attention):
             wq = torch.einsum("rd,r,hcr->hdc", self.q_down.weight, self.q_latent_norm.weight, up)
         w_pe, w_c = self.kv_down.weight[:p], self.kv_down.weight[p:]
         k_up = self.k_up.weight.view(h, self.head_dim, self.kv_rank)
-        wk_nope = torch.einsum("rd,r,hcr->hdc", w_c, self.kv_norm.weight, k_up)
+        latent_gain = self.kv_norm.weight if self.latent_norm else w_c.new_ones(self.kv_rank)
+        wk_nope = torch.einsum("rd,r,hcr->hdc", w_c, latent_gain, k_up)
         wk_pe = w_pe.t()
         if self.use_qk_norm:
             wq = wq * self.q_norm.weight
@@ -228,7 +259,7 @@ class MultiHeadLatentAttention(Attention):
         return q.transpose(1, 2)
 
     def latent_rows(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """What the cache stores for x: rows [rotated k_pe | normalised c], (batch, 1, time, rope_dim + kv_rank)."""
+        """What the cache stores for x: rows [rotated k_pe | (normalised) c], (batch, 1, time, rope_dim + kv_rank)."""
         p = self.rope_dim
         down = self.kv_down(x).unsqueeze(2)  # (batch, time, 1, rope_dim + kv_rank)
         k_pe = self.rotary(self.k_norm(down[..., :p]), start)
@@ -269,6 +300,8 @@ class MultiHeadLatentAttention(Attention):
         return (
             super().extra_repr()
             + f", kv_rank={self.kv_rank}, q_rank={self.q_rank}, rope_dim={self.rope_dim}, v_head_dim={self.v_head_dim}"
+            + ("" if self.latent_norm else ", latent_norm=False")
+            + ("" if self.rope_frequencies is None else f", rope_frequencies={self.rope_frequencies}")
         )
 
 
@@ -305,7 +338,11 @@ def _mla_sizes(shape: LayerShape) -> list[tuple[str, dict]]:
 register_attention(
     "mla",
     MultiHeadLatentAttention,
-    example_options=[{"kv_rank": 6}, {"kv_rank": 12, "q_rank": 10, "v_head_dim": 6}],
+    example_options=[
+        {"kv_rank": 6},
+        {"kv_rank": 12, "q_rank": 10, "v_head_dim": 6},
+        {"kv_rank": 5, "latent_norm": False, "rope_frequencies": [0.9, 0.05, 0.9]},  # a converted layer's shape
+    ],
     description="multi-head latent attention (DeepSeek-V2)",
     presets=Presets(comparable=_mla_comparable, decode=_mla_decode, sizes=_mla_sizes, demo=("mla",)),
 )

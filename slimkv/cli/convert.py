@@ -10,7 +10,14 @@ import torch
 from slimkv.common.checks import check_int
 from slimkv.convert.heal import PARAMETER_SETS, HealConfig
 from slimkv.convert.methods import CONVERSIONS
-from slimkv.convert.pipeline import CONVERTED_FOLDER, ConvertOptions, check_before_work, convert_pretrained, heal_converted
+from slimkv.convert.pipeline import (
+    CONVERTED_FOLDER,
+    EXPORTS,
+    ConvertOptions,
+    check_before_work,
+    convert_pretrained,
+    heal_converted,
+)
 
 
 def add_commands(subparsers) -> None:
@@ -25,10 +32,11 @@ def add_commands(subparsers) -> None:
             "`import slimkv`) with slimkv_conversion.json describing the conversion."
         ),
         epilog=(
-            "methods:\n" + "\n".join(f"  {name:<9} {c.description}" for name, c in CONVERSIONS.items()) + "\n\n"
+            "methods:\n" + "\n".join(f"  {name:<10} {c.description}" for name, c in CONVERSIONS.items()) + "\n\n"
             "examples:\n"
             "  slimkv convert --model smollm2 --to mla --cache-ratio 0.5 --out runs/smollm2-mla50\n"
             "  slimkv convert --model smollm2 --to mla --cache-ratio 0.25 --heal-tokens 500000 --out runs/smollm2-mla25\n"
+            "  slimkv convert --model smollm2 --to mla-prefix --cache-ratio 0.5 --export deepseek --out runs/smollm2-ds50\n"
             "  slimkv convert --out runs/smollm2-mla25 --resume        # continue an interrupted healing\n"
             "  slimkv eval cache --model runs/smollm2-mla50 --context 4096\n"
             "  slimkv eval ppl --model runs/smollm2-mla50"
@@ -43,6 +51,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens (default 8192)")
     p.add_argument("--calib-seq-len", type=int, default=1024, help="calibration window length (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="seed of calibration sampling and healing (default 0)")
+    p.add_argument("--export", choices=EXPORTS, default=None,
+                   help="also write OUT/deepseek_v3: the model as transformers' DeepseekV3ForCausalLM (needs --to mla-prefix and a source without query biases)")
     heal = p.add_argument_group("healing (distillation from the original; off unless --heal-tokens)")
     heal.add_argument("--heal-tokens", type=int, default=0, help="training tokens of healing (0 = no healing)")
     heal.add_argument("--heal-text", default="shakespeare", help="healing text (default: the training plays); never the evaluation text")
@@ -79,7 +89,7 @@ def _convert(args: argparse.Namespace) -> int:
         missing = [flag for flag, value in (("--model", args.model), ("--to", args.method), ("--cache-ratio", args.cache_ratio)) if value is None]
         if missing:
             raise ValueError(f"{', '.join(missing)} required (or --resume to continue a healing)")
-        options = ConvertOptions(args.method, args.cache_ratio, args.calib, args.calib_tokens, args.calib_seq_len, args.seed)
+        options = ConvertOptions(args.method, args.cache_ratio, args.calib, args.calib_tokens, args.calib_seq_len, args.seed, args.export)
         check_before_work(args.model, options, args.out, heal_cfg)
         _, manifest = convert_pretrained(args.model, options, args.out, heal_cfg=heal_cfg, progress=not args.no_progress)
     before, after = (sum(manifest["cache_elements_per_token_per_layer"][k]) for k in ("before", "after"))
@@ -88,5 +98,8 @@ def _convert(args: argparse.Namespace) -> int:
     if manifest.get("healing"):
         h = manifest["healing"]
         print(f"healed {h['step']} steps ({h['tokens_seen']:,} tokens, {h['trainable_parameters']:,} parameters trained): held-out KL {h.get('val_kl', float('nan')):.4f}")
+    if manifest.get("export"):
+        e = manifest["export"]
+        print(f"exported {e['format']} to {Path(args.out) / e['folder']} (max |logit difference| {e['max_abs_logit_difference']:.2e})")
     print(f"saved to {args.out}; evaluate with `slimkv eval ppl --model {args.out}` and `slimkv eval cache --model {args.out} --context 4096`")
     return 0

@@ -25,6 +25,7 @@ from slimkv.common.files import folder_lock, read_json, write_json
 from slimkv.data.texts import DOC_SEPARATOR, calibration_documents, text_sha256, tokenize
 from slimkv.train.batches import BatchSampler
 from slimkv.train.checkpoint import existing_directory
+from slimkv.train.config import check_optimizer_settings
 from slimkv.train.trainer import Trainer, make_optimizer, run_loop
 
 HEAL_CONFIG = "heal_config.json"
@@ -63,11 +64,8 @@ class HealConfig:
             check_int(name, getattr(self, name), 1)
         for name in ("seed", "eval_every", "checkpoint_every"):
             check_int(name, getattr(self, name), 0)
-        check_float("heal_lr", self.lr, 0.0, open_low=True)
-        check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_float("warmup_fraction", self.warmup_fraction, 0.0, 1.0)
-        check_float("weight_decay", self.weight_decay, 0.0)
-        check_float("grad_clip", self.grad_clip, 0.0)
+        check_optimizer_settings(self, prefix="heal_")
 
     @property
     def steps(self) -> int:

@@ -23,13 +23,14 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from slimkv.common.checks import check_float, check_int
+from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import OutputFolder, read_json, write_json
 from slimkv.common.quiet import quiet_transformers
 from slimkv.common.version import VERSION
 from slimkv.convert.calibrate import layer_statistics
+from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import HealConfig, heal
-from slimkv.convert.methods import LayerContext, get_conversion
+from slimkv.convert.methods import Conversion, LayerContext, get_conversion
 from slimkv.convert.source import Source, check_convertible, copy_shared_weights, slimkv_config
 from slimkv.data.texts import DOC_SEPARATOR, calibration_documents, calibration_ids, text_sha256
 from slimkv.model import SlimKVForCausalLM, load_model_folder
@@ -39,6 +40,7 @@ from slimkv.pretrained.loading import CONVERTED_MANIFEST
 CONVERTED_FOLDER = OutputFolder(CONVERTED_MANIFEST, "slimkv conversion folder")
 FORMAT = "slimkv-converted"
 FORMAT_VERSION = 1
+EXPORTS = ("deepseek",)
 
 
 @dataclass
@@ -51,12 +53,17 @@ class ConvertOptions:
     calib_tokens: int = 8192
     calib_seq_len: int = 1024
     seed: int = 0
+    export: str | None = None  # "deepseek": also write the model as transformers' DeepseekV3ForCausalLM (mla-prefix only)
 
     def validate(self) -> None:
         get_conversion(self.method)
         check_float("cache_ratio", self.cache_ratio, 0.0, 1.0, open_low=True, open_high=True)
         check_int("calib_tokens", self.calib_tokens, 1)
         check_int("calib_seq_len", self.calib_seq_len, 2)
+        if self.export is not None:
+            check_choice("export", self.export, EXPORTS)
+            if self.method != "mla-prefix":
+                raise ValueError(f"--export deepseek needs --to mla-prefix (one RoPE ladder in every layer), not --to {self.method}")
         check_int("seed", self.seed, 0)
 
 
@@ -69,6 +76,8 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
     if out_dir is not None:
         CONVERTED_FOLDER.check(out_dir)
     shape = check_convertible(AutoConfig.from_pretrained(resolve_model_path(model), trust_remote_code=False))
+    if options.export == "deepseek" and shape.qkv_bias:
+        raise ValueError("--export deepseek cannot express this model: DeepSeek-V3's q_proj has no bias, and its queries have one (Qwen2)")
     method = get_conversion(options.method)
     minimum = method.min_ratio(shape)
     if options.cache_ratio < minimum:
@@ -87,6 +96,24 @@ def cache_elements(model: SlimKVForCausalLM, tokens: int = 64) -> list[float]:
     return [layer.nbytes() / tokens / size for layer in cache.layers]
 
 
+def build_converted(source: Source, method: Conversion, layers: list[LayerContext], plan: list[dict[str, Any]]
+                    ) -> tuple[SlimKVForCausalLM, list[dict[str, Any]], list[str]]:
+    """Fit every layer with its planned options and build the converted model (attention fitted,
+    everything else copied exactly); returns the model, per-layer facts and the changed parameters."""
+    fits, layer_info, changed = [], [], []
+    for layer, planned in zip(layers, plan):
+        fit = method.fit(layer, planned)
+        fits.append((fit.options if fit.options is not None else planned, {k: v.to(torch.float32) for k, v in fit.state.items()}))
+        changed += [f"model.layers.{layer.index}.attn.{name}" for name in fit.changed]
+        layer_info.append({"layer": layer.index, "options": fits[-1][0], **fit.info})
+    fields = {"attention": method.kind, "attention_options": method.options(source.shape), "per_layer_options": [options for options, _ in fits]}
+    model = SlimKVForCausalLM(slimkv_config(source.shape, fields)).eval()
+    copy_shared_weights(source, model)
+    for block, (_, state) in zip(model.model.layers, fits):
+        block.attn.load_state_dict(state)
+    return model, layer_info, changed
+
+
 def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = True) -> tuple[SlimKVForCausalLM, dict[str, Any]]:
     """The converted model and its manifest body (nothing written)."""
     started = time.perf_counter()
@@ -99,15 +126,9 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     inv_freq = source.rotary_inv_freq()
     layers = [LayerContext(i, shape, source.attention(i), stats[i], inv_freq) for i in range(shape.n_layers)]
     plan, allocation = method.plan(layers, options.cache_ratio)
-    fields = {"attention": method.kind, "attention_options": method.options(shape), "per_layer_options": plan}
-    model = SlimKVForCausalLM(slimkv_config(shape, fields)).eval()
-    copy_shared_weights(source, model)
-    layer_info, changed = [], []
-    for layer, block, options_of_layer in zip(layers, model.model.layers, plan):
-        fit = method.fit(layer, options_of_layer)
-        block.attn.load_state_dict({k: v.to(torch.float32) for k, v in fit.state.items()})
-        changed += [f"model.layers.{layer.index}.attn.{name}" for name in fit.changed]
-        layer_info.append({"layer": layer.index, "options": options_of_layer, **fit.info})
+    planned = time.perf_counter()
+    model, layer_info, changed = build_converted(source, method, layers, plan)
+    fitted = time.perf_counter()
     before = [float(shape.cache_elements)] * shape.n_layers
     after = cache_elements(model)
     manifest = {
@@ -127,22 +148,26 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
             "seq_len": windows.shape[1],
             "tokens": windows.numel(),
             "seed": options.seed,
-            "statistics": "one pass of the original model: attention-input covariance and attention mass per distance, per layer",
+            "statistics": "one pass of the original model: attention-input second moment and mean, attention mass per distance, per layer",
         },
         "options": asdict(options),
-        "seconds": {"calibration": calibrated - started, "fit": time.perf_counter() - calibrated},
+        "seconds": {"calibration": calibrated - started, "plan": planned - calibrated, "fit": fitted - planned, "total": fitted - started},
+        "threads": torch.get_num_threads(),
         "healing": None,
     }
     return model, manifest
 
 
 def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str, Any], out_dir: str | Path) -> Path:
-    """Publish ``out_dir``: the slimkv model (config + safetensors), the tokenizer, the manifest."""
+    """Publish ``out_dir``: the slimkv model (config + safetensors), the tokenizer, the manifest,
+    and the DeepSeek-V3 form of the model in ``deepseek_v3/`` when the options ask for it."""
     out_dir = Path(out_dir).expanduser()
     with CONVERTED_FOLDER.publish(out_dir) as folder, quiet_transformers():
         model.save_pretrained(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
+        if manifest["options"].get("export") == "deepseek":
+            manifest = {**manifest, "export": export_deepseek(model, tokenizer, folder / EXPORT_FOLDER)}
         files = sorted(p.name for p in folder.iterdir())
         write_json(folder / CONVERTED_MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": files})
     return out_dir

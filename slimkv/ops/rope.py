@@ -2,10 +2,16 @@
 
 Convention: the rotated channels are the FIRST ``rot_dim`` channels of a head, taken as adjacent
 pairs (0,1), (2,3), ...; the remaining channels pass through untouched. ``mode`` is ``full`` (all
-channels), ``partial`` (``fraction`` of them, rounded down to an even count) or ``none``.
+channels), ``partial`` (``fraction`` of them, rounded down to an even count) or ``none``. Pair i
+turns at the inverse frequency theta^(-2i / rot_dim), or at ``frequencies[i]`` when an explicit
+list is given (one positive value per pair, any order, repeats allowed: a converted model keeps
+the original frequencies its fit chose).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import torch
 
@@ -29,11 +35,18 @@ class Rotary:
     """Applies RoPE at absolute positions. Stateless: angles are computed for the positions asked,
     so the result for a token never depends on how a sequence was split into calls."""
 
-    def __init__(self, head_dim: int, mode: str = "full", fraction: float = 0.5, theta: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, mode: str = "full", fraction: float = 0.5, theta: float = 10000.0,
+                 frequencies: Sequence[float] | None = None) -> None:
         self.head_dim = head_dim
         self.mode = mode
         self.theta = float(theta)
         self.rot_dim = rotary_dim(head_dim, mode, fraction)
+        self.frequencies = None if frequencies is None else tuple(float(f) for f in frequencies)
+        if self.frequencies is not None:
+            if len(self.frequencies) != self.rot_dim // 2:
+                raise ValueError(f"frequencies: {len(self.frequencies)} values for {self.rot_dim // 2} rotary pairs (rot_dim={self.rot_dim})")
+            if not all(math.isfinite(f) and f > 0 for f in self.frequencies):
+                raise ValueError(f"frequencies must be finite numbers > 0, got {list(self.frequencies)}")
         # Per-call overhead matters at decode (one token, every layer, twice): the inverse
         # frequencies are computed once per device, and the rotations of a block of
         # ``TABLE_POSITIONS`` positions are kept, so consecutive decode steps slice a table instead
@@ -42,11 +55,15 @@ class Rotary:
         self._table: tuple[tuple, int, torch.Tensor] | None = None
 
     def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
-        """theta^(-2i / rot_dim) for each channel pair i, float64, shape (rot_dim // 2,)."""
+        """The inverse frequency of each channel pair i: ``frequencies[i]`` or theta^(-2i / rot_dim),
+        float64, shape (rot_dim // 2,)."""
         device = torch.device(device)
         if device not in self._inv_freq:
-            pairs = torch.arange(self.rot_dim // 2, device=device, dtype=torch.float64)
-            self._inv_freq[device] = 1.0 / (self.theta ** (pairs * 2 / self.rot_dim))
+            if self.frequencies is not None:
+                self._inv_freq[device] = torch.tensor(self.frequencies, device=device, dtype=torch.float64)
+            else:
+                pairs = torch.arange(self.rot_dim // 2, device=device, dtype=torch.float64)
+                self._inv_freq[device] = 1.0 / (self.theta ** (pairs * 2 / self.rot_dim))
         return self._inv_freq[device]
 
     def angles(self, start: int, length: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,4 +101,5 @@ class Rotary:
         return torch.cat((rotated, x[..., self.rot_dim :]), dim=-1)
 
     def __repr__(self) -> str:
-        return f"Rotary(mode={self.mode!r}, rot_dim={self.rot_dim}, theta={self.theta})"
+        ladder = f"theta={self.theta}" if self.frequencies is None else f"frequencies={list(self.frequencies)}"
+        return f"Rotary(mode={self.mode!r}, rot_dim={self.rot_dim}, {ladder})"

@@ -24,6 +24,8 @@ CONFIGS = {
     "no-rope": {"kv_rank": 5, "rope": "none"},
     "rope_dim-2-v6": {"kv_rank": 6, "rope_dim": 2, "v_head_dim": 6},
     "low-rank-q-partial-norm-bias": {"kv_rank": 6, "q_rank": 5, "rope": "partial", "qk_norm": True, "bias": True},
+    "converted-no-latent-norm-frequencies": {"kv_rank": 6, "latent_norm": False, "rope_frequencies": [0.7, 0.01, 0.7], "bias": True},
+    "frequencies-with-rope_dim-and-qk-norm": {"kv_rank": 5, "rope_dim": 4, "rope_frequencies": [2.0, 0.3], "qk_norm": True},
 }
 
 
@@ -40,13 +42,14 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
     return x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt() * gain
 
 
-def rotate_pairs(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """RoPE on all channels of x (batch, time, ..., dim), adjacent pairs, token t at position t."""
+def rotate_pairs(x: torch.Tensor, theta: float, frequencies: list[float] | None = None) -> torch.Tensor:
+    """RoPE on all channels of x (batch, time, ..., dim), adjacent pairs, token t at position t;
+    pair i turns at frequencies[i], or theta^(-2i/dim)."""
     t_len, dim = x.shape[1], x.shape[-1]
     out = x.clone()
     for t in range(t_len):
         for i in range(dim // 2):
-            angle = t * theta ** (-2 * i / dim)
+            angle = t * (frequencies[i] if frequencies is not None else theta ** (-2 * i / dim))
             a, b = x[:, t, ..., 2 * i], x[:, t, ..., 2 * i + 1]
             out[:, t, ..., 2 * i] = a * math.cos(angle) - b * math.sin(angle)
             out[:, t, ..., 2 * i + 1] = a * math.sin(angle) + b * math.cos(angle)
@@ -70,11 +73,13 @@ def spec_mla(attn, x: torch.Tensor) -> torch.Tensor:
     if attn.use_qk_norm:
         q = rms_norm(q, attn.q_norm.weight, attn.q_norm.eps)
     down = linear(x, attn.kv_down)
-    k_pe, c = down[..., :p], rms_norm(down[..., p:], attn.kv_norm.weight, attn.kv_norm.eps)
+    k_pe, c = down[..., :p], down[..., p:]
+    if attn.latent_norm:
+        c = rms_norm(c, attn.kv_norm.weight, attn.kv_norm.eps)
     if attn.use_qk_norm and p:
         k_pe = rms_norm(k_pe, attn.k_norm.weight, attn.k_norm.eps)
-    q_pe, q_nope = rotate_pairs(q[..., :p], attn.rope_theta), q[..., p:]
-    k_pe = rotate_pairs(k_pe, attn.rope_theta)
+    q_pe, q_nope = rotate_pairs(q[..., :p], attn.rope_theta, attn.rope_frequencies), q[..., p:]
+    k_pe = rotate_pairs(k_pe, attn.rope_theta, attn.rope_frequencies)
     causal = torch.ones(t_len, t_len, dtype=torch.bool).tril()
     heads = []
     for i in range(h):
@@ -158,6 +163,31 @@ def test_cache_holds_only_the_latent_and_rope_key(dtype, options):
     assert torch.allclose(c.pow(2).mean(-1), torch.ones((), dtype=torch.float64), atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
+def test_without_latent_norm_the_cache_holds_the_linear_latent():
+    attn = make(kv_rank=5, latent_norm=False, rope_frequencies=[0.5, 0.5])
+    assert isinstance(attn.kv_norm, torch.nn.Identity) and attn.rope_dim == 4
+    x = torch.randn(1, 6, D_MODEL, dtype=torch.float64)
+    cache = attn.new_cache(1)
+    with torch.no_grad():
+        attn(x, cache=cache)
+    rows = next(iter(cache.tensors())).view()
+    assert torch.allclose(rows[0, 0, :, 4:], attn.kv_down(x)[0, :, 4:], atol=1e-12)
+    _, wk = attn.head_qk_maps()  # the content keys are linear in x: no rms scale to leave out
+    with torch.no_grad():
+        k_content = attn.k_up(attn.kv_down(x)[..., 4:]).view(1, 6, N_HEADS, HEAD_DIM)
+    for h in range(N_HEADS):
+        assert torch.allclose(x @ wk[h, :, 4:], k_content[:, :, h], atol=1e-12)
+
+
+def test_explicit_frequencies_equal_to_the_ladder_change_nothing():
+    ladder = [10000.0 ** (-2 * i / 4) for i in range(2)]
+    plain, explicit = make(kv_rank=5, rope_dim=4), make(kv_rank=5, rope_frequencies=ladder)
+    x = torch.randn(2, SEQ_LEN, D_MODEL, dtype=torch.float64)
+    with torch.no_grad():
+        assert rel_rmse(explicit(x), plain(x)) < 1e-12
+    assert make(kv_rank=5, rope="none", rope_frequencies=ladder).rope_dim == 0  # like rope_theta: no part without rotation
+
+
 def test_cache_bytes_formula_and_ratio_to_mha():
     mla = build_attention("mla", 512, 8, 64, kv_rank=256, rope_dim=32)
     mha = build_attention("mha", 512, 8, 64)
@@ -203,6 +233,13 @@ BAD_OPTIONS = [
     ({"kv_rank": 4, "v_head_dim": 0}, "v_head_dim"),
     ({"kv_rank": 4, "rank": 4}, "rank"),
     ({"kv_rank": 4, "rope": "half"}, "rope"),
+    ({"kv_rank": 4, "latent_norm": 1}, "latent_norm"),
+    ({"kv_rank": 4, "rope_frequencies": []}, "rope_frequencies"),
+    ({"kv_rank": 4, "rope_frequencies": [1.0, -0.5]}, "rope_frequencies"),
+    ({"kv_rank": 4, "rope_frequencies": [1.0, float("nan")]}, "rope_frequencies"),
+    ({"kv_rank": 4, "rope_frequencies": [True]}, "rope_frequencies"),
+    ({"kv_rank": 4, "rope_frequencies": "0.5"}, "rope_frequencies"),
+    ({"kv_rank": 4, "rope_dim": 4, "rope_frequencies": [1.0]}, "rope_frequencies"),
 ]
 
 

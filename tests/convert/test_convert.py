@@ -11,30 +11,14 @@ import torch
 
 from slimkv.cli import main
 from slimkv.convert.heal import HealConfig, held_out_metrics
-from slimkv.convert.pipeline import ConvertOptions, convert_pretrained, heal_converted
+from slimkv.convert.pipeline import convert_pretrained, heal_converted
 from slimkv.convert.source import Source, exact_copy
 from slimkv.eval.cache import cache_report
 from slimkv.eval.models import load_language_model
 from slimkv.pretrained import LoadedModel
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
 from tests.compress.conftest import char_tokenizer, tiny_model
-
-CALIB = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 30
-HELD_OUT = "Is this a dagger which I see before me,\nThe handle toward my hand? Come, let me clutch thee.\n" * 10
-
-
-@pytest.fixture
-def tiny_folder(tmp_path):
-    folder = tmp_path / "tiny-llama"
-    tiny_model("llama").save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    (tmp_path / "calib.txt").write_text(CALIB)
-    (tmp_path / "held.txt").write_text(HELD_OUT)
-    return folder
-
-
-def options(method: str, ratio: float, tmp_path) -> ConvertOptions:
-    return ConvertOptions(method, ratio, calib=str(tmp_path / "calib.txt"), calib_tokens=96, calib_seq_len=32)
+from tests.convert.conftest import CALIB, options
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
