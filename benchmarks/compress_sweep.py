@@ -14,6 +14,7 @@ Writes under benchmarks/results/:
   without RoPE applied, for a few layers.
 
 Usage: .venv/bin/python benchmarks/compress_sweep.py [--threads 2] [--calib-tokens 8192] [--max-tokens 16384] [--quick]
+       .venv/bin/python benchmarks/compress_sweep.py --skip dense,rope,ablation --methods latentllm --ratios 0.3 --name compress_prefill_latentllm03
 (``--quick``: ratios 0.2,0.3 and 4096 eval tokens, to check the script in a few minutes.)
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from slimkv.common.timing import write_results
-from slimkv.compress.sweep import markdown_table, run_sweep, write_sweep
+from slimkv.compress.sweep import markdown_table, parse_methods, run_sweep, write_sweep
 from slimkv.eval.ppl import perplexity
 from slimkv.pretrained import fetch_smollm2, load_pretrained
 
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-tokens", type=int, default=8192)
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5")
+    parser.add_argument("--methods", default="svd,asvd,rootcov,latentllm", help="methods of the sweep (default svd,asvd,rootcov,latentllm)")
+    parser.add_argument("--name", default="compress_sweep_smollm2", help="results file name of the sweep (default compress_sweep_smollm2)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: dense,rope,sweep,ablation")
     args = parser.parse_args(argv)
@@ -140,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
     common = {"calib_tokens": args.calib_tokens, "max_tokens": max_tokens}
     if "sweep" not in skip:
-        result = run_sweep(base, ["svd", "asvd", "rootcov", "latentllm"], ratios, **common)
-        write_sweep(result, "compress_sweep_smollm2", RESULTS)
+        result = run_sweep(base, parse_methods(args.methods), ratios, **common)
+        write_sweep(result, args.name, RESULTS)
         print(markdown_table(result))
     if "ablation" not in skip:
         labels = ["rootcov", "latentllm", "latentllm-rope-blind-qk", "latentllm-no-joint-qk", "latentllm-no-joint-mlp", "latentllm-no-identity-block"]

@@ -1,5 +1,5 @@
 """``slimkv demo`` / ``make demo``: a small ``slimkv compare``, a conversion of SmolLM2 to a smaller
-KV cache, and the LatentLLM compression demo (``DEMO_PARTS``).
+KV cache, the LatentLLM compression demo and a small recall frontier (``DEMO_PARTS``).
 
 1. Prepares Shakespeare (reused when already there) and compares ``DEMO_ENTRIES`` with one seed
    and a short recipe (``demo_recipe``): mha, gqa, mqa, swa, mla, lrkv (at about half of MHA's
@@ -41,7 +41,7 @@ from slimkv.pretrained.loading import CONVERTED_MANIFEST
 from slimkv.train.config import TrainConfig
 
 DEMO_PARTS = ("compare", "convert", "compress", "recall")
-DEMO_CONVERSION = ("gqa", 0.5)  # method and cache ratio of the conversion demo
+DEMO_CONVERSION = ("mla", 0.5)  # method and cache ratio of the conversion demo (the recommended method)
 DEMO_CONVERSION_CALIB_TOKENS = 2048
 DEMO_CONVERSION_EVAL_TOKENS = 4096
 DEMO_STEPS = 120  # per entry: the default recipe; about 40 s per entry with evaluation on 2 quiet CPU cores

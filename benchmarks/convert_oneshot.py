@@ -1,0 +1,133 @@
+"""Conversions of SmolLM2-135M: perplexity in and out of domain, and the live cache.
+
+For each ``METHOD:RATIO`` the model is converted (``slimkv convert``, one-shot unless
+``--heal-tokens``: then healed by distillation on the training plays; a folder already
+converted with the same options under ``--work`` is reused), then evaluated on the first
+``--eval-tokens`` tokens of each ``--texts`` entry (default: the held-out plays, in domain, and
+Jane Austen, out of domain) in 1024-token windows, and its live cache is measured after a real
+``generate()`` to ``--context`` tokens. The original is evaluated once per text in the same run.
+
+    .venv/bin/python benchmarks/convert_oneshot.py
+    .venv/bin/python benchmarks/convert_oneshot.py --runs mla:0.5 lrkv:0.5 --eval-tokens 4096
+    .venv/bin/python benchmarks/convert_oneshot.py --runs mla:0.5 --heal-tokens 100000 --name convert_healed_smollm2
+
+Writes benchmarks/results/<name>.json, .md and .png (perplexity / original's against live cache ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from slimkv.common.plotting import new_figure
+from slimkv.common.timing import write_results
+from slimkv.convert.heal import HealConfig
+from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained
+from slimkv.data.texts import evaluation_text
+from slimkv.eval.cache import cache_report
+from slimkv.eval.models import load_language_model
+from slimkv.eval.ppl import perplexity
+from slimkv.pretrained import fetch_smollm2
+
+RESULTS = Path(__file__).resolve().parent / "results"  # where this repository keeps benchmark results
+DEFAULT_RUNS = ["mla:0.5", "lrkv:0.5", "gqa:0.5", "mla-prefix:0.5", "mla:0.375", "lrkv:0.375", "gqa:0.34", "mla:0.25"]
+
+
+def parse_run(text: str) -> tuple[str, float]:
+    method, _, ratio = text.partition(":")
+    if not ratio:
+        raise SystemExit(f"--runs entry {text!r}: expected METHOD:RATIO, e.g. mla:0.5")
+    return method, float(ratio)
+
+
+def converted_folder(work: Path, options: ConvertOptions, heal: HealConfig | None, progress: bool) -> tuple[Path, dict, float | None]:
+    """The conversion's folder (reused if it holds the same finished conversion), its manifest and
+    the seconds a new conversion (and healing) took."""
+    out = work / (f"{options.method}_{options.cache_ratio}" + (f"_heal{heal.tokens}" if heal else ""))
+    manifest_path = out / "slimkv_conversion.json"
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        healed = (manifest.get("healing") or {}).get("status") == "finished"
+        if manifest.get("method") == options.method and manifest.get("cache_ratio") == options.cache_ratio and healed == (heal is not None):
+            return out, manifest, None
+    started = time.perf_counter()
+    _, manifest = convert_pretrained("smollm2", options, out, heal_cfg=heal, progress=progress)
+    return out, manifest, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, help=f"METHOD:RATIO entries (default {' '.join(DEFAULT_RUNS)})")
+    parser.add_argument("--texts", nargs="+", default=["shakespeare-val", "austen"], help="evaluation texts (first: in domain)")
+    parser.add_argument("--eval-tokens", type=int, default=8192, help="tokens of each text evaluated (default 8192)")
+    parser.add_argument("--context", type=int, default=2048, help="context of the live-cache measurement (default 2048)")
+    parser.add_argument("--work", default="runs/convert_oneshot", help="where converted folders are written and reused")
+    parser.add_argument("--heal-tokens", type=int, default=0, help="heal every conversion on this many tokens of the training plays (default 0: one-shot)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--name", default="convert_oneshot_smollm2")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args()
+    runs = [parse_run(r) for r in args.runs]
+    fetch_smollm2()
+    for method, ratio in runs:  # every entry checked before the first conversion
+        check_before_work("smollm2", ConvertOptions(method, ratio), None, HealConfig(tokens=args.heal_tokens) if args.heal_tokens else None)
+    torch.set_num_threads(args.threads)
+    texts = {name: evaluation_text(name) for name in args.texts}
+    work = Path(args.work)
+
+    original = load_language_model("smollm2")
+    baseline = {name: perplexity(original.model, original.tokenizer, text, 1024, args.eval_tokens)["ppl"] for name, text in texts.items()}
+    del original
+    print("original: " + ", ".join(f"{n} {p:.2f}" for n, p in baseline.items()), flush=True)
+    rows = []
+    for method, ratio in runs:
+        load_before = os.getloadavg()[0]
+        heal = HealConfig(tokens=args.heal_tokens) if args.heal_tokens else None
+        out, manifest, seconds = converted_folder(work, ConvertOptions(method, ratio), heal, not args.no_progress)
+        loaded = load_language_model(str(out))
+        ppl = {name: perplexity(loaded.model, loaded.tokenizer, text, 1024, args.eval_tokens)["ppl"] for name, text in texts.items()}
+        del loaded
+        live = cache_report(str(out), args.context)
+        row = {"method": method, "cache_ratio": ratio, "achieved_cache_ratio": manifest["achieved_cache_ratio"],
+               "live_cache_ratio": live["ratio_to_original"], "live_bytes_per_token": live["model"]["bytes_per_token"],
+               "ppl": ppl, "ppl_over_original": {n: p / baseline[n] for n, p in ppl.items()}, "convert_seconds": seconds,
+               "healing": manifest.get("healing"),
+               "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}, "folder": str(out)}
+        rows.append(row)
+        print(f"{method:<10} R={ratio:<5} live cache {row['live_cache_ratio']:.3f}: " + ", ".join(
+            f"{n} {p:.2f} ({row['ppl_over_original'][n]:.2f}x)" for n, p in ppl.items()), flush=True)
+
+    figure, ax = new_figure()
+    for name, marker in zip(texts, "os^v"):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            mine = [r for r in rows if r["method"] == method]
+            ax.plot([r["live_cache_ratio"] for r in mine], [r["ppl_over_original"][name] for r in mine], marker=marker, linestyle="-",
+                    label=f"{method} ({name})")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("live cache / original's cache")
+    ax.set_ylabel("perplexity / original's")
+    ax.set_yscale("log")
+    ax.set_title(f"SmolLM2-135M, conversion ({f'healed on {args.heal_tokens:,} tokens' if args.heal_tokens else 'one-shot, no healing'})")
+    ax.legend(fontsize=7)
+    payload = {"model": "smollm2", "threads": args.threads, "heal_tokens": args.heal_tokens, "eval_tokens": args.eval_tokens, "seq_len": 1024, "context": args.context,
+               "texts": args.texts, "original_ppl": baseline, "rows": rows}
+    path = write_results(args.name, payload, RESULTS, figure)
+    what = f"healed on {args.heal_tokens:,} tokens of the training plays" if args.heal_tokens else "one-shot"
+    lines = [f"# Conversion of SmolLM2-135M, {what} ({args.eval_tokens} tokens per text, 1024-token windows, {args.threads} threads)", "",
+             "original: " + ", ".join(f"{n} {p:.2f}" for n, p in baseline.items()), "",
+             "| method | R asked | live cache ratio | " + " | ".join(f"{n} ppl (x original)" for n in texts) + " |",
+             "| --- | ---: | ---: | " + " | ".join("---:" for _ in texts) + " |"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['cache_ratio']} | {r['live_cache_ratio']:.3f} | "
+                     + " | ".join(f"{r['ppl'][n]:.2f} ({r['ppl_over_original'][n]:.2f}x)" for n in texts) + " |")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {path} and {path.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
