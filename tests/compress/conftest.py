@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig, Qwen2Config
@@ -42,6 +44,21 @@ def char_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>")
+
+
+CALIB_LINES = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
+HELD_OUT_LINES = "Is this a dagger which I see before me,\nThe handle toward my hand? Come, let me clutch thee.\n"
+
+
+def write_tiny_llama_folder(tmp_path: Path, calib: str, held_out: str) -> Path:
+    """``tmp_path/tiny-llama``: a tiny random Llama with the character tokenizer, and the texts
+    ``calib.txt`` and ``held.txt`` beside it (a local model and texts, no downloads)."""
+    folder = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    (tmp_path / "calib.txt").write_text(calib)
+    (tmp_path / "held.txt").write_text(held_out)
+    return folder
 
 
 def calib_ids(sequences: int = 6, length: int = 48, seed: int = 1) -> torch.Tensor:

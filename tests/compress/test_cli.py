@@ -13,20 +13,15 @@ from slimkv.compress import load
 from slimkv.compress.persist import MANIFEST_NAME
 from slimkv.pretrained import load_pretrained
 
-from .conftest import char_tokenizer, tiny_model
+from .conftest import CALIB_LINES, HELD_OUT_LINES, write_tiny_llama_folder
 
-CALIB = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 8
-HELD_OUT = "Is this a dagger which I see before me,\nThe handle toward my hand? Come, let me clutch thee.\n" * 6
+CALIB = CALIB_LINES * 8
+HELD_OUT = HELD_OUT_LINES * 6
 
 
 @pytest.fixture
 def tiny_folder(tmp_path):
-    folder = tmp_path / "tiny-llama"
-    tiny_model("llama").save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    (tmp_path / "calib.txt").write_text(CALIB)
-    (tmp_path / "held.txt").write_text(HELD_OUT)
-    return folder
+    return write_tiny_llama_folder(tmp_path, CALIB, HELD_OUT)
 
 
 def test_compress_then_eval_ppl_prints_dense_beside_compressed(tiny_folder, tmp_path, capsys):

@@ -12,18 +12,14 @@ import torch
 from slimkv import ModelConfig, SlimKVForCausalLM
 from slimkv.cli import main
 from slimkv.compress.persist import MANIFEST_NAME
-from tests.compress.conftest import char_tokenizer, tiny_model
+from tests.compress.conftest import CALIB_LINES, write_tiny_llama_folder
 
-CALIB = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 8
+CALIB = CALIB_LINES * 8
 
 
 @pytest.fixture
 def tiny_folder(tmp_path):
-    folder = tmp_path / "tiny-llama"
-    tiny_model("llama").save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    (tmp_path / "calib.txt").write_text(CALIB)
-    return folder
+    return write_tiny_llama_folder(tmp_path, CALIB, "")
 
 
 def compress_argv(folder, tmp_path, out, *extra):
