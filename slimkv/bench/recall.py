@@ -215,6 +215,26 @@ def task_text(task: dict[str, Any]) -> str:
             + ". At f x: f times the tokens, pairs and queries.")
 
 
+def short_labels(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Each entry's label without the options every entry of its family shares (the plot's
+    annotations): ``swa+kvm:swa.window=8,kvm.min_rows=16`` -> ``kvm.min_rows=16`` beside the other hybrids."""
+    kind_and_options = {row["label"]: (row["label"].partition(":")[0], row["label"].partition(":")[2].split(",") if ":" in row["label"] else [])
+                        for row in rows}
+    short = {}
+    for row in rows:
+        kinds = [kind_and_options[other["label"]] for other in rows if family(other) == family(row)]
+        if len(kinds) == 1:
+            short[row["label"]] = row["label"]
+            continue
+        shared = set.intersection(*(set(options) for _, options in kinds))
+        kind, options = kind_and_options[row["label"]]
+        rest = ",".join(o for o in options if o not in shared)
+        if len({k for k, _ in kinds}) > 1:  # a family of several kinds (mha/gqa/mqa): keep the kind
+            rest = f"{kind}:{rest}" if rest else kind
+        short[row["label"]] = rest or kind
+    return short
+
+
 def plot_frontier(report: dict[str, Any]):
     """Accuracy against measured cache bytes per token, one panel per length; a point per entry
     (mean over seeds, bar = min..max), a line per family in order of cache size."""
@@ -222,6 +242,7 @@ def plot_frontier(report: dict[str, Any]):
     fig, axes = new_figure(1, len(factors), figsize=(4.6 * len(factors), 4.6), squeeze=False, layout="constrained")
     families = sorted({family(row) for row in report["aggregate"]})
     colors = {name: f"C{i % 10}" for i, name in enumerate(families)}
+    labels = short_labels(report["aggregate"])
     for ax, factor in zip(axes[0], factors):
         curves: dict[str, list[tuple[float, float]]] = {}
         for row in report["aggregate"]:
@@ -229,7 +250,7 @@ def plot_frontier(report: dict[str, Any]):
             x, stat = per["cache_bytes_per_token"], per["accuracy"]
             name = family(row)
             ax.errorbar(x, stat["mean"], yerr=[[stat["mean"] - stat["min"]], [stat["max"] - stat["mean"]]], fmt="o", color=colors[name], capsize=3, markersize=4)
-            ax.annotate(row["label"], (x, stat["mean"]), textcoords="offset points", xytext=(4, 3), fontsize=6)
+            ax.annotate(labels[row["label"]], (x, stat["mean"]), textcoords="offset points", xytext=(4, 3), fontsize=6)
             curves.setdefault(name, []).append((x, stat["mean"]))
         for name, points in curves.items():
             xs, ys = zip(*sorted(points))
@@ -240,7 +261,8 @@ def plot_frontier(report: dict[str, Any]):
         ax.set_title(f"test length {factor}", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"{report['recipe']['task'].get('task', 'mqar')} accuracy (mean, bar = min..max over seeds)")
-    axes[0][0].legend(fontsize=7, loc="lower right")
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=8, loc="outside lower center", ncols=len(names))
     recipe = report["recipe"]
     fig.suptitle("\n".join(textwrap.wrap(f"{report['title']}: trained at {recipe['task']['seq_len']} tokens, {recipe['steps']} steps, "
                                          f"seeds {', '.join(map(str, report['seeds']))}", 120)), fontsize=9)

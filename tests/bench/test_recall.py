@@ -7,7 +7,7 @@ import torch
 
 from slimkv.attention import ATTENTION_KINDS, kind_spec
 from slimkv.bench.entries import Entry, recipe_shape
-from slimkv.bench.recall import PLOT_FILE, family, frontier_entries, render_markdown, run_recall
+from slimkv.bench.recall import PLOT_FILE, family, frontier_entries, render_markdown, run_recall, short_labels
 from slimkv.cli import main
 from slimkv.common.files import folder_lock
 from slimkv.data.recall import RecallTask
@@ -87,3 +87,12 @@ def test_bad_options_are_named_before_any_work(tmp_path, capsys, arguments, mess
     assert main(["eval", "recall", "--out", str(out), "--steps", "2", *arguments]) != 0
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_plot_labels_drop_the_options_a_family_shares():
+    rows = [{"label": label, "kinds": kinds} for label, kinds in [
+        ("mha", ["mha"]), ("gqa:n_kv_heads=2", ["gqa"]), ("mqa", ["mqa"]),
+        ("swa+kvm:swa.window=8,kvm.min_rows=4", ["swa", "kvm"]), ("swa+kvm:swa.window=8,kvm.min_rows=16", ["swa", "kvm"]),
+        ("lrkv:rank=1", ["lrkv"])]]
+    assert short_labels(rows) == {"mha": "mha", "gqa:n_kv_heads=2": "gqa:n_kv_heads=2", "mqa": "mqa", "swa+kvm:swa.window=8,kvm.min_rows=4": "kvm.min_rows=4",
+                                  "swa+kvm:swa.window=8,kvm.min_rows=16": "kvm.min_rows=16", "lrkv:rank=1": "lrkv:rank=1"}
