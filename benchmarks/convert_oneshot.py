@@ -10,6 +10,7 @@ Jane Austen, out of domain) in 1024-token windows, and its live cache is measure
     .venv/bin/python benchmarks/convert_oneshot.py
     .venv/bin/python benchmarks/convert_oneshot.py --runs mla:0.5 lrkv:0.5 --eval-tokens 4096
     .venv/bin/python benchmarks/convert_oneshot.py --runs mla:0.5 --heal-tokens 100000 --name convert_healed_smollm2
+    .venv/bin/python benchmarks/convert_oneshot.py --name convert_smollm2 --plot-from benchmarks/results/convert_{oneshot,healed}_smollm2.json
 
 Writes benchmarks/results/<name>.json, .md and .png (perplexity / original's against live cache ratio).
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from slimkv.common.files import save_figure
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
 from slimkv.convert.heal import HealConfig
@@ -60,6 +62,30 @@ def converted_folder(work: Path, options: ConvertOptions, heal: HealConfig | Non
     return out, manifest, time.perf_counter() - started
 
 
+def plot(results: list[dict]):
+    """Perplexity / original's against the live cache ratio of every row of ``results`` (payloads
+    of this script): colour = method, marker = text, dashed and hollow = healed."""
+    figure, ax = new_figure()
+    methods = list(dict.fromkeys(r["method"] for result in results for r in result["rows"]))
+    colors = {method: f"C{i % 10}" for i, method in enumerate(methods)}
+    for result in results:
+        healed = bool(result.get("heal_tokens"))
+        for name, marker in zip(result["texts"], "os^v"):
+            for method in methods:
+                mine = sorted((r for r in result["rows"] if r["method"] == method), key=lambda r: r["live_cache_ratio"])
+                if mine:
+                    ax.plot([r["live_cache_ratio"] for r in mine], [r["ppl_over_original"][name] for r in mine], marker=marker, color=colors[method],
+                            linestyle="--" if healed else "-", markerfacecolor="none" if healed else colors[method],
+                            label=f"{method}, {name}" + (f", healed {result['heal_tokens']:,} tokens" if healed else ""))
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("live cache / original's cache (measured after generate())")
+    ax.set_ylabel("perplexity / original's")
+    ax.set_yscale("log")
+    ax.set_title("SmolLM2-135M converted to a smaller KV cache")
+    ax.legend(fontsize=6, ncols=2)
+    return figure
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, help=f"METHOD:RATIO entries (default {' '.join(DEFAULT_RUNS)})")
@@ -71,7 +97,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--name", default="convert_oneshot_smollm2")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",
+                        help="only redraw one figure from result files of this script (e.g. one-shot and healed) into <--name>.png")
     args = parser.parse_args()
+    if args.plot_from:
+        path = RESULTS / f"{args.name}.png"
+        save_figure(plot([json.loads(Path(p).read_text()) for p in args.plot_from]), path)
+        print(f"wrote {path}")
+        return
     runs = [parse_run(r) for r in args.runs]
     fetch_smollm2()
     for method, ratio in runs:  # every entry checked before the first conversion
@@ -102,21 +135,9 @@ def main() -> None:
         print(f"{method:<10} R={ratio:<5} live cache {row['live_cache_ratio']:.3f}: " + ", ".join(
             f"{n} {p:.2f} ({row['ppl_over_original'][n]:.2f}x)" for n, p in ppl.items()), flush=True)
 
-    figure, ax = new_figure()
-    for name, marker in zip(texts, "os^v"):
-        for method in dict.fromkeys(r["method"] for r in rows):
-            mine = [r for r in rows if r["method"] == method]
-            ax.plot([r["live_cache_ratio"] for r in mine], [r["ppl_over_original"][name] for r in mine], marker=marker, linestyle="-",
-                    label=f"{method} ({name})")
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("live cache / original's cache")
-    ax.set_ylabel("perplexity / original's")
-    ax.set_yscale("log")
-    ax.set_title(f"SmolLM2-135M, conversion ({f'healed on {args.heal_tokens:,} tokens' if args.heal_tokens else 'one-shot, no healing'})")
-    ax.legend(fontsize=7)
     payload = {"model": "smollm2", "threads": args.threads, "heal_tokens": args.heal_tokens, "eval_tokens": args.eval_tokens, "seq_len": 1024, "context": args.context,
                "texts": args.texts, "original_ppl": baseline, "rows": rows}
-    path = write_results(args.name, payload, RESULTS, figure)
+    path = write_results(args.name, payload, RESULTS, plot([payload]))
     what = f"healed on {args.heal_tokens:,} tokens of the training plays" if args.heal_tokens else "one-shot"
     lines = [f"# Conversion of SmolLM2-135M, {what} ({args.eval_tokens} tokens per text, 1024-token windows, {args.threads} threads)", "",
              "original: " + ", ".join(f"{n} {p:.2f}" for n, p in baseline.items()), "",
