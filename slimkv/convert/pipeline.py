@@ -158,9 +158,10 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     return model, manifest
 
 
-def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str, Any], out_dir: str | Path) -> Path:
+def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
     """Publish ``out_dir``: the slimkv model (config + safetensors), the tokenizer, the manifest,
-    and the DeepSeek-V3 form of the model in ``deepseek_v3/`` when the options ask for it."""
+    and the DeepSeek-V3 form of the model in ``deepseek_v3/`` when the options ask for it; returns
+    the manifest as published (with the export's facts)."""
     out_dir = Path(out_dir).expanduser()
     with CONVERTED_FOLDER.publish(out_dir) as folder, quiet_transformers():
         model.save_pretrained(folder)
@@ -170,7 +171,7 @@ def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str,
             manifest = {**manifest, "export": export_deepseek(model, tokenizer, folder / EXPORT_FOLDER)}
         files = sorted(p.name for p in folder.iterdir())
         write_json(folder / CONVERTED_MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": files})
-    return out_dir
+    return manifest
 
 
 def convert_pretrained(model: str, options: ConvertOptions, out_dir: str | Path | None, *, heal_cfg: HealConfig | None = None,
@@ -187,7 +188,7 @@ def convert_pretrained(model: str, options: ConvertOptions, out_dir: str | Path 
     identity["weights_sha256"] = weights_fingerprint(Path(identity["path"]))
     manifest = {"library_version": VERSION, "base_model": identity, **body}
     if out_dir is not None:
-        save_converted(converted, loaded.tokenizer, manifest, out_dir)
+        manifest = save_converted(converted, loaded.tokenizer, manifest, out_dir)
     if heal_cfg is not None:
         del loaded, source
         manifest = heal_converted(out_dir, heal_cfg, progress=progress)
@@ -208,5 +209,5 @@ def heal_converted(out_dir: str | Path, cfg: HealConfig, *, resume: bool = False
     body = {k: v for k, v in manifest.items() if k not in ("format", "format_version", "files")}
     body["healing"] = summary
     if summary.get("status") == "finished":  # a stopped run leaves its checkpoint in OUT/healing, the published model unhealed
-        save_converted(student, tokenizer, body, out_dir)
+        body = save_converted(student, tokenizer, body, out_dir)
     return body

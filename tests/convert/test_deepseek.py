@@ -24,6 +24,7 @@ def test_an_mla_prefix_conversion_exports_to_deepseek_v3(tiny_folder, tmp_path):
     model, manifest = convert_pretrained(str(tiny_folder), opts, out, progress=False)
     stored = json.loads((out / CONVERTED_MANIFEST).read_text())
     assert stored["export"]["folder"] == EXPORT_FOLDER and EXPORT_FOLDER in stored["files"]
+    assert manifest["export"] == stored["export"]  # what the caller gets is what was published
     exported = AutoModelForCausalLM.from_pretrained(out / EXPORT_FOLDER).eval()  # transformers' own class, no slimkv code
     assert type(exported).__name__ == "DeepseekV3ForCausalLM"
     assert exported.config.kv_lora_rank == model.model.layers[0].attn.kv_rank + 1  # the constant channel
