@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+from slimkv.convert.source import shared_parameter_pairs
 from slimkv.model import SlimKVForCausalLM
 
 EXPORT_FOLDER = "deepseek_v3"  # inside the conversion folder
@@ -92,15 +93,9 @@ def to_deepseek(model: SlimKVForCausalLM) -> DeepseekV3ForCausalLM:
     """A DeepseekV3ForCausalLM computing what the slimkv mla ``model`` computes (module docstring)."""
     config = deepseek_config(model)
     out = DeepseekV3ForCausalLM(config).to(next(model.parameters()).dtype).eval()
-    out.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
-    out.model.norm.weight.copy_(model.model.norm.weight)
-    if not config.tie_word_embeddings:
-        out.lm_head.weight.copy_(model.lm_head.weight)
+    for theirs, ours in shared_parameter_pairs(out, model, config.tie_word_embeddings):
+        theirs.copy_(ours)
     for target, block in zip(out.model.layers, model.model.layers):
-        target.input_layernorm.weight.copy_(block.attn_norm.weight)
-        target.post_attention_layernorm.weight.copy_(block.mlp_norm.weight)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(target.mlp, name).weight.copy_(getattr(block.mlp, name).weight)
         _copy_attention(target.self_attn, block)
     return out
 

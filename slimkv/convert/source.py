@@ -170,19 +170,24 @@ def slimkv_config(shape: Shape, fields: dict[str, Any]) -> ModelConfig:
     )
 
 
+def shared_parameter_pairs(llama_like: nn.Module, slim: SlimKVForCausalLM, tied: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(transformers parameter, slimkv parameter) for everything but attention: embeddings, final
+    norm, LM head (unless ``tied``), and per layer both norms and the gated MLP. Llama's layout,
+    which DeepSeek-V3's dense layers share; used to copy in either direction."""
+    pairs = [(llama_like.model.embed_tokens.weight, slim.model.embed_tokens.weight), (llama_like.model.norm.weight, slim.model.norm.weight)]
+    if not tied:
+        pairs.append((llama_like.lm_head.weight, slim.lm_head.weight))
+    for layer, block in zip(llama_like.model.layers, slim.model.layers):
+        pairs += [(layer.input_layernorm.weight, block.attn_norm.weight), (layer.post_attention_layernorm.weight, block.mlp_norm.weight)]
+        pairs += [(getattr(layer.mlp, name).weight, getattr(block.mlp, name).weight) for name in ("gate_proj", "up_proj", "down_proj")]
+    return pairs
+
+
 @torch.no_grad()
 def copy_shared_weights(source: Source, target: SlimKVForCausalLM) -> None:
     """Embeddings, norms, MLPs and the LM head (everything but attention) from the source."""
-    src = source.model
-    target.model.embed_tokens.weight.copy_(src.model.embed_tokens.weight)
-    target.model.norm.weight.copy_(src.model.norm.weight)
-    if not source.shape.tie_word_embeddings:
-        target.lm_head.weight.copy_(src.lm_head.weight)
-    for block, layer in zip(target.model.layers, src.model.layers):
-        block.attn_norm.weight.copy_(layer.input_layernorm.weight)
-        block.mlp_norm.weight.copy_(layer.post_attention_layernorm.weight)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(block.mlp, name).weight.copy_(getattr(layer.mlp, name).weight)
+    for theirs, ours in shared_parameter_pairs(source.model, target, source.shape.tie_word_embeddings):
+        ours.copy_(theirs)
 
 
 def gqa_state(weights: LayerWeights, bias: bool) -> dict[str, torch.Tensor]:
