@@ -18,14 +18,13 @@ Writes benchmarks/results/<name>.json, .md and .png (perplexity / original's aga
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
 
-from slimkv.common.files import save_figure
+from slimkv.common.files import read_json, save_figure
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
 from slimkv.convert.heal import HealConfig
@@ -53,7 +52,7 @@ def converted_folder(work: Path, options: ConvertOptions, heal: HealConfig | Non
     out = work / (f"{options.method}_{options.cache_ratio}" + (f"_heal{heal.tokens}" if heal else ""))
     manifest_path = out / "slimkv_conversion.json"
     if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_json(manifest_path, expect=dict)
         healed = (manifest.get("healing") or {}).get("status") == "finished"
         if manifest.get("method") == options.method and manifest.get("cache_ratio") == options.cache_ratio and healed == (heal is not None):
             return out, manifest, None
@@ -102,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.plot_from:
         path = RESULTS / f"{args.name}.png"
-        save_figure(plot([json.loads(Path(p).read_text()) for p in args.plot_from]), path)
+        save_figure(plot([read_json(p, expect=dict) for p in args.plot_from]), path)
         print(f"wrote {path}")
         return
     runs = [parse_run(r) for r in args.runs]
