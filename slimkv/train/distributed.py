@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -34,7 +35,12 @@ class Distributed:
         return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns_group)
 
     def close(self) -> None:
+        """End the process group this object created. Wrappers holding the group (DDP's reducer)
+        must be gone by now, so that the group's Python handle is its last owner: that handle frees
+        it with the GIL released, letting gloo's worker threads finish. ``gc.collect()`` frees a
+        wrapper caught in a reference cycle now rather than at some later, GIL-holding moment."""
         if self.owns_group:
+            gc.collect()
             dist.destroy_process_group()
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:

@@ -179,6 +179,13 @@ class Trainer:
         if self.ddp.world_size > 1:
             self.trained = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
+    def close(self) -> None:
+        """Drop the DistributedDataParallel wrapper before the process group ends. Its reducer must
+        not be the group's last owner: a group freed from there is freed holding the GIL, and gloo's
+        worker threads, which need the GIL to free the tensors of a finished collective, then never
+        stop (a hang after training, seen under load; see ``Distributed.close``)."""
+        self.trained = self.model
+
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.batch_size * self.cfg.grad_accum * self.cfg.seq_len
@@ -351,7 +358,10 @@ def train(
             trainer = lm_trainer(cfg, run_dir, device, amp_dtype, ddp, dataset, resume)
             if trainer is None:
                 return _finished_summary(run_dir)
-            return run_loop(trainer, progress=progress, stop_after=stop_after, on_step=on_step)
+            try:
+                return run_loop(trainer, progress=progress, stop_after=stop_after, on_step=on_step)
+            finally:
+                trainer.close()
     finally:
         ddp.close()
 

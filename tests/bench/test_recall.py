@@ -7,7 +7,7 @@ import torch
 
 from slimkv.attention import ATTENTION_KINDS, kind_spec
 from slimkv.bench.entries import Entry, recipe_shape
-from slimkv.bench.recall import PLOT_FILE, family, frontier_entries, render_markdown, run_recall, short_labels
+from slimkv.bench.recall import PLOT_FILE, family, frontier_entries, render_markdown, run_recall, short_labels, task_text
 from slimkv.cli import main
 from slimkv.common.files import folder_lock
 from slimkv.data.recall import RecallTask
@@ -96,3 +96,10 @@ def test_plot_labels_drop_the_options_a_family_shares():
         ("lrkv:rank=1", ["lrkv"])]]
     assert short_labels(rows) == {"mha": "mha", "gqa:n_kv_heads=2": "gqa:n_kv_heads=2", "mqa": "mqa", "swa+kvm:swa.window=8,kvm.min_rows=4": "kvm.min_rows=4",
                                   "swa+kvm:swa.window=8,kvm.min_rows=16": "kvm.min_rows=16", "lrkv:rank=1": "lrkv:rank=1"}
+
+
+def test_needles_task_text_names_the_value_kind():
+    """The report's task sentence says what the values are: words or digits, never both."""
+    base = {"task": "needles", "n_pairs": 4, "seq_len": 128, "dataset": "shakespeare", "digits": 2, "value_words": 64}
+    assert "word values" in task_text({**base, "values": "words"}) and "digit" not in task_text({**base, "values": "words"})
+    assert "2-digit values" in task_text({**base, "values": "digits"})
