@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from slimkv.attention import Attention, AttentionCache, LayerShape, build_attention, kind_spec
 from slimkv.common.checks import check_int
 from slimkv.common.plotting import new_figure
-from slimkv.common.timing import measure_copy_bandwidth, time_fn, write_results
+from slimkv.common.timing import measure_copy_bandwidth, measure_matmul_rate, time_fn, write_results
 
 
 @torch.no_grad()
@@ -29,7 +30,19 @@ def decode_latency(attn: Attention, cache: AttentionCache, *, warmup: int = 3, r
     stats = time_fn(lambda: attn(x, cache=cache), warmup=warmup, repeats=repeats, device=device)
     stats["cache_bytes"] = bytes_read
     stats["gb_per_s"] = bytes_read / stats["median_s"] / 1e9
+    stats["flops"] = step_flops(attn, cache)
     return stats
+
+
+@torch.no_grad()
+def step_flops(attn: Attention, cache: AttentionCache) -> int:
+    """FLOPs of one single-token call (projections included), as ``torch.utils.flop_counter``
+    counts them: matmul-type ops only (a fused attention kernel it does not know counts 0). The
+    counted call appends one token to the cache, like a timed one."""
+    x = torch.randn(cache.batch_size, 1, attn.d_model, dtype=cache.dtype, device=next(attn.parameters()).device)
+    with FlopCounterMode(display=False) as counter:
+        attn(x, cache=cache)
+    return counter.get_total_flops()
 
 
 # ---------------------------------------------------------------- decode sweeps over kinds and contexts
@@ -150,7 +163,7 @@ def decode_sweep(
                     attn.set_runtime_options(**{**defaults, **runtime})
                     seen = cache.seq_len
                     stats = decode_latency(attn, cache, warmup=warmup, repeats=repeats)
-                    entry = pooled.setdefault(variant.label, {"context_seen": seen, "cache_bytes": stats["cache_bytes"], "samples_s": []})
+                    entry = pooled.setdefault(variant.label, {"context_seen": seen, "cache_bytes": stats["cache_bytes"], "flops": stats["flops"], "samples_s": []})
                     entry["samples_s"].extend(stats["samples_s"])
                     bar.update()
             for variant, key, _ in runnable:
@@ -170,6 +183,8 @@ def decode_sweep(
                         "min_s": min(samples),
                         "max_s": max(samples),
                         "gb_per_s": entry["cache_bytes"] / median / 1e9,
+                        "flops": entry["flops"],
+                        "gflop_per_s": entry["flops"] / median / 1e9,
                         "samples_s": samples,
                     }
                 )
@@ -194,12 +209,25 @@ COMPUTE_BOUND = ("mla", "lrkv")  # kinds whose decode does extra arithmetic per 
 KVM_SPEEDUP = {"kvm-fixed": 30.0, "kvm-sqrt": 8.0}  # times faster than MHA at 32K
 
 
+def add_roofline(payload: dict[str, Any], copy_bandwidth: float, matmul_rate: float) -> None:
+    """Give every row its roofline: the least time one step can take on this machine, the larger
+    of (cache + parameter bytes) / copy bandwidth and counted FLOPs / the large-matmul FLOP rate,
+    and ``of_roofline`` = that / the measured time (1.0 = as fast as the machine allows)."""
+    for row in payload["rows"]:
+        memory_s = (row["cache_bytes"] + row["parameter_bytes"]) / copy_bandwidth
+        compute_s = row["flops"] / matmul_rate
+        row["roofline_s"] = max(memory_s, compute_s)
+        row["roofline_bound"] = "memory" if memory_s >= compute_s else "compute"
+        row["of_roofline"] = row["roofline_s"] / row["median_s"]
+
+
 def decode_targets(payload: dict[str, Any], copy_bandwidth: float) -> list[dict[str, Any]]:
     """The targets of docs/evaluation.md ("Speed benchmarks") at the largest context, if >= 32K:
 
     * MHA, GQA, MQA, SWA read their live cache at >= 0.8 x the measured copy bandwidth (bytes/s
       of a large copy, read + write counted, as ``measure_copy_bandwidth`` reports it);
-    * MLA and LRKV (their default decode path): time / MHA's time <= 1.2 x cache bytes / MHA's;
+    * MLA and LRKV (their default decode path): time / MHA's time <= 1.2 x cache bytes / MHA's
+      (``reachable`` says whether their roofline, from ``add_roofline``, allows it on this machine);
     * KVM: fixed >= 30x and sqrt >= 8x faster than MHA.
     Rows are matched by label: the kind's name (or ``kvm-fixed`` / ``kvm-sqrt``).
     """
@@ -219,8 +247,12 @@ def decode_targets(payload: dict[str, Any], copy_bandwidth: float) -> list[dict[
         if label in at_top:
             time_ratio = at_top[label]["median_s"] / mha["median_s"]
             bytes_ratio = at_top[label]["cache_bytes"] / mha["cache_bytes"]
-            targets.append({"target": "time vs mha <= 1.2 x cache-bytes ratio", "label": label, "context": top, "value": time_ratio / bytes_ratio,
-                            "time_ratio": time_ratio, "bytes_ratio": bytes_ratio, "met": time_ratio <= 1.2 * bytes_ratio})
+            target = {"target": "time vs mha <= 1.2 x cache-bytes ratio", "label": label, "context": top, "value": time_ratio / bytes_ratio,
+                      "time_ratio": time_ratio, "bytes_ratio": bytes_ratio, "met": time_ratio <= 1.2 * bytes_ratio}
+            if "roofline_s" in at_top[label]:
+                target["roofline_time_ratio"] = at_top[label]["roofline_s"] / mha["median_s"]
+                target["reachable"] = target["roofline_time_ratio"] <= 1.2 * bytes_ratio
+            targets.append(target)
     for label, wanted in KVM_SPEEDUP.items():
         if label in at_top:
             speedup = mha["median_s"] / at_top[label]["median_s"]
@@ -254,14 +286,16 @@ def decode_table(payload: dict[str, Any], copy_bandwidth: float) -> str:
     """Human-readable table of a ``decode_sweep`` payload (times per token, cache bytes read)."""
     rows = payload["rows"]
     mha_time = {r["context"]: r["median_s"] for r in rows if r["label"] == "mha"}
-    header = f"{'variant':<16}{'context':>8}{'cache MiB':>11}{'vs mha':>8}  {'ms/token median (min-max)':<30}{'GB/s':>8}{'of copy':>9}{'time vs mha':>13}"
+    header = (f"{'variant':<16}{'context':>8}{'cache MiB':>11}{'vs mha':>8}  {'ms/token median (min-max)':<30}{'GB/s':>8}{'of copy':>9}"
+              f"{'GFLOP/s':>9}{'of roofline':>13}{'time vs mha':>13}")
     lines = [header, "-" * len(header)]
     for r in sorted(rows, key=lambda r: (r["label"], r["context"])):
         spread = f"{r['median_s'] * 1e3:.3f} ({r['min_s'] * 1e3:.3f}-{r['max_s'] * 1e3:.3f})"
         vs_time = f"{r['median_s'] / mha_time[r['context']]:.3f}" if r["context"] in mha_time else "-"
         lines.append(
             f"{r['label']:<16}{r['context']:>8}{r['cache_bytes'] / 2**20:>11.2f}{r['cache_ratio_to_mha']:>8.3f}  {spread:<30}"
-            f"{r['gb_per_s']:>8.2f}{r['gb_per_s'] * 1e9 / copy_bandwidth:>9.2f}{vs_time:>13}"
+            f"{r['gb_per_s']:>8.2f}{r['gb_per_s'] * 1e9 / copy_bandwidth:>9.2f}{r['gflop_per_s']:>9.2f}"
+            f"{(format(r['of_roofline'], '.2f') + ' ' + r['roofline_bound'][:3]) if 'of_roofline' in r else '-':>13}{vs_time:>13}"
         )
     return "\n".join(lines)
 
@@ -299,20 +333,29 @@ def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: lis
     ``check_overhead``: also the per-step overhead targets (``overhead_targets``)."""
     device = sweep_options.get("device", "cpu")
     print(f"threads: {torch.get_num_threads()}; variants: " + ", ".join(f"{v.label} {v.options or ''}".strip() for v in variants))
-    copy_before = measure_copy_bandwidth(device=device)
+    dtype = sweep_options.get("dtype", torch.float32)
+    copy_before, matmul_before = measure_copy_bandwidth(device=device), measure_matmul_rate(dtype=dtype, device=device)
     payload = decode_sweep(variants, contexts, **sweep_options)
-    copy_after = measure_copy_bandwidth(device=device)
-    copy_bandwidth = max(copy_before, copy_after)
+    copy_after, matmul_after = measure_copy_bandwidth(device=device), measure_matmul_rate(dtype=dtype, device=device)
+    copy_bandwidth, matmul_rate = max(copy_before, copy_after), max(matmul_before, matmul_after)
     payload["copy_bandwidth"] = {
         "bytes_per_s": copy_bandwidth,
         "samples_bytes_per_s": [copy_before, copy_after],
         "definition": "2 x bytes / time of a 256 MiB tensor copy (read + write), best of before/after the sweep",
     }
+    payload["matmul_rate"] = {
+        "flop_per_s": matmul_rate,
+        "samples_flop_per_s": [matmul_before, matmul_after],
+        "definition": "2 n^3 / time of an n x n by n x n matmul (n 1024) in the sweep's dtype, best of before/after the sweep",
+    }
+    add_roofline(payload, copy_bandwidth, matmul_rate)
     payload["targets"] = decode_targets(payload, copy_bandwidth) + (overhead_targets(payload) if check_overhead else [])
     payload["threads"] = torch.get_num_threads()
     print(decode_table(payload, copy_bandwidth))
     print(f"memory-copy bandwidth: {copy_bandwidth / 1e9:.2f} GB/s (read + write counted); "
           "'of copy' = cache bytes read per second / that")
+    print(f"large-matmul rate: {matmul_rate / 1e9:.1f} GFLOP/s; 'of roofline' = max((cache + parameter bytes) / copy bandwidth, "
+          "counted FLOPs / matmul rate) / time, with the bound that sets it (mem or com)")
     ran = sorted({r["kind"] for r in payload["rows"]})
     print(f"kinds run: {', '.join(ran)}")
     for skip in payload["skipped"]:
@@ -321,7 +364,8 @@ def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: lis
         print(f"bandwidth targets: stated for >= {TARGET_CONTEXT} cached tokens; not evaluated (largest context {max(contexts)})")
     for t in payload["targets"]:
         where = f" at {t['context']}" if "context" in t else ""
-        print(f"target [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['label']}{where}: {t['value']:.3f}")
+        reach = "" if "reachable" not in t else f" (roofline time vs mha {t['roofline_time_ratio']:.3f}: {'reachable' if t['reachable'] else 'not reachable on this machine'})"
+        print(f"target [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['label']}{where}: {t['value']:.3f}{reach}")
     path = write_results(name, payload, out_dir, figure=decode_figure(payload, copy_bandwidth))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return payload

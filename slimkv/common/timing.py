@@ -48,6 +48,15 @@ def measure_copy_bandwidth(nbytes: int = 256 * 2**20, device: torch.device | str
     return 2 * nbytes / stats["median_s"]
 
 
+def measure_matmul_rate(size: int = 1024, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", repeats: int = 7) -> float:
+    """FLOP/s of a large square matmul (2 size^3 FLOPs per call): the arithmetic yardstick that,
+    with ``measure_copy_bandwidth``, bounds how fast a kernel can be (a roofline)."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    stats = time_fn(lambda: torch.mm(a, b), warmup=2, repeats=repeats, device=device)
+    return 2 * size**3 / stats["median_s"]
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on, and how busy the machine was (1/5/15-minute load)."""
     info = {

@@ -1,0 +1,57 @@
+"""The decode benchmark's accounting: counted FLOPs per step, the roofline, and the targets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slimkv.attention import build_attention
+from slimkv.bench.decode import add_roofline, decode_targets, fill_cache, matched_width_variants, run_decode_benchmark, step_flops
+
+
+def test_step_flops_of_mha_are_the_projections_and_two_products_per_key():
+    """One decode step of MHA: four d_model x d_model projections and, per head, q.k and p.v over
+    every key (the new one included): 2 * 4 * d^2 + 4 * heads * head_dim * keys."""
+    d_model, heads, head_dim, context = 16, 2, 8, 12
+    attn = build_attention("mha", d_model, heads, head_dim).double().eval()
+    cache = attn.new_cache(1, dtype=torch.float64)
+    fill_cache(attn, cache, context, generator=torch.Generator().manual_seed(0))
+    assert step_flops(attn, cache) == 2 * 4 * d_model**2 + 4 * heads * head_dim * (context + 1)
+    assert cache.seq_len == context + 1  # the counted call appended its token, like a timed one
+
+
+def _row(label: str, **values) -> dict:
+    return {"label": label, "kind": label, "context": 32768, **values}
+
+
+def test_roofline_takes_the_slower_of_memory_and_arithmetic():
+    payload = {"rows": [_row("mem", cache_bytes=900, parameter_bytes=100, flops=10, median_s=2.0),
+                        _row("com", cache_bytes=10, parameter_bytes=0, flops=4000, median_s=8.0)]}
+    add_roofline(payload, copy_bandwidth=1000.0, matmul_rate=1000.0)
+    mem, com = payload["rows"]
+    assert (mem["roofline_s"], mem["roofline_bound"], mem["of_roofline"]) == (1.0, "memory", 0.5)
+    assert (com["roofline_s"], com["roofline_bound"], com["of_roofline"]) == (4.0, "compute", 0.5)
+
+
+def test_a_compute_bound_target_says_whether_the_machine_can_reach_it():
+    """MLA at 0.25 of MHA's bytes may take 0.3 of MHA's time; its roofline alone takes 0.5: the
+    target is missed AND out of reach here; LRKV's roofline allows it."""
+    rows = [_row("mha", cache_bytes=1000, median_s=1.0, roofline_s=0.8, gb_per_s=1e-6),
+            _row("mla", cache_bytes=250, median_s=0.9, roofline_s=0.5),
+            _row("lrkv", cache_bytes=500, median_s=0.9, roofline_s=0.3)]
+    targets = {t["label"]: t for t in decode_targets({"settings": {"contexts": [32768]}, "rows": rows}, copy_bandwidth=1e9)}
+    assert not targets["mla"]["met"] and targets["mla"]["reachable"] is False and targets["mla"]["roofline_time_ratio"] == pytest.approx(0.5)
+    assert not targets["lrkv"]["met"] and targets["lrkv"]["reachable"] is True
+
+
+def test_benchmark_writes_rates_and_rooflines(tmp_path, capsys):
+    variants = matched_width_variants(["mha", "gqa"], n_heads=2, head_dim=8)
+    payload = run_decode_benchmark("decode_smoke", variants, [16], out_dir=tmp_path, d_model=16, n_heads=2, head_dim=8,
+                                   dtype=torch.float64, warmup=0, repeats=1, rounds=1)
+    written = json.loads((tmp_path / "decode_smoke.json").read_text())
+    assert written["matmul_rate"]["flop_per_s"] > 0 and written["copy_bandwidth"]["bytes_per_s"] > 0
+    for row in payload["rows"]:
+        assert row["flops"] > 0 and row["gflop_per_s"] > 0 and 0 < row["roofline_s"] and row["roofline_bound"] in ("memory", "compute")
+    assert "large-matmul rate" in capsys.readouterr().out
