@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from slimkv.common.files import read_json
 from slimkv.train import TrainingDiverged, load_run, train
+from slimkv.train.distributed import Distributed
+from slimkv.train.trainer import Trainer
 from tests.train.tiny import one_thread, tiny_config
 
 TIMING_KEYS = {"tokens_per_s", "elapsed_s"}
@@ -172,3 +177,21 @@ def test_two_process_ddp_matches_single_process(straight_run, tmp_path, tiny_cac
     ddp_weights = weights(run_dir)
     for name, tensor in weights(straight).items():
         assert torch.allclose(ddp_weights[name], tensor, rtol=1e-3, atol=1e-5), name
+
+
+def test_closing_a_trainer_frees_its_ddp_wrapper(tmp_path):
+    """DDP's reducer must not be the process group's last owner when the group ends: freed from
+    there, gloo's destructor holds the GIL its worker threads need, and the process hangs after
+    training (seen in CI). ``Trainer.close`` drops the wrapper first."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        trainer = Trainer(cfg=None, run_dir=tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), batches=None,
+                          evaluate=dict, save_model=lambda folder: None, state={}, ddp=Distributed(rank=0, world_size=2))
+        assert isinstance(trainer.trained, torch.nn.parallel.DistributedDataParallel)
+        wrapper = weakref.ref(trainer.trained)
+        trainer.close()
+        gc.collect()
+        assert wrapper() is None and trainer.trained is model
+    finally:
+        dist.destroy_process_group()
