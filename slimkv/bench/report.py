@@ -116,7 +116,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {r['label']} | {r['seed']} | {r['val_bpb']:.4f} | {r['val_ce']:.4f} | {'-' if div is None else f'{div:.3f}'} | {r['run_dir']} |")
     lines += ["", f"Plots: {PLOT_BPB}" + (f", {PLOT_DECODE}" if contexts else "") + "."]
     machine = report["machine"]
-    lines.append(f"Machine: {machine.get('cpu_model', machine.get('processor'))}, {machine['cpu_count']} CPUs, torch {machine['torch']}, {machine['threads']} threads.")
+    lines.append(f"Machine: {machine.get('cpu_model', machine.get('processor'))}, {machine['cpu_count']} CPUs, torch {machine['torch']}, {machine['threads']} thread{'' if machine['threads'] == 1 else 's'}.")
     return "\n".join(lines) + "\n"
 
 
