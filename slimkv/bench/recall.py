@@ -208,7 +208,8 @@ def task_text(task: dict[str, Any]) -> str:
     """One sentence describing a recall task from its ``to_dict()``."""
     if task.get("task") == "needles":
         values = f"{task['digits']}-digit values" if task.get("values") == "digits" else f"single-token word values (from {task.get('value_words')} words)"
-        return (f"Needles task: {task['n_pairs']} needle lines with {values} in {task['seq_len']}-token documents of "
+        lines = "needle lines (key, value; no sentence before the key)" if task.get("needle_prefix") == "none" else "needle lines"
+        return (f"Needles task: {task['n_pairs']} {lines} with {values} in {task['seq_len']}-token documents of "
                 f"{task['dataset']} prose (train split in training, val split in the test sets), each needle asked once at the end. "
                 "At f x: f times longer documents, the same needles.")
     return (f"MQAR task: vocabulary {task['vocab_size']}, {task['seq_len']} tokens, {task['n_pairs']} pairs, "

@@ -47,6 +47,7 @@ from slimkv.data.recall import IGNORE
 
 PREFIXES = {"words": "The magic word of", "digits": "The magic number of"}
 VALUE_KINDS = tuple(PREFIXES)
+NEEDLE_PREFIXES = ("sentence", "none")  # "none": a needle line is just key, value, ".\n" (and a question just the key)
 SPLITS = ("train", "val")
 MIN_WORDS = 4  # keys and values are checked against the real count
 
@@ -102,7 +103,8 @@ class NeedleTask:
     ``keys`` single-token words rarest in the train split, values from the next ``value_words``
     (``values="words"``) or ``digits`` decimal digits (``values="digits"``); prose from
     ``split``. ``n_queries`` (default: every needle) asks only that many of them, so that the
-    last answer cannot be inferred by elimination. Same methods as ``slimkv.data.recall.RecallTask``."""
+    last answer cannot be inferred by elimination. ``needle_prefix="none"`` drops the sentence
+    before each key: a needle line is the key, its value and ".\n", a question the key alone. Same methods as ``slimkv.data.recall.RecallTask``."""
 
     name: ClassVar[str] = "needles"
     layout: ClassVar[int] = 5  # the document layout's version: runs made with another layout are not reused
@@ -115,6 +117,7 @@ class NeedleTask:
     value_words: int = 64
     digits: int = 2
     split: str = "train"
+    needle_prefix: str = "sentence"
 
     @property
     def source(self) -> NeedleSource:
@@ -130,7 +133,8 @@ class NeedleTask:
 
     @property
     def prefix(self) -> list[int]:
-        return self.source.prefixes[self.values]
+        """The tokens before each key in a needle and a question (none with ``needle_prefix="none"``)."""
+        return self.source.prefixes[self.values] if self.needle_prefix == "sentence" else []
 
     @property
     def answer_tokens(self) -> int:
@@ -147,6 +151,7 @@ class NeedleTask:
         check_int("digits", self.digits, 1, 9)
         check_int("seq_len", self.seq_len, 2)
         check_choice("values", self.values, VALUE_KINDS)
+        check_choice("needle_prefix", self.needle_prefix, NEEDLE_PREFIXES)
         check_choice("split", self.split, SPLITS)
         source = self.source
         check_int("keys", self.keys, self.n_pairs)
@@ -225,11 +230,15 @@ class NeedleTask:
             for position, flag in enumerate(flags):
                 if flag and not (position > 0 and flags[position - 1]):
                     question = position  # the key predicts the answer's first token
-                    out.append(question - _needle_position(tokens, tokens[question], self.prefix))
+                    out.append(question - _needle_position(tokens, tokens[question], self.prefix, self.source.line_ends))
         return torch.tensor(out, dtype=torch.int64)
 
 
-def _needle_position(tokens: list[int], key: int, prefix: list[int]) -> int:
-    """Where ``key`` first follows the needle prefix (a key word may also occur in the prose)."""
+def _needle_position(tokens: list[int], key: int, prefix: list[int], line_ends: np.ndarray) -> int:
+    """Where ``key`` first follows the needle prefix (a key word may also occur in the prose);
+    without a prefix, where it first starts a line (needles sit at line boundaries)."""
     width = len(prefix)
+    if width == 0:
+        ends = set(line_ends.tolist())
+        return next(p for p in range(len(tokens)) if tokens[p] == key and (p == 0 or tokens[p - 1] in ends))
     return next(p for p in range(width, len(tokens)) if tokens[p] == key and tokens[p - width : p] == prefix)

@@ -119,7 +119,7 @@ def test_needle_documents_hold_every_needle_and_ask_each_once(tiny_env):
             assert targets[row, position] == inputs[row, position + 1] and int(inputs[row, position + 1]) in source.digits.tolist()
         for first in scored[::2]:
             key = tokens[first]  # the question ends on the key, which predicts the first digit
-            needle = _needle_position(tokens, key, task.prefix)
+            needle = _needle_position(tokens, key, task.prefix, source.line_ends)
             assert needle < first, "the needle comes before its question"
             assert tokens[needle + 1 : needle + 3] == tokens[first + 1 : first + 3], "the answer is the needle's value"
     gaps = task.gaps(inputs, targets)
@@ -147,3 +147,20 @@ def test_needle_values_can_be_single_words(tiny_env):
         replace(task, value_words=100).validate()
     with pytest.raises(ValueError, match="values='letters' is not allowed; allowed values: words, digits"):
         replace(task, values="letters").validate()
+
+
+def test_needles_without_a_prefix_are_key_value_lines(tiny_env):
+    """needle_prefix="none": a needle line is key, value, ".\\n" at a line start; a question is the
+    key alone at a line start; the answer is the value that followed that key."""
+    task = NeedleTask(dataset="tiny", seq_len=120, n_pairs=3, keys=4, value_words=5, needle_prefix="none").validate()
+    assert task.prefix == [] and task.needle_tokens == 1 + 1 + len(task.source.end)
+    inputs, targets = task.make_batch(4, np.random.default_rng(0))
+    line_ends = set(task.source.line_ends.tolist())
+    for row, position in torch.nonzero(targets != IGNORE).tolist():
+        tokens = inputs[row].tolist()
+        assert tokens[position - 1] in line_ends, "a question starts its own line"
+        needle = _needle_position(tokens, tokens[position], task.prefix, task.source.line_ends)
+        assert needle < position and tokens[needle + 1] == int(targets[row, position])
+    assert (task.gaps(inputs, targets) > 0).all()
+    with pytest.raises(ValueError, match="needle_prefix='short' is not allowed; allowed values: sentence, none"):
+        replace(task, needle_prefix="short").validate()
