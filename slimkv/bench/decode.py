@@ -30,7 +30,6 @@ def decode_latency(attn: Attention, cache: AttentionCache, *, warmup: int = 3, r
     stats = time_fn(lambda: attn(x, cache=cache), warmup=warmup, repeats=repeats, device=device)
     stats["cache_bytes"] = bytes_read
     stats["gb_per_s"] = bytes_read / stats["median_s"] / 1e9
-    stats["flops"] = step_flops(attn, cache)
     return stats
 
 
@@ -163,8 +162,9 @@ def decode_sweep(
                     attn.set_runtime_options(**{**defaults, **runtime})
                     seen = cache.seq_len
                     stats = decode_latency(attn, cache, warmup=warmup, repeats=repeats)
-                    entry = pooled.setdefault(variant.label, {"context_seen": seen, "cache_bytes": stats["cache_bytes"], "flops": stats["flops"], "samples_s": []})
-                    entry["samples_s"].extend(stats["samples_s"])
+                    if variant.label not in pooled:  # FLOPs per step: counted once per variant and context
+                        pooled[variant.label] = {"context_seen": seen, "cache_bytes": stats["cache_bytes"], "flops": step_flops(attn, cache), "samples_s": []}
+                    pooled[variant.label]["samples_s"].extend(stats["samples_s"])
                     bar.update()
             for variant, key, _ in runnable:
                 attn = modules[key][0]
