@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -104,7 +105,8 @@ class NeedleTask:
     (``values="words"``) or ``digits`` decimal digits (``values="digits"``); prose from
     ``split``. ``n_queries`` (default: every needle) asks only that many of them, so that the
     last answer cannot be inferred by elimination. ``needle_prefix="none"`` drops the sentence
-    before each key: a needle line is the key, its value and ".\n", a question the key alone. Same methods as ``slimkv.data.recall.RecallTask``."""
+    before each key: a needle line is the key, its value and ".\n", a question the key alone.
+    Same methods as ``slimkv.data.recall.RecallTask``."""
 
     name: ClassVar[str] = "needles"
     layout: ClassVar[int] = 5  # the document layout's version: runs made with another layout are not reused
@@ -224,21 +226,20 @@ class NeedleTask:
 
     def gaps(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per answer: its question's key position minus the needle's key position."""
-        out = []
+        out, line_ends = [], set(self.source.line_ends.tolist())
         for row, flags in enumerate((targets != IGNORE).tolist()):
             tokens = inputs[row].tolist()
             for position, flag in enumerate(flags):
                 if flag and not (position > 0 and flags[position - 1]):
                     question = position  # the key predicts the answer's first token
-                    out.append(question - _needle_position(tokens, tokens[question], self.prefix, self.source.line_ends))
+                    out.append(question - _needle_position(tokens, tokens[question], self.prefix, line_ends))
         return torch.tensor(out, dtype=torch.int64)
 
 
-def _needle_position(tokens: list[int], key: int, prefix: list[int], line_ends: np.ndarray) -> int:
+def _needle_position(tokens: list[int], key: int, prefix: list[int], line_ends: Collection[int]) -> int:
     """Where ``key`` first follows the needle prefix (a key word may also occur in the prose);
     without a prefix, where it first starts a line (needles sit at line boundaries)."""
     width = len(prefix)
     if width == 0:
-        ends = set(line_ends.tolist())
-        return next(p for p in range(len(tokens)) if tokens[p] == key and (p == 0 or tokens[p - 1] in ends))
+        return next(p for p in range(len(tokens)) if tokens[p] == key and (p == 0 or tokens[p - 1] in line_ends))
     return next(p for p in range(width, len(tokens)) if tokens[p] == key and tokens[p - width : p] == prefix)

@@ -119,7 +119,7 @@ def test_needle_documents_hold_every_needle_and_ask_each_once(tiny_env):
             assert targets[row, position] == inputs[row, position + 1] and int(inputs[row, position + 1]) in source.digits.tolist()
         for first in scored[::2]:
             key = tokens[first]  # the question ends on the key, which predicts the first digit
-            needle = _needle_position(tokens, key, task.prefix, source.line_ends)
+            needle = _needle_position(tokens, key, task.prefix, set(source.line_ends.tolist()))
             assert needle < first, "the needle comes before its question"
             assert tokens[needle + 1 : needle + 3] == tokens[first + 1 : first + 3], "the answer is the needle's value"
     gaps = task.gaps(inputs, targets)
@@ -159,7 +159,7 @@ def test_needles_without_a_prefix_are_key_value_lines(tiny_env):
     for row, position in torch.nonzero(targets != IGNORE).tolist():
         tokens = inputs[row].tolist()
         assert tokens[position - 1] in line_ends, "a question starts its own line"
-        needle = _needle_position(tokens, tokens[position], task.prefix, task.source.line_ends)
+        needle = _needle_position(tokens, tokens[position], task.prefix, line_ends)
         assert needle < position and tokens[needle + 1] == int(targets[row, position])
     assert (task.gaps(inputs, targets) > 0).all()
     with pytest.raises(ValueError, match="needle_prefix='short' is not allowed; allowed values: sentence, none"):
