@@ -2,7 +2,8 @@
 
 One layer per kind (default 8 heads x 64, d_model 512, batch 1, float32), caches filled to each
 context by the kind's own prefill, then per-token decode time, the live cache bytes a step reads,
-the GB/s that implies and the machine's measured memory-copy bandwidth beside it. Every kind in
+the GB/s that implies and the machine's measured memory-copy bandwidth beside it, the counted
+FLOPs per step beside a large-matmul FLOP rate, and each row's roofline (docs/evaluation.md). Every kind in
 ``ATTENTION_KINDS`` runs, with the matched-width options of ``slimkv.bench.decode`` (kinds without
 an entry fall back to their registered example options, and the output says so).
 
