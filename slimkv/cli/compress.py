@@ -11,9 +11,19 @@ from slimkv.common.checks import check_name
 from slimkv.common.files import read_json
 from slimkv.compress.linalg import FactorizationError
 from slimkv.compress.methods import METHODS
-from slimkv.compress.options import CompressOptions
-from slimkv.compress.sweep import VARIANTS, markdown_table, parse_methods, parse_ratios, run_sweep, write_sweep
+from slimkv.compress.options import RANK_ALLOCATIONS, CompressOptions
+from slimkv.compress.sweep import (
+    DEFAULT_TEXTS,
+    VARIANTS,
+    markdown_table,
+    parse_methods,
+    parse_ratios,
+    parse_texts,
+    run_sweep,
+    write_sweep,
+)
 from slimkv.compress.workflow import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_TOKENS, compress_pretrained
+from slimkv.data.texts import evaluation_text
 from slimkv.pretrained import SMOLLM2, fetch_smollm2, load_pretrained
 from slimkv.pretrained.smollm2 import SOURCE_FILE
 
@@ -28,12 +38,19 @@ def add_commands(subparsers) -> None:
 
 
 def _add_calibration_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--calib", default="shakespeare", help="`shakespeare` (training plays) or a local text file/folder (default: shakespeare)")
+    parser.add_argument("--calib", default="shakespeare", help="calibration text: `shakespeare` (training plays), `kjv`, `devil`, `pydoc`, a comma-separated mix of them "
+                             "(equal shares, e.g. shakespeare,kjv,devil,pydoc) or a local text file/folder (default: shakespeare)")
     parser.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS, help=f"calibration tokens (default {DEFAULT_CALIB_TOKENS})")
     parser.add_argument("--calib-seq-len", type=int, default=DEFAULT_CALIB_SEQ_LEN, help=f"calibration window length (default {DEFAULT_CALIB_SEQ_LEN})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the calibration window sampling (default 0)")
     parser.add_argument("--damping", type=float, default=CompressOptions.damping,
                         help=f"relative damping (x mean diag C) of the least-squares maps of latentllm's ReLU joint MLP (default {CompressOptions.damping:g})")
+    parser.add_argument("--cov-shrinkage", type=float, default=CompressOptions.cov_shrinkage,
+                        help="shrink every input covariance towards the scaled identity, C -> (1-s) C + s tr(C)/d I, in [0, 1): robustness on text "
+                             f"unlike the calibration text (default {CompressOptions.cov_shrinkage:g})")
+    parser.add_argument("--rank-allocation", choices=RANK_ALLOCATIONS, default=CompressOptions.rank_allocation,
+                        help="uniform: every matrix keeps (1 - ratio) of its weights; spectrum: one budget spread over all matrices by their "
+                             f"activation-weighted spectra (default {CompressOptions.rank_allocation})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads for this run (default: torch's choice)")
 
 
@@ -58,7 +75,9 @@ def _add_sweep(subparsers) -> None:
     parser.add_argument("--methods", default="svd,asvd,rootcov,latentllm", help=f"comma-separated from: {', '.join(VARIANTS)}")
     parser.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5", help="comma-separated ratios (default 0.1,...,0.5)")
     _add_calibration_options(parser)
-    parser.add_argument("--text", default="shakespeare-val", help="evaluation text: `shakespeare-val` or a local text file/folder")
+    parser.add_argument("--texts", "--text", default=",".join(DEFAULT_TEXTS),
+                        help="comma-separated evaluation texts, in domain first: `shakespeare-val`, `austen` or local text files/folders "
+                             f"(default {','.join(DEFAULT_TEXTS)})")
     parser.add_argument("--seq-len", type=int, default=1024, help="perplexity window (default 1024)")
     parser.add_argument("--max-tokens", type=int, default=16384, help="evaluate the first N held-out tokens (default 16384; 0 = all)")
     parser.add_argument("--prefill-len", type=int, default=512, help="prefill length for FLOPs and latency (default 512)")
@@ -79,11 +98,18 @@ def _check_common(args) -> None:
         torch.set_num_threads(args.threads)
 
 
+def _shared_options(args) -> dict:
+    """The CompressOptions fields every compress command takes, checked (ValueError naming the option)."""
+    shared = {"damping": args.damping, "cov_shrinkage": args.cov_shrinkage, "rank_allocation": args.rank_allocation}
+    CompressOptions(method="rootcov", ratio=0.5, **shared).validate()
+    return shared
+
+
 def _run_compress(args) -> int:
 
     _check_common(args)
-    options = CompressOptions(method=args.method, ratio=args.ratio, damping=args.damping, joint_qk=not args.no_joint_qk, rope_aware_qk=not args.rope_blind_qk,
-                              joint_mlp=not args.no_joint_mlp, identity_block=not args.no_identity_block)
+    options = CompressOptions(method=args.method, ratio=args.ratio, **_shared_options(args), joint_qk=not args.no_joint_qk,
+                              rope_aware_qk=not args.rope_blind_qk, joint_mlp=not args.no_joint_mlp, identity_block=not args.no_identity_block)
     options.validate()
     try:
         _, manifest = compress_pretrained(args.model, options, args.calib, args.calib_tokens, args.out, calib_seq_len=args.calib_seq_len, seed=args.seed)
@@ -100,7 +126,8 @@ def _run_compress(args) -> int:
 
 def _run_sweep(args) -> int:
     _check_common(args)
-    methods, ratios = parse_methods(args.methods), parse_ratios(args.ratios)
+    methods, ratios, texts = parse_methods(args.methods), parse_ratios(args.ratios), parse_texts(args.texts)
+    options = _shared_options(args)
     if args.name is not None:
         check_name("--name", args.name)
     if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
@@ -109,13 +136,16 @@ def _run_sweep(args) -> int:
         raise ValueError("--seq-len must be >= 2, --prefill-len >= 1 and --repeats >= 0")
     if args.max_tokens is not None and args.max_tokens != 0 and args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be 0 (all) or >= 2; got {args.max_tokens}")
-    if args.damping < 0:
-        raise ValueError(f"--damping must be >= 0; got {args.damping}")
+    overlap = {name.strip() for name in args.calib.split(",")} & set(texts)
+    if overlap:
+        raise ValueError(f"--texts {', '.join(sorted(overlap))}: also in --calib {args.calib!r}; a model is never evaluated on its calibration text")
+    for text in texts:
+        evaluation_text(text)
     base = load_pretrained(args.model)
     try:
-        result = run_sweep(base, methods, ratios, calib=args.calib, calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len, text=args.text,
+        result = run_sweep(base, methods, ratios, calib=args.calib, calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len, texts=texts,
                            seq_len=args.seq_len, max_tokens=args.max_tokens or None, prefill_len=args.prefill_len, repeats=args.repeats, seed=args.seed,
-                           damping=args.damping)
+                           options=options)
     except FactorizationError as err:
         print(f"slimkv compress-sweep: factorization failed: {err}")
         return 1

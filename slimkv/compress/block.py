@@ -6,6 +6,7 @@ captured calibration inputs. A compression method (``slimkv.compress.methods``) 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,12 +25,14 @@ from slimkv.compress.linalg import (
     bias_correction,
     identity_block,
     rank_for_budget,
+    refit_output_factor,
     rootcov_factors,
     svd_factors,
 )
 from slimkv.compress.options import CompressOptions
 
 LOCAL_METHODS = ("svd", "asvd", "rootcov")
+KEEP_DENSE = math.inf  # a budget meaning: leave this projection uncompressed (``BlockContext.stays_dense``)
 
 
 class _StopForward(Exception):
@@ -109,8 +112,14 @@ class BlockContext:
     ``plan``s factors for projections and ``install``s them; ``entries`` describes what was done
     (manifest entries)."""
 
-    def __init__(self, arch: Architecture, block: nn.Module, index: int, options: CompressOptions, inputs):
+    def __init__(self, arch: Architecture, block: nn.Module, index: int, options: CompressOptions, inputs, budgets: dict[str, float] | None = None,
+                 dense: tuple[nn.Module, list] | None = None):
         self.arch, self.block, self.index, self.options, self.inputs = arch, block, index, options, inputs
+        self.budgets = budgets or {}  # projection -> weights it may keep, from a non-uniform allocation (default: (1 - ratio) of its own)
+        # (an uncompressed copy of the block, the dense model's inputs to it): with it, every projection is fitted to the
+        # output the dense model computes (upstream correction, ``Stats.corrected_weight``)
+        self.dense = dense
+        self._dense_inputs: dict[str, list[torch.Tensor]] | None = None
         self.layout = arch.layout
         self.original = {p.name: (arch.weight(block, p), arch.bias(block, p)) for p in self.layout.projections()}
         for name, (W, b) in self.original.items():
@@ -124,8 +133,10 @@ class BlockContext:
     # -- budgets -------------------------------------------------------------------------------
 
     def keep(self, name: str) -> float:
-        """Weights projection ``name`` may keep: (1 - ratio) of its own."""
+        """Weights projection ``name`` may keep: its allocated budget, else (1 - ratio) of its own."""
         W = self.original[name][0]
+        if name in self.budgets:
+            return float(W.numel()) if self.budgets[name] == KEEP_DENSE else self.budgets[name]
         return (1.0 - self.options.ratio) * W.numel()
 
     def rank(self, name: str, identity: bool, keep: float | None = None, d_out: int | None = None) -> int:
@@ -159,13 +170,49 @@ class BlockContext:
         """What a method needs of the statistics of one input read by ``names``: ``need="mean_abs"``
         (ASVD) only E|x| and the mean; ``"cov"`` (RootCov) the covariance, or just W C W^T when the
         input is read by a single projection with d_out < d_in (the MLP down projection: a
-        576 x 576 instead of a 1536 x 1536 accumulation for SmolLM2)."""
+        576 x 576 instead of a 1536 x 1536 accumulation for SmolLM2). With upstream correction the
+        full covariance and the cross term with the dense model's input are needed."""
         W = self.original[names[0]][0]
+        cross = self.dense is not None
         if need == "mean_abs":
-            return StatsAccumulator(W.shape[1], self.device, cov=False, mean_abs=True)
-        if len(names) == 1 and W.shape[0] < W.shape[1]:
+            return StatsAccumulator(W.shape[1], self.device, cov=cross, mean_abs=True, cross=cross)
+        if len(names) == 1 and W.shape[0] < W.shape[1] and not cross:
             return StatsAccumulator(W.shape[1], self.device, cov=False, mean_abs=False, out_weight=W)
-        return StatsAccumulator(W.shape[1], self.device, mean_abs=False)
+        return StatsAccumulator(W.shape[1], self.device, mean_abs=False, cross=cross)
+
+    def dense_inputs(self, name: str) -> list[torch.Tensor] | None:
+        """The dense model's inputs to projection ``name``, one tensor per calibration sequence (None
+        without upstream correction). One pass of the uncompressed block captures all four inputs."""
+        if self.dense is None:
+            return None
+        if self._dense_inputs is None:
+            original, inputs = self.dense
+            groups = {"attn_in": self.layout.attn_in[0], "attn_out": self.layout.attn_out, "mlp_in": self.layout.mlp_in[0], "mlp_out": self.layout.mlp_out}
+            captured: dict[str, list[torch.Tensor]] = {group: [] for group in groups}
+            run_block(original, inputs, [(self.arch.leaf(original, proj), captured[group].append) for group, proj in groups.items()])
+            self._dense_inputs = captured
+        return self._dense_inputs[self.group_leaf(name)[0]]
+
+    def feeder(self, accumulator: StatsAccumulator, name: str) -> Callable[[torch.Tensor], None]:
+        """A hook body adding each captured input of projection ``name`` to ``accumulator``, with the
+        dense model's input for the same sequence when correcting upstream (calls arrive in sequence order)."""
+        dense = self.dense_inputs(name)
+        if dense is None:
+            return accumulator.add
+        calls = iter(dense)
+        return lambda x: accumulator.add(x, next(calls))
+
+    def target_weight(self, name: str, stats: Stats | None) -> torch.Tensor:
+        """The matrix to factor for projection ``name``: W, or with upstream correction the map W*
+        from the compressed model's input to the dense model's output (``Stats.corrected_weight``)."""
+        W = self.original[name][0]
+        if stats is None or stats.cross is None:
+            return W
+        return stats.corrected_weight(W, self.options.correction_damping, centered=self.has_bias(name))
+
+    def finish(self, accumulator: StatsAccumulator, label: str) -> Stats:
+        """The accumulated statistics, shrunk by ``options.cov_shrinkage`` (``Stats.shrunk``)."""
+        return accumulator.finish(label).shrunk(self.options.cov_shrinkage)
 
     def collect(self, names: list[str], stop: str | None, need: str = "cov") -> dict[str, Stats]:
         """Stats of the inputs of ``names`` (run up to the input of ``stop``, or through the block):
@@ -176,8 +223,9 @@ class BlockContext:
             group, leaves[group] = self.group_leaf(name)
             groups.setdefault(group, []).append(name)
         accumulators = {group: self.accumulator(members, need) for group, members in groups.items()}
-        run_block(self.block, self.inputs, [(leaves[group], acc.add) for group, acc in accumulators.items()], stop_at=self.leaf(stop) if stop else None)
-        finished = {group: acc.finish(f"{self.arch.block_prefix(self.index)} {group} activations") for group, acc in accumulators.items()}
+        run_block(self.block, self.inputs, [(leaves[group], self.feeder(acc, groups[group][0])) for group, acc in accumulators.items()],
+                  stop_at=self.leaf(stop) if stop else None)
+        finished = {group: self.finish(acc, f"{self.arch.block_prefix(self.index)} {group} activations") for group, acc in accumulators.items()}
         return {name: finished[group] for group, members in groups.items() for name in members}
 
     # -- factor helpers ------------------------------------------------------------------------
@@ -186,11 +234,33 @@ class BlockContext:
         return any(self.original[n][1] is not None for n in names)
 
     def plan(self, name: str, factors: Factors, how: str, stats: Stats | None, info: dict | None = None, *, identity: bool = False) -> None:
-        """Bias correction, identity block (if ``identity``), and plan the leaf."""
+        """Refit (``options.refit``), bias correction, identity block (if ``identity``), and plan the leaf."""
+        factors = self.refit(name, factors, stats)
+        self.planned[name] = _Planned(self.layout.get(name), self.maybe_identity(factors, name, identity), self.corrected_bias(name, factors, stats),
+                                      how, dict(info or {}))
+
+    def corrected_bias(self, name: str, factors: Factors | IdentityBlockFactors, stats: Stats | None) -> torch.Tensor | None:
+        """The bias that keeps the mean output exact: b + W mu_dense - BA mu (mu_dense = mu without upstream correction)."""
         W, b = self.original[name]
-        if b is not None and stats is not None:
-            b = bias_correction(W, factors.product(), b, stats.mean)
-        self.planned[name] = _Planned(self.layout.get(name), self.maybe_identity(factors, name, identity), b, how, dict(info or {}))
+        if b is None or stats is None:
+            return b
+        dense_mean = stats.mean if stats.dense_mean is None else stats.dense_mean
+        return bias_correction(W, factors.product(), b, stats.mean) + W @ (dense_mean - stats.mean)
+
+    def refit(self, name: str, factors: Factors | IdentityBlockFactors, stats: Stats | None) -> Factors | IdentityBlockFactors:
+        """With ``options.refit``: keep the input factor A, refit B in closed form to the output the
+        projection should produce (the dense model's, under upstream correction) on the calibration
+        inputs (``refit_output_factor``). Needs the input covariance; a no-op for RootCov's own
+        factors, which are already optimal for their input factor."""
+        if not self.options.refit or stats is None or stats.cov is None:
+            return factors
+        W = self.original[name][0]
+        cross = stats.cov if stats.cross is None else stats.cross
+        if self.has_bias(name):
+            dense_mean = stats.mean if stats.dense_mean is None else stats.dense_mean
+            cross = cross - torch.outer(dense_mean, stats.mean)
+        cov = stats.centered() if self.has_bias(name) else stats.cov
+        return refit_output_factor(factors, W @ cross, cov, self.options.correction_damping * stats.energy, f"{self.path(name)} refit")
 
     def plan_factors(self, name: str, factors: Factors | IdentityBlockFactors, bias: torch.Tensor | None, how: str, info: dict, *, shared: str | None = None) -> None:
         """Plan projection ``name`` with final factors and bias (no correction); ``shared`` names
@@ -203,10 +273,27 @@ class BlockContext:
             return factors
         return identity_block(factors, name=f"{self.path(name)} identity block")
 
+    def stays_dense(self, name: str) -> bool:
+        """Whether the allocation leaves projection ``name`` uncompressed (sensitivity allocation:
+        no factorization of it stayed within the loss threshold)."""
+        return self.budgets.get(name) == KEEP_DENSE
+
+    def keep_dense(self, names: list[str]) -> None:
+        """Describe projections left uncompressed (their leaves are not touched)."""
+        for name in names:
+            W = self.original[name][0]
+            self.entries.append({"module": f"{self.arch.block_prefix(self.index)}.{self.layout.get(name).path}", "kind": "dense", "projection": name,
+                                 "in_features": W.shape[1], "out_features": W.shape[0], "params_before": W.numel(), "params_after": W.numel()})
+
     def factor_local(self, name: str, method: str, stats: Stats | None, *, identity: bool = False) -> None:
         """Plan projection ``name`` alone with a per-matrix method: svd, asvd or rootcov."""
-        W = self.original[name][0]
-        rank = self.rank(name, identity)
+        factors = self.local_factors(name, method, stats, self.rank(name, identity))
+        info = {"statistics": "centered" if self.has_bias(name) else "uncentered"} if method == "rootcov" else {}
+        self.plan(name, factors, method, stats, info, identity=identity)
+
+    def local_factors(self, name: str, method: str, stats: Stats | None, rank: int) -> Factors:
+        """Rank-``rank`` factors of projection ``name`` by a per-matrix method: svd, asvd or rootcov."""
+        W = self.target_weight(name, stats)
         label = f"{self.path(name)} ({method})"
         try:
             if method == "svd":
@@ -221,8 +308,7 @@ class BlockContext:
                     factors = rootcov_factors(W, None, rank, gram=stats.weighted_gram(W, centered), name=label)
         except FactorizationError as err:
             raise FactorizationError(f"{label}: {err}") from err
-        info = {"statistics": "centered" if self.has_bias(name) else "uncentered"} if method == "rootcov" else {}
-        self.plan(name, factors, method, stats, info, identity=identity)
+        return factors
 
     # -- installation --------------------------------------------------------------------------
 

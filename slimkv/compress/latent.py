@@ -19,7 +19,6 @@ from slimkv.compress.linalg import (
     IdentityBlockFactors,
     Stats,
     StatsAccumulator,
-    bias_correction,
     factor_params,
 )
 
@@ -43,7 +42,8 @@ def attention_stage(ctx: BlockContext) -> None:
 
 def joint_qk_stage(ctx: BlockContext, stats: Stats) -> None:
     """Plan q and k jointly (one combined budget, the leftover spent rank by rank)."""
-    (Wq, bq), (Wk, bk) = ctx.original["q"], ctx.original["k"]
+    (_, bq), (_, bk) = ctx.original["q"], ctx.original["k"]
+    Wq, Wk = ctx.target_weight("q", stats), ctx.target_weight("k", stats)
     identity = ctx.options.identity_block
     layout = ctx.layout
     if ctx.options.full_rank:
@@ -81,10 +81,11 @@ def mlp_stage(ctx: BlockContext) -> None:
         relu_stage(ctx, mlp_inputs)
         ctx.install([*ins, down])
         return
-    stats_acc = StatsAccumulator(mlp_inputs[0].shape[-1], ctx.device, mean_abs=False)
+    stats_acc = StatsAccumulator(mlp_inputs[0].shape[-1], ctx.device, mean_abs=False, cross=ctx.dense is not None)
+    add = ctx.feeder(stats_acc, ins[0])
     for x in mlp_inputs:
-        stats_acc.add(x)
-    stats = stats_acc.finish(f"{ctx.arch.block_prefix(ctx.index)} mlp_in activations")
+        add(x)
+    stats = ctx.finish(stats_acc, f"{ctx.arch.block_prefix(ctx.index)} mlp_in activations")
     if ctx.options.joint_mlp:
         weighted_inputs_stage(ctx, act, mlp_inputs, stats)
     else:
@@ -102,10 +103,10 @@ def down_stats(ctx: BlockContext, mlp_inputs: list[torch.Tensor]) -> Stats:
     down_leaf = ctx.leaf(down)
     acc = ctx.accumulator([down])
     if ctx.layout.mlp_path is not None:
-        run_block(ctx.block.get_submodule(ctx.layout.mlp_path), [(x, (), {}) for x in mlp_inputs], [(down_leaf, acc.add)], stop_at=down_leaf)
+        run_block(ctx.block.get_submodule(ctx.layout.mlp_path), [(x, (), {}) for x in mlp_inputs], [(down_leaf, ctx.feeder(acc, down))], stop_at=down_leaf)
     else:
-        run_block(ctx.block, ctx.inputs, [(down_leaf, acc.add)], stop_at=down_leaf)
-    return acc.finish(f"{ctx.path(down)} input activations")
+        run_block(ctx.block, ctx.inputs, [(down_leaf, ctx.feeder(acc, down))], stop_at=down_leaf)
+    return ctx.finish(acc, f"{ctx.path(down)} input activations")
 
 
 def mlp_pre_activations(ctx: BlockContext, x: torch.Tensor) -> list[torch.Tensor]:
@@ -122,7 +123,7 @@ def weighted_inputs_stage(ctx: BlockContext, act: nn.Module, mlp_inputs: list[to
     """Gated: one shared, sensitivity-weighted input factor for gate and up. Plain: weighted up."""
     layout = ctx.layout
     ins = [p.name for p in layout.mlp_in]
-    mats = [ctx.original[n][0] for n in ins]
+    mats = [ctx.target_weight(n, stats) for n in ins]
     sens = SensitivityAccumulator(mats[0].shape[0], layout.gated, ctx.device)
     for x in mlp_inputs:
         pre = mlp_pre_activations(ctx, x)
@@ -146,10 +147,8 @@ def weighted_inputs_stage(ctx: BlockContext, act: nn.Module, mlp_inputs: list[to
     for name, count in zip(ins, rows):
         part = slice_rows(shared_factors, start, start + count)
         start += count
-        W, b = ctx.original[name]
-        if b is not None:
-            b = bias_correction(W, part.product(), b, stats.mean)
-        ctx.plan_factors(name, part, b, "joint_mlp_shared" if key else "joint_mlp_weighted", info, shared=key)
+        part = ctx.refit(name, part, stats)
+        ctx.plan_factors(name, part, ctx.corrected_bias(name, part, stats), "joint_mlp_shared" if key else "joint_mlp_weighted", info, shared=key)
 
 
 def relu_stage(ctx: BlockContext, mlp_inputs: list[torch.Tensor]) -> None:

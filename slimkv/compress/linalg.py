@@ -52,8 +52,42 @@ class Stats:
     count: int
     out_gram: torch.Tensor | None = None
     out_weight: torch.Tensor | None = field(default=None, repr=False)
+    energy: float = 0.0  # E[|x|^2] / d = tr(C) / d: the scale of C, known even when only ``out_gram`` was kept
+    shrinkage: float = 0.0  # s of ``shrunk``: C was replaced by (1 - s) C + s (tr C / d) I
+    cross: torch.Tensor | None = None  # E[x_dense x^T] (d, d): the dense model's input to the same layer beside this one (upstream correction)
+    dense_mean: torch.Tensor | None = None  # E[x_dense]
 
     _roots: dict = field(default_factory=dict, repr=False)
+
+    def shrunk(self, s: float) -> Stats:
+        """These statistics with C replaced by (1 - s) C + s (tr C / d) I (and ``out_gram`` by W of that W^T).
+
+        Shrinkage towards the scaled identity keeps some of W's energy in the input directions the
+        calibration text barely excites: s = 0 is RootCov's fit to the calibration text alone, s = 1
+        plain SVD. Means are unchanged."""
+        if not 0.0 <= s < 1.0:
+            raise ValueError(f"cov_shrinkage must be in [0, 1); got {s}")
+        if s == 0.0:
+            return self
+        cov = None if self.cov is None else (1 - s) * self.cov + s * self.energy * torch.eye(self.cov.shape[0], dtype=self.cov.dtype, device=self.cov.device)
+        out_gram = None
+        if self.out_gram is not None:
+            W = self.out_weight
+            out_gram = (1 - s) * self.out_gram + s * self.energy * (W @ W.T)
+        return Stats(cov=cov, mean=self.mean, mean_abs=self.mean_abs, count=self.count, out_gram=out_gram, out_weight=self.out_weight,
+                     energy=self.energy, shrinkage=s, cross=self.cross, dense_mean=self.dense_mean)
+
+    def corrected_weight(self, W: torch.Tensor, damping: float, centered: bool = False) -> torch.Tensor:
+        """W* = W C_dx (C + lambda I)^{-1}: the map from this (compressed-upstream) input x to the
+        output the dense model computes from its own input, W x_dense, in the least-squares sense
+        (centered: the fluctuations; the bias restores the mean). lambda = damping * tr(C) / d.
+        Without ``cross`` statistics, W itself."""
+        if self.cross is None:
+            return W
+        cov, cross = self._need("cov"), self.cross
+        if centered:
+            cov, cross = self.centered(), cross - torch.outer(self.dense_mean, self.mean)
+        return solve_damped(W @ cross, cov, damping * self.energy, "upstream correction (least-squares target)")
 
     def centered(self) -> torch.Tensor:
         """E[(x - mu)(x - mu)^T]: the statistic to use when the layer has a bias (see ``bias_correction``)."""
@@ -95,28 +129,40 @@ class StatsAccumulator:
     """
 
     def __init__(self, dim: int, device: torch.device | str = "cpu", chunk: int = 2048, *, cov: bool = True, mean_abs: bool = True,
-                 out_weight: torch.Tensor | None = None):
+                 out_weight: torch.Tensor | None = None, cross: bool = False):
         self.dim = dim
         self.chunk = chunk
         self.xtx = torch.zeros(dim, dim, dtype=torch.float64, device=device) if cov else None
         self.total = torch.zeros(dim, dtype=torch.float64, device=device)
         self.total_abs = torch.zeros(dim, dtype=torch.float64, device=device) if mean_abs else None
+        self.total_sq = torch.zeros((), dtype=torch.float64, device=device)
         # a float64 weight on ``device`` (what the pipeline passes) is kept as is: ``Stats.weighted_gram`` recognises it by identity
         self.out_weight = out_weight.to(dtype=torch.float64, device=device) if out_weight is not None else None
         self.out_gram = torch.zeros(out_weight.shape[0], out_weight.shape[0], dtype=torch.float64, device=device) if out_weight is not None else None
+        self.cross = torch.zeros(dim, dim, dtype=torch.float64, device=device) if cross else None
+        self.dense_total = torch.zeros(dim, dtype=torch.float64, device=device) if cross else None
         self.count = 0
 
-    def add(self, x: torch.Tensor) -> None:
-        """Add the vectors of ``x`` (..., dim)."""
+    def add(self, x: torch.Tensor, dense: torch.Tensor | None = None) -> None:
+        """Add the vectors of ``x`` (..., dim); with ``cross`` statistics also ``dense`` (same shape):
+        the dense model's input to the same layer for the same tokens."""
         rows = x.reshape(-1, self.dim)
+        if (dense is not None) != (self.cross is not None):
+            raise ValueError("dense inputs must be given exactly when cross statistics are accumulated")
+        dense_rows = dense.reshape(-1, self.dim) if dense is not None else None
         for start in range(0, rows.shape[0], self.chunk):
             block = rows[start:start + self.chunk].to(dtype=torch.float64, device=self.total.device)
+            if dense_rows is not None:
+                dense_block = dense_rows[start:start + self.chunk].to(dtype=torch.float64, device=self.total.device)
+                self.cross.addmm_(dense_block.T, block)
+                self.dense_total += dense_block.sum(0)
             if self.xtx is not None:
                 self.xtx.addmm_(block.T, block)
             if self.out_gram is not None:
                 projected = block @ self.out_weight.T
                 self.out_gram.addmm_(projected.T, projected)
             self.total += block.sum(0)
+            self.total_sq += block.square().sum()
             if self.total_abs is not None:
                 self.total_abs += block.abs().sum(0)
         self.count += rows.shape[0]
@@ -130,7 +176,9 @@ class StatsAccumulator:
 
         stats = Stats(cov=symmetrised(self.xtx), mean=self.total / self.count,
                       mean_abs=self.total_abs / self.count if self.total_abs is not None else None, count=self.count,
-                      out_gram=symmetrised(self.out_gram), out_weight=self.out_weight)
+                      out_gram=symmetrised(self.out_gram), out_weight=self.out_weight, energy=float(self.total_sq) / (self.count * self.dim),
+                      cross=None if self.cross is None else self.cross / self.count,
+                      dense_mean=None if self.dense_total is None else self.dense_total / self.count)
         check_finite(name, *(t for t in (stats.cov, stats.out_gram, stats.mean) if t is not None))
         return stats
 
@@ -236,6 +284,19 @@ def explicit_rootcov_product(W: torch.Tensor, cov: torch.Tensor, r: int) -> torc
     inv_root = (vectors / values.sqrt()) @ vectors.T
     U, s, Vh = torch.linalg.svd(W @ root, full_matrices=False)
     return (U[:, :r] * s[:r]) @ Vh[:r] @ inv_root
+
+
+def refit_output_factor(factors: Factors | IdentityBlockFactors, target_cross: torch.Tensor, cov: torch.Tensor, damping: float,
+                        name: str = "refit") -> Factors | IdentityBlockFactors:
+    """Keep the input factor A, set B = argmin E||t - B A x||^2 = T A^T (A C A^T + lambda I)^{-1},
+    where ``target_cross`` T = E[t x^T] (d_out, d_in) and C = E[x x^T]; identity-block factors keep
+    their permutation and A_rest (B is the factor after the identity block)."""
+    A = factors.dense_A() if isinstance(factors, IdentityBlockFactors) else factors.A
+    B = solve_damped(target_cross @ A.T, A @ cov @ A.T, damping, name)
+    check_finite(name, B)
+    if isinstance(factors, IdentityBlockFactors):
+        return IdentityBlockFactors(B=B, perm=factors.perm, A_rest=factors.A_rest, pivot_ratio=factors.pivot_ratio)
+    return Factors(B=B, A=A)
 
 
 def bias_correction(W: torch.Tensor, product: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,8 @@ def apply_manifest(model: nn.Module, modules: list[dict]) -> None:
             module = SplitOutputLinear([_empty_factored(part, shared) for part in entry["parts"]])
         elif entry["kind"] == "factored":
             module = _empty_factored(entry, shared)
+        elif entry["kind"] == "dense":
+            continue  # left uncompressed: the original leaf and its weights stay
         else:
             raise ValueError(f"manifest entry for {entry.get('module')!r} has unknown kind {entry['kind']!r}")
         model.get_submodule(entry["module"])  # the leaf must exist in this architecture

@@ -23,7 +23,7 @@ from slimkv.compress.cost import cost_summary, prefill_latency
 from slimkv.compress.methods import METHODS
 from slimkv.compress.options import CompressOptions
 from slimkv.compress.workflow import DEFAULT_CALIB_SEQ_LEN, calibration_set, compress_loaded
-from slimkv.data.texts import evaluation_text, text_sha256, tokenize
+from slimkv.data.texts import AUSTEN, EVAL_SHAKESPEARE, evaluation_text, text_sha256, tokenize
 from slimkv.pretrained import SMOLLM2, LoadedModel, fetch_smollm2, load_pretrained
 from slimkv.scoring import perplexity_of_ids
 
@@ -35,6 +35,9 @@ VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
     "latentllm-no-identity-block": ("latentllm", {"identity_block": False}),
     "latentllm-rope-blind-qk": ("latentllm", {"rope_aware_qk": False}),
 }
+
+# In-domain text first (the held-out plays), then the out-of-domain one (Austen's novels).
+DEFAULT_TEXTS = (EVAL_SHAKESPEARE, AUSTEN)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -55,48 +58,71 @@ def parse_ratios(text: str) -> list[float]:
     return ratios
 
 
-def _measure(model: torch.nn.Module, eval_ids: torch.Tensor, seq_len: int, prefill_len: int, repeats: int, dense: torch.nn.Module | None = None) -> dict[str, Any]:
-    """Perplexity, costs and prefill latency. With ``dense``, the dense model is timed right before
-    (``dense_latency``) so the speedup compares measurements taken under the same machine load."""
-    ppl = perplexity_of_ids(model, eval_ids, seq_len, progress=True)
+def parse_texts(text: str) -> list[str]:
+    """``--texts``: comma-separated evaluation texts, the first one in domain (a PATH holding a
+    comma counts as one text when it exists)."""
+    if Path(text).expanduser().exists():
+        return [text]
+    texts = [t.strip() for t in text.split(",") if t.strip()]
+    if not texts or len(set(texts)) != len(texts):
+        raise ValueError(f"--texts must be distinct comma-separated evaluation texts (e.g. {EVAL_SHAKESPEARE},{AUSTEN}); got {text!r}")
+    return texts
+
+
+def _measure(model: torch.nn.Module, eval_ids: dict[str, torch.Tensor], seq_len: int, prefill_len: int, repeats: int,
+             dense: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Perplexity on every evaluation text, costs and prefill latency. ``ppl`` is the first (in-domain)
+    text's. With ``dense``, the dense model is timed right before (``dense_latency``) so the speedup
+    compares measurements taken under the same machine load."""
+    evals = {name: perplexity_of_ids(model, ids, seq_len, progress=True) for name, ids in eval_ids.items()}
     latency = dense_latency = None
     if repeats > 0:
         dense_latency = prefill_latency(dense, prefill_len, repeats=repeats) if dense is not None else None
         latency = prefill_latency(model, prefill_len, repeats=repeats)
-    return {"ppl": ppl["ppl"], "eval": ppl, **cost_summary(model, prefill_len), "latency": latency, "dense_latency": dense_latency,
+    first = next(iter(evals.values()))
+    return {"ppl": first["ppl"], "eval": first, "ppl_by_text": {name: e["ppl"] for name, e in evals.items()}, "eval_by_text": evals,
+            **cost_summary(model, prefill_len), "latency": latency, "dense_latency": dense_latency,
             "speedup": dense_latency["median_s"] / latency["median_s"] if dense_latency else None}
 
 
 def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, calib: str = "shakespeare", calib_tokens: int = 8192,
-              calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, text: str = "shakespeare-val", seq_len: int = 1024, max_tokens: int | None = 16384,
-              prefill_len: int = 512, repeats: int = 5, seed: int = 0, damping: float | None = None) -> dict[str, Any]:
-    """Compress copies of ``base`` with every method label at every ratio; measure each and the dense model."""
-    eval_text = evaluation_text(text)
-    eval_ids = torch.tensor(tokenize(base.tokenizer, eval_text), dtype=torch.long)
-    if max_tokens is not None:
-        eval_ids = eval_ids[:max_tokens]
+              calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, texts: tuple[str, ...] = DEFAULT_TEXTS, seq_len: int = 1024, max_tokens: int | None = 16384,
+              prefill_len: int = 512, repeats: int = 5, seed: int = 0, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Compress copies of ``base`` with every method label at every ratio; measure each and the dense model.
+
+    Perplexity is measured on the first ``max_tokens`` tokens of each of ``texts`` (the first is the
+    in-domain text; the others must not be calibration text). ``options`` overrides CompressOptions
+    fields for every row (a variant's own overrides win).
+    """
+    texts = tuple(texts)
     calibration = calibration_set(base, calib, calib_tokens, calib_seq_len, seed)
-    print(f"dense model: evaluating {eval_ids.numel()} tokens of {text!r} ...", flush=True)
+    overlap = set(calibration[1]["sources"]) & set(texts)
+    if overlap:
+        raise ValueError(f"--texts {', '.join(sorted(overlap))}: also in --calib {calib!r}; a model is never evaluated on its calibration text")
+    eval_texts = {name: evaluation_text(name) for name in texts}
+    eval_ids = {name: torch.tensor(tokenize(base.tokenizer, text), dtype=torch.long)[:max_tokens] for name, text in eval_texts.items()}
+    print(f"dense model: evaluating {', '.join(f'{ids.numel()} tokens of {name!r}' for name, ids in eval_ids.items())} ...", flush=True)
     dense = _measure(base.model, eval_ids, seq_len, prefill_len, repeats)
     rows = []
     for label in methods:
         method, overrides = VARIANTS[label]
         for ratio in ratios:
-            options = CompressOptions(method=method, ratio=ratio, **overrides, **({"damping": damping} if damping is not None else {}))
+            row_options = CompressOptions(method=method, ratio=ratio, **{**(options or {}), **overrides})
             model = LoadedModel(copy.deepcopy(base.model), base.tokenizer, dict(base.identity))
             t0 = time.perf_counter()
-            manifest = compress_loaded(model, options, calib, calib_tokens, calib_seq_len=calib_seq_len, seed=seed, calibration=calibration)
+            manifest = compress_loaded(model, row_options, calib, calib_tokens, calib_seq_len=calib_seq_len, seed=seed, calibration=calibration)
             compress_s = time.perf_counter() - t0
             measured = _measure(model.model, eval_ids, seq_len, prefill_len, repeats, dense=base.model)
             row = {"method": label, "ratio": ratio, "achieved_ratio": manifest["achieved_ratio"], "compress_seconds": compress_s, **measured,
-                   "budget": manifest["budget"], "options": manifest["options"]}
+                   "budget": manifest["budget"], "options": manifest["options"], "allocation": manifest.get("allocation")}
             rows.append(row)
             print(format_row(row, dense), flush=True)
             del model
     return {
         "model": base.identity,
         "calibration": calibration[1],
-        "eval": {"text": text, "text_sha256": text_sha256(eval_text), "tokens": int(eval_ids.numel()), "seq_len": seq_len},
+        "eval": {"texts": {name: {"text_sha256": text_sha256(text), "tokens": int(eval_ids[name].numel())} for name, text in eval_texts.items()},
+                 "in_domain": texts[0], "seq_len": seq_len},
         "prefill_len": prefill_len,
         "threads": torch.get_num_threads(),
         "dense": dense,
@@ -105,10 +131,12 @@ def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, cal
 
 
 def format_row(row: dict, dense: dict) -> str:
+    """One markdown row: perplexity and its ratio to dense for every evaluation text, then costs."""
     latency = row.get("latency")
     speed = f"{row['speedup']:.2f}x" if row.get("speedup") else ("1.00x" if row.get("method") == "dense" and latency else "-")
     lat = f"{latency['median_s'] * 1e3:.0f}" if latency else "-"
-    return (f"| {row['method']} | {row['ratio']:.2f} | {row['achieved_ratio']:.4f} | {row['ppl']:.2f} | {row['ppl'] / dense['ppl']:.2f}x | "
+    ppl = " | ".join(f"{value:.2f} | {value / dense['ppl_by_text'][name]:.2f}x" for name, value in row["ppl_by_text"].items())
+    return (f"| {row['method']} | {row['ratio']:.2f} | {row['achieved_ratio']:.4f} | {ppl} | "
             f"{row['parameters'] / 1e6:.2f} | {row['flops_per_token'] / 1e6:.1f} ({row['flops_per_token'] / dense['flops_per_token']:.3f}) | "
             f"{lat} | {speed} | {row.get('compress_seconds', 0):.0f} |")
 
@@ -116,13 +144,17 @@ def format_row(row: dict, dense: dict) -> str:
 def markdown_table(result: dict) -> str:
     dense = result["dense"]
     ev = result["eval"]
+    texts = list(ev["texts"])
+    described = ", ".join(f"{info['tokens']} tokens of {name!r}" + (" (in domain)" if name == ev["in_domain"] else " (out of domain)")
+                          for name, info in ev["texts"].items())
     lines = [
-        f"Perplexity on {ev['tokens']} tokens of {ev['text']!r} ({ev['seq_len']}-token windows); calibration: {result['calibration'].get('tokens')} tokens "
+        f"Perplexity on {described} ({ev['seq_len']}-token windows); calibration: {result['calibration'].get('tokens')} tokens "
         f"of {result['calibration'].get('source')!r}; FLOPs per token and latency for a {result['prefill_len']}-token prefill, {result['threads']} CPU thread(s); "
         "speedup = dense prefill time measured right before each row / that row's (median of repeats).",
         "",
-        "| method | ratio | achieved | ppl | vs dense | params (M) | FLOPs/token (M, vs dense) | prefill ms | speedup | compress s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| method | ratio | achieved | " + " | ".join(f"ppl {name} | vs dense" for name in texts)
+        + " | params (M) | FLOPs/token (M, vs dense) | prefill ms | speedup | compress s |",
+        "| --- | ---: | ---: |" + " ---: | ---: |" * len(texts) + " ---: | ---: | ---: | ---: | ---: |",
         format_row({"method": "dense", "ratio": 0.0, "achieved_ratio": 0.0, **dense}, dense),
     ]
     lines += [format_row(row, dense) for row in result["rows"]]
@@ -130,18 +162,23 @@ def markdown_table(result: dict) -> str:
 
 
 def plot(result: dict):
-    """Perplexity against ratio per method (log y), dense as a dashed line; returns the figure."""
-    fig, ax = new_figure(figsize=(6.4, 4.4))
-    for label in dict.fromkeys(row["method"] for row in result["rows"]):
-        rows = sorted((r for r in result["rows"] if r["method"] == label), key=lambda r: r["ratio"])
-        ax.plot([r["ratio"] for r in rows], [r["ppl"] for r in rows], marker="o", label=label)
-    ax.axhline(result["dense"]["ppl"], color="black", linestyle="--", linewidth=1, label=f"dense ({result['dense']['ppl']:.1f})")
-    ax.set_yscale("log")
-    ax.set_xlabel("compression ratio (weights removed from the block projections)")
-    ax.set_ylabel("perplexity (log scale)")
-    ax.set_title(f"{result['model'].get('name')}: held-out perplexity vs compression")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    """Perplexity against ratio per method (log y), one panel per evaluation text, dense dashed; returns the figure."""
+    texts = list(result["eval"]["texts"])
+    fig, axes = new_figure(1, len(texts), figsize=(5.6 * len(texts), 4.4), squeeze=False)
+    axes = list(axes[0])
+    for ax, name in zip(axes, texts):
+        for label in dict.fromkeys(row["method"] for row in result["rows"]):
+            rows = sorted((r for r in result["rows"] if r["method"] == label), key=lambda r: r["ratio"])
+            ax.plot([r["ratio"] for r in rows], [r["ppl_by_text"][name] for r in rows], marker="o", label=label)
+        dense_ppl = result["dense"]["ppl_by_text"][name]
+        ax.axhline(dense_ppl, color="black", linestyle="--", linewidth=1, label=f"dense ({dense_ppl:.1f})")
+        ax.set_yscale("log")
+        ax.set_xlabel("compression ratio (weights removed from the block projections)")
+        ax.set_ylabel("perplexity (log scale)")
+        domain = "in domain" if name == result["eval"]["in_domain"] else "out of domain"
+        ax.set_title(f"{result['model'].get('name')}: {name} ({domain})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -166,16 +203,19 @@ def demo_compression(out_dir: str | Path, *, model: str = "smollm2", ratio: floa
         fetch_smollm2()
     base = load_pretrained(model)
     print(f"compression demo: {model} at ratio {ratio} with {', '.join(methods)}; calibration {calib_tokens} tokens of the training plays, "
-          f"evaluation on the first {eval_tokens} tokens of the held-out plays (small so it runs in minutes on a CPU; "
+          f"evaluation on the first {eval_tokens} tokens of the held-out plays (in domain) and of Austen's novels (out of domain; small so it runs in minutes on a CPU; "
           f"`slimkv compress-sweep` measures more)", flush=True)
     result = run_sweep(base, list(methods), [ratio], calib_tokens=calib_tokens, calib_seq_len=min(seq_len, calib_tokens), seq_len=seq_len,
                        max_tokens=eval_tokens, repeats=0, seed=seed)
     table = markdown_table(result)
     print(table)
-    rows = {row["method"]: row["ppl"] for row in result["rows"]}
-    if "rootcov" in rows and "latentllm" in rows and math.isfinite(rows["rootcov"]):
-        change = 100 * (rows["latentllm"] / rows["rootcov"] - 1)
-        print(f"latentllm perplexity is {abs(change):.1f}% {'below' if change < 0 else 'above'} rootcov's at the same ratio "
-              f"(dense {result['dense']['ppl']:.2f}; one calibration set, {result['eval']['tokens']} evaluation tokens)")
+    rows = {row["method"]: row["ppl_by_text"] for row in result["rows"]}
+    if "rootcov" in rows and "latentllm" in rows:
+        for name, dense_ppl in result["dense"]["ppl_by_text"].items():
+            if math.isfinite(rows["rootcov"][name]):
+                change = 100 * (rows["latentllm"][name] / rows["rootcov"][name] - 1)
+                print(f"{name}: latentllm perplexity is {abs(change):.1f}% {'below' if change < 0 else 'above'} rootcov's at the same ratio "
+                      f"(dense {dense_ppl:.2f}, latentllm {rows['latentllm'][name] / dense_ppl:.2f}x dense; one calibration set, "
+                      f"{result['eval']['texts'][name]['tokens']} evaluation tokens)")
     write_sweep(result, "compression_demo", Path(out_dir))
     return result

@@ -13,7 +13,7 @@ from slimkv.compress.methods import get_method
 from slimkv.compress.options import CompressOptions
 from slimkv.compress.persist import COMPRESSED_FOLDER, save
 from slimkv.compress.pipeline import compress_model
-from slimkv.data.texts import DOC_SEPARATOR, calibration_documents, calibration_ids, text_sha256
+from slimkv.data.texts import DOC_SEPARATOR, calibration_ids, calibration_sources, text_sha256
 from slimkv.pretrained import LoadedModel, load_pretrained, weights_fingerprint
 
 DEFAULT_CALIB_TOKENS = 8192
@@ -22,10 +22,12 @@ DEFAULT_CALIB_SEQ_LEN = 1024
 
 def calibration_set(loaded: LoadedModel, calib: str, tokens: int, seq_len: int, seed: int) -> tuple[torch.Tensor, dict]:
     """Calibration windows and their description (source, text hash, token hash) for the manifest."""
-    documents = calibration_documents(calib)
-    ids = calibration_ids(loaded.tokenizer, documents, tokens, seq_len, seed)
+    sources = calibration_sources(calib)
+    documents = [document for _name, docs in sources for document in docs]
+    ids = calibration_ids(loaded.tokenizer, sources, tokens, seq_len, seed)
     info = {
         "source": calib,
+        "sources": [name for name, _docs in sources],
         "text_sha256": text_sha256(DOC_SEPARATOR.join(documents)),
         "tokens_sha256": hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest(),
         "sequences": ids.shape[0],
@@ -72,7 +74,7 @@ def compress_pretrained(model: str, options: CompressOptions, calib: str, calib_
     if out_dir is not None:
         COMPRESSED_FOLDER.check(out_dir)
     if get_method(options.method).needs_data:
-        calibration_documents(calib)
+        calibration_sources(calib)
     loaded = load_pretrained(model)
     manifest = compress_loaded(loaded, options, calib, calib_tokens, calib_seq_len=calib_seq_len, seed=seed, progress=progress)
     if out_dir is not None:

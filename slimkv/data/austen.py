@@ -2,8 +2,8 @@
 author, era and genre than the Shakespeare plays slimkv calibrates and trains on.
 
 They install from Debian's ``r-cran-janeaustenr`` package (MIT, 1.6 MB), a registry this machine
-kind reaches: ``fetch_austen`` downloads it with ``apt-get download`` (no R, no dpkg needed), reads
-the package's R lazy-load database ``data/Rdata.rdb`` (a concatenation of
+kind reaches: ``fetch_austen`` downloads it with ``apt-get download`` (no R, no dpkg needed: see
+``slimkv.data.debian``), reads the package's R lazy-load database ``data/Rdata.rdb`` (a concatenation of
 [4-byte big-endian length][zlib stream of an XDR-serialised character vector], one element per line
 of the Project Gutenberg text) and writes one ``.txt`` per novel with a manifest of hashes under
 ``cache_dir()/texts/austen/``. The novels are surely in the pretraining data of public models:
@@ -12,21 +12,16 @@ of the Project Gutenberg text) and writes one ``.txt`` per novel with a manifest
 
 from __future__ import annotations
 
-import io
-import shutil
 import struct
-import subprocess
-import tarfile
-import tempfile
 import zlib
 from pathlib import Path
 
-from slimkv.common.files import atomic_directory, read_json, sha256_file, write_json
 from slimkv.common.paths import cache_dir
+from slimkv.data.debian import deb_member, fetch_package_texts, package_files
 
 PACKAGE = "r-cran-janeaustenr"
 RDB_MEMBER = "usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"
-MANIFEST = "manifest.json"
+LICENSE = "texts public domain (Project Gutenberg); package MIT (Julia Silge)"
 
 
 def austen_dir() -> Path:
@@ -72,54 +67,22 @@ def read_lazy_load_database(data: bytes) -> list[list[str]]:
     return vectors
 
 
-def deb_member(deb: Path, member: str) -> bytes:
-    """One file of a .deb (an ar archive holding data.tar.*), read without dpkg."""
-    data = deb.read_bytes()
-    if not data.startswith(b"!<arch>\n"):
-        raise ValueError(f"{deb} is not a Debian package")
-    pos = 8
-    while pos + 60 <= len(data):
-        name, size = data[pos : pos + 16].decode().strip().rstrip("/"), int(data[pos + 48 : pos + 58].decode().strip())
-        body = data[pos + 60 : pos + 60 + size]
-        if name.startswith("data.tar"):
-            with tarfile.open(fileobj=io.BytesIO(body)) as archive:
-                for candidate in (member, "./" + member):
-                    try:
-                        return archive.extractfile(candidate).read()
-                    except KeyError:
-                        continue
-            raise FileNotFoundError(f"{member} is not in {deb}")
-        pos += 60 + size + (size % 2)
-    raise ValueError(f"{deb} has no data archive")
+def _build(deb: Path) -> dict[str, bytes]:
+    """One ``.txt`` per novel, named after its index and title, from the package's R database."""
+    files = {}
+    for index, lines in enumerate(read_lazy_load_database(deb_member(deb, RDB_MEMBER))):
+        title = next((line for line in lines if line.strip()), "untitled").strip()
+        name = f"{index}_" + "".join(c if c.isalnum() else "_" for c in title)[:40] + ".txt"
+        files[name] = "\n".join(lines).encode("utf-8")
+    return files
 
 
 def fetch_austen() -> Path:
     """The folder of the six novels (downloaded and extracted once)."""
-    folder = austen_dir()
-    if (folder / MANIFEST).is_file():
-        return folder
-    if shutil.which("apt-get") is None:
-        raise FileNotFoundError(f"the Austen text comes from Debian's {PACKAGE} package, and apt-get is not available here")
-    with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run(["apt-get", "download", PACKAGE], cwd=tmp, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise FileNotFoundError(f"`apt-get download {PACKAGE}` failed ({done.stderr.strip()[-300:]}); run `apt-get update` first")
-        deb = next(Path(tmp).glob("*.deb"))
-        novels = read_lazy_load_database(deb_member(deb, RDB_MEMBER))
-        with atomic_directory(folder) as staging:
-            files = {}
-            for index, lines in enumerate(novels):
-                title = next((line for line in lines if line.strip()), "untitled").strip()
-                name = f"{index}_" + "".join(c if c.isalnum() else "_" for c in title)[:40] + ".txt"
-                (staging / name).write_text("\n".join(lines), encoding="utf-8")
-                files[name] = sha256_file(staging / name)
-            write_json(staging / MANIFEST, {"package": PACKAGE, "deb": deb.name, "deb_sha256": sha256_file(deb), "files": files,
-                                            "license": "texts public domain (Project Gutenberg); package MIT (Julia Silge)"})
-    return folder
+    return fetch_package_texts(austen_dir(), PACKAGE, _build, LICENSE)
 
 
 def austen_documents() -> list[str]:
     """The six novels, in the package's order (Sense and Sensibility last, Emma first)."""
-    folder = fetch_austen()
-    names = sorted(read_json(folder / MANIFEST, expect=dict)["files"], key=lambda n: int(n.split("_", 1)[0]))
-    return [(folder / name).read_text(encoding="utf-8") for name in names]
+    files = sorted(package_files(fetch_austen()), key=lambda path: int(path.name.split("_", 1)[0]))
+    return [path.read_text(encoding="utf-8") for path in files]

@@ -2,7 +2,10 @@
 
 ``shakespeare`` is the text of the training plays (calibration), ``shakespeare-val`` the text of
 the held-out plays (evaluation), ``austen`` Jane Austen's novels (out-of-domain evaluation,
-``slimkv.data.austen``), anything else a local text file or a folder of ``*.txt`` files.
+``slimkv.data.austen``), ``kjv``, ``devil`` and ``pydoc`` Debian-packaged texts
+(``slimkv.data.corpora``, calibration or evaluation), anything else a local text file or a folder
+of ``*.txt`` files. ``--calib`` also takes a comma-separated mix of named sources
+(``shakespeare,kjv``), each getting an equal share of the calibration windows.
 Documents are joined with a blank line ("\\n\\n").
 """
 
@@ -15,13 +18,18 @@ from pathlib import Path
 
 import torch
 
+from slimkv.common.checks import close_matches
 from slimkv.data.austen import austen_documents
+from slimkv.data.corpora import CORPORA
 from slimkv.data.shakespeare import shakespeare_plays, shakespeare_split
 
 CALIB_SHAKESPEARE = "shakespeare"
 EVAL_SHAKESPEARE = "shakespeare-val"
 AUSTEN = "austen"  # Jane Austen's novels: the out-of-domain evaluation text (slimkv.data.austen)
 DOC_SEPARATOR = "\n\n"
+CALIBRATION_SOURCES = (CALIB_SHAKESPEARE, *CORPORA)  # names --calib takes, alone or mixed
+EVALUATION_ONLY = (EVAL_SHAKESPEARE, AUSTEN)  # never calibration text
+MIXED_CALIBRATION = "shakespeare,kjv,devil,pydoc"  # every calibration source, equal shares
 
 
 def _shakespeare(split: str) -> list[str]:
@@ -59,23 +67,68 @@ def _local_documents(spec: str) -> list[str]:
         if not files:
             raise FileNotFoundError(f"{path} is a folder that holds no *.txt files")
         return [read_text_file(f) for f in files]
-    raise FileNotFoundError(f"text {spec!r} is neither a known source ({CALIB_SHAKESPEARE}, {EVAL_SHAKESPEARE}) nor an existing file or folder")
+    known = ", ".join((*CALIBRATION_SOURCES, *EVALUATION_ONLY))
+    raise FileNotFoundError(f"text {spec!r} is neither a known source ({known}) nor an existing file or folder")
+
+
+def _named_documents(name: str) -> list[str]:
+    return _shakespeare("train") if name == CALIB_SHAKESPEARE else CORPORA[name].documents()
+
+
+def _looks_like_path(item: str) -> bool:
+    return item.startswith(("~", ".")) or "/" in item or "\\" in item or Path(item).suffix != ""
+
+
+def calibration_sources(spec: str) -> list[tuple[str, list[str]]]:
+    """The sources of ``--calib SPEC`` as (name, documents), in the order given.
+
+    SPEC is a named source (``shakespeare``, ``kjv``, ``devil``, ``pydoc``), a comma-separated mix
+    of them (``shakespeare,kjv``: each gets an equal share of the windows, see
+    ``calibration_ids``) or a local PATH (a file or a folder of ``*.txt``; a path holding a
+    comma is a path if it exists, a name wins over a file of that name: write ``./kjv``).
+    Evaluation texts are refused, naming them.
+    """
+    if spec in CALIBRATION_SOURCES:
+        return [(spec, _named_documents(spec))]
+    if spec not in EVALUATION_ONLY and Path(spec).expanduser().exists():
+        return [(spec, _local_documents(spec))]
+    names = [item.strip() for item in spec.split(",")]
+    refused = [name for name in names if name in EVALUATION_ONLY]
+    if refused:
+        raise ValueError(f"--calib {spec!r} names evaluation text {', '.join(refused)}, which calibration never uses; "
+                         f"allowed values: {', '.join(CALIBRATION_SOURCES)} (or a mix like {MIXED_CALIBRATION}), or a PATH")
+    if len(names) == 1 and _looks_like_path(spec):
+        return [(spec, _local_documents(spec))]  # FileNotFoundError naming the path
+    for name in names:
+        if name not in CALIBRATION_SOURCES:
+            raise ValueError(f"--calib {spec!r}: {name!r} is not a calibration source{close_matches(name, CALIBRATION_SOURCES)}; "
+                             f"allowed values: {', '.join(CALIBRATION_SOURCES)}, a comma-separated mix of them "
+                             f"(like {MIXED_CALIBRATION}), or an existing PATH")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--calib {spec!r} names {', '.join(repeated)} more than once; each source gets an equal share, name it once")
+    return [(name, _named_documents(name)) for name in names]
 
 
 def calibration_documents(spec: str) -> list[str]:
-    """``shakespeare`` (the training plays) or a local PATH, as a list of documents."""
-    if spec in (EVAL_SHAKESPEARE, AUSTEN):
-        raise ValueError(f"--calib {spec!r} is an evaluation text; use {CALIB_SHAKESPEARE!r} or a PATH")
-    return _shakespeare("train") if spec == CALIB_SHAKESPEARE else _local_documents(spec)
+    """All documents of ``--calib SPEC`` (``calibration_sources``) as one list, sources in order:
+    the calibration text to hash. Sample windows from ``calibration_sources(spec)``, not from
+    this list, so that a mix gives each source an equal share."""
+    return [document for _name, documents in calibration_sources(spec) for document in documents]
 
 
 def evaluation_text(spec: str) -> str:
-    """``shakespeare-val`` (the held-out plays), ``austen`` (out of domain) or a local PATH,
-    documents joined with a blank line."""
+    """``shakespeare-val`` (the held-out plays), ``austen`` (out of domain), ``kjv``, ``devil``,
+    ``pydoc`` or a local PATH, documents joined with a blank line. A run must not be evaluated on
+    a text it was calibrated on (``kjv`` after ``--calib shakespeare,kjv``): its scores would not
+    measure generalisation; only the calibration split ``shakespeare`` is refused here."""
     if spec == CALIB_SHAKESPEARE:
-        raise ValueError(f"--text {spec!r} is the calibration split; use {EVAL_SHAKESPEARE!r}, {AUSTEN!r} or a PATH")
+        others = ", ".join(map(repr, (EVAL_SHAKESPEARE, AUSTEN, *CORPORA)))
+        raise ValueError(f"--text {spec!r} is the calibration split; use {others} or a PATH")
     if spec == AUSTEN:
         return DOC_SEPARATOR.join(austen_documents())
+    if spec in CORPORA:
+        return DOC_SEPARATOR.join(CORPORA[spec].documents())
     return DOC_SEPARATOR.join(_shakespeare("val") if spec == EVAL_SHAKESPEARE else _local_documents(spec))
 
 
@@ -88,27 +141,45 @@ def tokenize(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def calibration_ids(tokenizer, documents: list[str], tokens: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+def _window(rng: random.Random, tokenizer, documents: list[str], cache: dict[int, list[int]], seq_len: int) -> list[int] | None:
+    """A random ``seq_len``-token span of a random document long enough (up to 100 draws), or None."""
+    for _attempt in range(100):
+        index = rng.randrange(len(documents))
+        if index not in cache:
+            cache[index] = tokenize(tokenizer, documents[index])
+        ids = cache[index]
+        if len(ids) >= seq_len:
+            start = rng.randrange(len(ids) - seq_len + 1)
+            return ids[start:start + seq_len]
+    return None
+
+
+def calibration_ids(tokenizer, sources: list[str] | list[tuple[str, list[str]]], tokens: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     """(ceil(tokens / seq_len), seq_len) LongTensor of calibration windows.
 
-    Each window is a random ``seq_len``-token span of a random document (seeded). Documents are
-    tokenized once each, lazily, so a small calibration set does not tokenize the whole corpus.
+    ``sources`` is a list of documents (one source) or of (name, documents) from
+    ``calibration_sources``. Window i comes from source i mod k (round-robin: equal shares, the
+    first sources one more when k does not divide the count), as a random ``seq_len``-token span of
+    a random document of that source; one seeded rng draws them all in order, so one source gives
+    the same windows either way. Documents are tokenized once each, lazily, so a small calibration
+    set does not tokenize a whole corpus. ValueError naming the source when it has no document of
+    ``seq_len`` tokens.
     """
     if tokens < 1 or seq_len < 2:
         raise ValueError(f"calibration needs tokens >= 1 and seq_len >= 2; got tokens={tokens}, seq_len={seq_len}")
+    named = bool(sources) and not isinstance(sources[0], str)
+    groups = list(sources) if named else [("", sources)]
+    for name, documents in groups:
+        if not documents:
+            raise ValueError(f"calibration source {name!r} has no documents" if named else "calibration text has no documents")
     rng = random.Random(seed)
-    cache: dict[int, list[int]] = {}
+    caches: list[dict[int, list[int]]] = [{} for _ in groups]
     windows = []
-    for _ in range(math.ceil(tokens / seq_len)):
-        for _attempt in range(100):
-            index = rng.randrange(len(documents))
-            if index not in cache:
-                cache[index] = tokenize(tokenizer, documents[index])
-            ids = cache[index]
-            if len(ids) >= seq_len:
-                start = rng.randrange(len(ids) - seq_len + 1)
-                windows.append(ids[start:start + seq_len])
-                break
-        else:
-            raise ValueError(f"calibration text has no document of at least {seq_len} tokens; lower --calib-seq-len")
+    for i in range(math.ceil(tokens / seq_len)):
+        name, documents = groups[i % len(groups)]
+        window = _window(rng, tokenizer, documents, caches[i % len(groups)], seq_len)
+        if window is None:
+            text = f"calibration source {name!r}" if named else "calibration text"
+            raise ValueError(f"{text} has no document of at least {seq_len} tokens; lower --calib-seq-len")
+        windows.append(window)
     return torch.tensor(windows, dtype=torch.long)
