@@ -22,6 +22,12 @@ from slimkv.compress.linalg import (
     factor_params,
 )
 
+# The joint MLP's channel weights are averages over tokens: the first few calibration sequences
+# estimate them well, at a fraction of the cost of recomputing every sequence's pre-activations.
+SENSITIVITY_SEQUENCES = 4
+# Sequences on which the joint MLP is compared with separate factors (``mlp_output_error``).
+CHECK_SEQUENCES = 2
+
 
 def attention_stage(ctx: BlockContext) -> None:
     """q/k/v on the block input (q and k jointly unless ablated), then o on its compressed-upstream input."""
@@ -86,11 +92,27 @@ def mlp_stage(ctx: BlockContext) -> None:
     for x in mlp_inputs:
         add(x)
     stats = ctx.finish(stats_acc, f"{ctx.arch.block_prefix(ctx.index)} mlp_in activations")
+    separate = {}
+    if not ctx.options.joint_mlp or ctx.options.joint_mlp_check:
+        separate = {name: ctx.local_factors(name, "rootcov", stats, ctx.rank(name, identity)) for name in ins}
     if ctx.options.joint_mlp:
-        weighted_inputs_stage(ctx, act, mlp_inputs, stats)
-    else:
-        for name in ins:
-            ctx.factor_local(name, "rootcov", stats, identity=identity)
+        joint, info, key = weighted_inputs_stage(ctx, act, mlp_inputs, stats)
+        if ctx.options.joint_mlp_check:
+            errors = {form: mlp_output_error(ctx, act, mlp_inputs[:CHECK_SEQUENCES], {n: f.product() for n, f in parts.items()})
+                      for form, parts in (("joint", joint), ("separate", separate))}
+            info = {**info, "mlp_output_error": errors, "chosen": min(errors, key=errors.get)}
+        if not ctx.options.joint_mlp_check or info["chosen"] == "joint":
+            for name, part in joint.items():
+                part = ctx.refit(name, part, stats)
+                ctx.plan_factors(name, part, ctx.corrected_bias(name, part, stats), "joint_mlp_shared" if key else "joint_mlp_weighted", info, shared=key)
+            separate = {}
+        else:
+            for name in ins:
+                ctx.plan(name, separate[name], "rootcov", stats, {"statistics": info["statistics"], **{k: info[k] for k in ("mlp_output_error", "chosen")}},
+                         identity=identity)
+            separate = {}
+    for name, factors in separate.items():
+        ctx.plan(name, factors, "rootcov", stats, {"statistics": "centered" if ctx.has_bias(name) else "uncentered"}, identity=identity)
     ctx.install(ins)
     ctx.factor_local(down, "rootcov", down_stats(ctx, mlp_inputs), identity=identity)
     ctx.install([down])
@@ -119,13 +141,38 @@ def mlp_pre_activations(ctx: BlockContext, x: torch.Tensor) -> list[torch.Tensor
     return out
 
 
-def weighted_inputs_stage(ctx: BlockContext, act: nn.Module, mlp_inputs: list[torch.Tensor], stats: Stats) -> None:
-    """Gated: one shared, sensitivity-weighted input factor for gate and up. Plain: weighted up."""
+@torch.no_grad()
+def mlp_output_error(ctx: BlockContext, act: nn.Module, mlp_inputs: list[torch.Tensor], products: dict[str, torch.Tensor]) -> float:
+    """Relative squared error of the MLP output (down still dense) on ``mlp_inputs`` when the input
+    projections' weights are replaced by ``products``: the objective the joint MLP approximates.
+    Computed in the activations' dtype (a comparison of two candidates, not a statistic to keep)."""
+    layout = ctx.layout
+    dtype = mlp_inputs[0].dtype
+    W_down = ctx.original[layout.mlp_out.name][0].to(dtype)
+    biases = [None if ctx.original[p.name][1] is None else ctx.original[p.name][1].to(dtype) for p in layout.mlp_in]
+
+    def output(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        pre = [x @ W.T + (0.0 if b is None else b) for W, b in zip(weights, biases)]
+        hidden = act(pre[0]) * pre[1] if layout.gated else act(pre[0])
+        return hidden @ W_down.T
+
+    error = total = 0.0
+    for x in mlp_inputs:
+        x = x.reshape(-1, x.shape[-1])
+        reference = output(x, [ctx.original[p.name][0].to(dtype) for p in layout.mlp_in])
+        error += float(((output(x, [products[p.name].to(dtype) for p in layout.mlp_in]) - reference) ** 2).sum(dtype=torch.float64))
+        total += float((reference**2).sum(dtype=torch.float64))
+    return error / max(total, 1e-300)
+
+
+def weighted_inputs_stage(ctx: BlockContext, act: nn.Module, mlp_inputs: list[torch.Tensor], stats: Stats) -> tuple[dict, dict, str | None]:
+    """Gated: one shared, sensitivity-weighted input factor for gate and up. Plain: weighted up.
+    Returns (projection -> its rows of the factors, manifest info, shared-factor key or None)."""
     layout = ctx.layout
     ins = [p.name for p in layout.mlp_in]
     mats = [ctx.target_weight(n, stats) for n in ins]
     sens = SensitivityAccumulator(mats[0].shape[0], layout.gated, ctx.device)
-    for x in mlp_inputs:
+    for x in mlp_inputs[:SENSITIVITY_SEQUENCES]:
         pre = mlp_pre_activations(ctx, x)
         sens.add(act, pre[0], pre[1] if layout.gated else None)
     weights = sens.row_weights(ctx.original[layout.mlp_out.name][0])
@@ -143,12 +190,11 @@ def weighted_inputs_stage(ctx: BlockContext, act: nn.Module, mlp_inputs: list[to
     key = "+".join(ctx.path(n) for n in ins) if len(ins) > 1 else None
     info = {"statistics": "centered" if centered else "uncentered",
             "row_weights": "first-order sensitivity of the gated product" if layout.gated else "activation derivative", "combined_budget": key is not None}
-    start = 0
+    parts, start = {}, 0
     for name, count in zip(ins, rows):
-        part = slice_rows(shared_factors, start, start + count)
+        parts[name] = slice_rows(shared_factors, start, start + count)
         start += count
-        part = ctx.refit(name, part, stats)
-        ctx.plan_factors(name, part, ctx.corrected_bias(name, part, stats), "joint_mlp_shared" if key else "joint_mlp_weighted", info, shared=key)
+    return parts, info, key
 
 
 def relu_stage(ctx: BlockContext, mlp_inputs: list[torch.Tensor]) -> None:

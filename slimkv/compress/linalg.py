@@ -125,7 +125,9 @@ class StatsAccumulator:
     are exact to float64 round-off and the float64 copy never exceeds ``chunk`` rows. Only what
     the caller asks for is accumulated: ``cov`` (d x d, the costly part), ``mean_abs`` and/or
     ``out_weight`` W (d_out, d): the Gram (X W^T)^T (X W^T) of the projected inputs, which equals
-    W (X^T X) W^T and costs d_out (d + d_out) instead of d^2 per token.
+    W (X^T X) W^T and costs d_out (d + d_out) instead of d^2 per token. The projection X W^T runs in
+    the activations' dtype, as the layer itself computes it (float32 round-off, relative ~1e-7);
+    its Gram is summed in float64.
     """
 
     def __init__(self, dim: int, device: torch.device | str = "cpu", chunk: int = 2048, *, cov: bool = True, mean_abs: bool = True,
@@ -139,6 +141,7 @@ class StatsAccumulator:
         # a float64 weight on ``device`` (what the pipeline passes) is kept as is: ``Stats.weighted_gram`` recognises it by identity
         self.out_weight = out_weight.to(dtype=torch.float64, device=device) if out_weight is not None else None
         self.out_gram = torch.zeros(out_weight.shape[0], out_weight.shape[0], dtype=torch.float64, device=device) if out_weight is not None else None
+        self.out_weight_native: torch.Tensor | None = None  # out_weight in the activations' dtype and device, made on the first add
         self.cross = torch.zeros(dim, dim, dtype=torch.float64, device=device) if cross else None
         self.dense_total = torch.zeros(dim, dtype=torch.float64, device=device) if cross else None
         self.count = 0
@@ -147,6 +150,8 @@ class StatsAccumulator:
         """Add the vectors of ``x`` (..., dim); with ``cross`` statistics also ``dense`` (same shape):
         the dense model's input to the same layer for the same tokens."""
         rows = x.reshape(-1, self.dim)
+        if self.out_weight is not None and (self.out_weight_native is None or self.out_weight_native.dtype != rows.dtype):
+            self.out_weight_native = self.out_weight.to(dtype=rows.dtype, device=rows.device)
         if (dense is not None) != (self.cross is not None):
             raise ValueError("dense inputs must be given exactly when cross statistics are accumulated")
         dense_rows = dense.reshape(-1, self.dim) if dense is not None else None
@@ -159,7 +164,8 @@ class StatsAccumulator:
             if self.xtx is not None:
                 self.xtx.addmm_(block.T, block)
             if self.out_gram is not None:
-                projected = block @ self.out_weight.T
+                # the projection in the activations' own precision (what the layer computes), the Gram of its result in float64
+                projected = (rows[start:start + self.chunk] @ self.out_weight_native.T).to(torch.float64)
                 self.out_gram.addmm_(projected.T, projected)
             self.total += block.sum(0)
             self.total_sq += block.square().sum()

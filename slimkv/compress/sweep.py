@@ -11,11 +11,13 @@ from __future__ import annotations
 import copy
 import math
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from slimkv.common.checks import close_matches
 from slimkv.common.files import write_text
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
@@ -40,11 +42,41 @@ VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
 DEFAULT_TEXTS = (EVAL_SHAKESPEARE, AUSTEN)
 
 
+def variant(label: str) -> tuple[str, dict[str, Any]]:
+    """(method, CompressOptions overrides) of a sweep label: a name in ``VARIANTS``, optionally
+    followed by ``+field=value`` settings (``latentllm+cov_shrinkage=0.1+rank_allocation=spectrum``).
+    ValueError naming the label, the field or the value."""
+    name, *settings = label.split("+")
+    if name not in VARIANTS:
+        raise ValueError(f"--methods: unknown {name!r} in {label!r}{close_matches(name, VARIANTS)}; choose from {', '.join(VARIANTS)}")
+    method, overrides = VARIANTS[name]
+    overrides = dict(overrides)
+    types = {f.name: f.type for f in fields(CompressOptions) if f.name not in ("method", "ratio")}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or key not in types:
+            raise ValueError(f"--methods {label!r}: {setting!r} is not FIELD=VALUE with a CompressOptions field; fields: {', '.join(types)}")
+        kind = types[key]
+        try:
+            if kind == "bool":
+                if value not in ("true", "false"):
+                    raise ValueError
+                overrides[key] = value == "true"
+            else:
+                overrides[key] = {"int": int, "float": float, "str": str}[kind](value)
+        except ValueError:
+            raise ValueError(f"--methods {label!r}: {key}={value!r} is not a {kind}" + (" (true or false)" if kind == "bool" else "")) from None
+    CompressOptions(method=method, ratio=0.5, **overrides).validate()
+    return method, overrides
+
+
 def parse_methods(text: str) -> list[str]:
+    """``--methods``: comma-separated sweep labels (``variant``), checked."""
     labels = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in labels if m not in VARIANTS]
-    if unknown or not labels:
-        raise ValueError(f"--methods: unknown {unknown or text!r}; choose from {', '.join(VARIANTS)}")
+    if not labels:
+        raise ValueError(f"--methods: no method in {text!r}; choose from {', '.join(VARIANTS)}")
+    for label in labels:
+        variant(label)
     return labels
 
 
@@ -87,12 +119,14 @@ def _measure(model: torch.nn.Module, eval_ids: dict[str, torch.Tensor], seq_len:
 
 def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, calib: str = "shakespeare", calib_tokens: int = 8192,
               calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, texts: tuple[str, ...] = DEFAULT_TEXTS, seq_len: int = 1024, max_tokens: int | None = 16384,
-              prefill_len: int = 512, repeats: int = 5, seed: int = 0, options: dict[str, Any] | None = None) -> dict[str, Any]:
+              prefill_len: int = 512, repeats: int = 5, seed: int = 0, options: dict[str, Any] | None = None,
+              dense: dict[str, Any] | None = None) -> dict[str, Any]:
     """Compress copies of ``base`` with every method label at every ratio; measure each and the dense model.
 
     Perplexity is measured on the first ``max_tokens`` tokens of each of ``texts`` (the first is the
     in-domain text; the others must not be calibration text). ``options`` overrides CompressOptions
-    fields for every row (a variant's own overrides win).
+    fields for every row (a variant's own overrides win). ``dense``: the dense model's measurement
+    from an earlier call with the same texts and settings (skips measuring it again).
     """
     texts = tuple(texts)
     calibration = calibration_set(base, calib, calib_tokens, calib_seq_len, seed)
@@ -102,10 +136,11 @@ def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, cal
     eval_texts = {name: evaluation_text(name) for name in texts}
     eval_ids = {name: torch.tensor(tokenize(base.tokenizer, text), dtype=torch.long)[:max_tokens] for name, text in eval_texts.items()}
     print(f"dense model: evaluating {', '.join(f'{ids.numel()} tokens of {name!r}' for name, ids in eval_ids.items())} ...", flush=True)
-    dense = _measure(base.model, eval_ids, seq_len, prefill_len, repeats)
+    if dense is None or set(dense["ppl_by_text"]) != set(texts):
+        dense = _measure(base.model, eval_ids, seq_len, prefill_len, repeats)
     rows = []
     for label in methods:
-        method, overrides = VARIANTS[label]
+        method, overrides = variant(label)
         for ratio in ratios:
             row_options = CompressOptions(method=method, ratio=ratio, **{**(options or {}), **overrides})
             model = LoadedModel(copy.deepcopy(base.model), base.tokenizer, dict(base.identity))

@@ -17,6 +17,8 @@ from slimkv.compress.linalg import (
     rootcov_factors,
     svd_factors,
 )
+from slimkv.compress.pipeline import iter_leaf_entries
+from slimkv.compress.sweep import parse_methods, variant
 
 from .conftest import calib_ids, tiny_model
 
@@ -189,3 +191,26 @@ def test_sensitivity_allocation_compresses_saves_and_reloads(method, tmp_path):
 def test_correction_needs_sequential_calibration():
     with pytest.raises(ValueError, match="correct_upstream=True needs sequential=True"):
         CompressOptions(method="rootcov", ratio=0.2, correct_upstream=True, sequential=False).validate()
+
+
+def test_sweep_labels_take_option_settings_and_name_what_is_wrong():
+    assert variant("latentllm+cov_shrinkage=0.1+refit=true") == ("latentllm", {"cov_shrinkage": 0.1, "refit": True})
+    assert variant("latentllm-no-joint-mlp+rank_allocation=spectrum") == ("latentllm", {"joint_mlp": False, "rank_allocation": "spectrum"})
+    for label, message in [("latentlm", "did you mean latentllm"), ("rootcov+foo=1", "'foo=1' is not FIELD=VALUE"),
+                           ("rootcov+refit=yes", "true or false"), ("rootcov+cov_shrinkage=x", "not a float"),
+                           ("rootcov+rank_allocation=best", "allowed values: uniform, spectrum, sensitivity")]:
+        with pytest.raises(ValueError, match=message):
+            parse_methods(label)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_joint_mlp_is_kept_only_where_it_beats_separate_factors(family):
+    manifest = compress_model(tiny_model(family), calib_ids(), CompressOptions(method="latentllm", ratio=0.5), progress=False)
+    entries = [e for e in iter_leaf_entries(manifest["modules"]) if e["projection"] in ("gate", "up")]
+    assert entries
+    for entry in entries:
+        errors = entry["mlp_output_error"]
+        assert entry["chosen"] == min(errors, key=errors.get) and all(v >= 0 for v in errors.values())
+        assert entry["how"] == ("rootcov" if entry["chosen"] == "separate" else ("joint_mlp_shared" if family == "llama" else "joint_mlp_weighted"))
+    unchecked = compress_model(tiny_model(family), calib_ids(), CompressOptions(method="latentllm", ratio=0.5, joint_mlp_check=False), progress=False)
+    assert all(e["how"].startswith("joint_mlp") for e in iter_leaf_entries(unchecked["modules"]) if e["projection"] in ("gate", "up"))
