@@ -6,7 +6,7 @@ the held-out plays (in domain) and of Austen's novels (out of domain, never cali
 
 - ``curve``: latentllm at ratio 0.2 against calibration tokens and calibration mix
   (``compress_calibration_curve.{json,md}``);
-- ``ablation``: each method change alone and combined, at ``--ratios`` (``compress_robustness_ablation.{json,md}``);
+- ``ablation``: each method change switched against the defaults (``compress_robustness_ablation.{json,md}``);
 - ``asvd``: the ASVD audit: slimkv's asvd, its scaling exponent, calibration on the dense model
   (as the paper does) and the paper's sensitivity-based rank search (``compress_asvd_audit.{json,md}``).
 
@@ -24,44 +24,52 @@ import torch
 
 from slimkv.common.timing import write_results
 from slimkv.compress.sweep import markdown_table, parse_methods, run_sweep
+from slimkv.compress.workflow import DEFAULT_CALIB
 from slimkv.data.texts import MIXED_CALIBRATION
 from slimkv.pretrained import fetch_smollm2, load_pretrained
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+# (label, ratios): each change alone against the default, at 0.2; the MLP choice where it mattered (0.4)
 ABLATION = [
-    "latentllm+cov_shrinkage=0",
-    "latentllm+cov_shrinkage=0.05",
-    "latentllm+cov_shrinkage=0.2",
-    "latentllm+correct_upstream=true",
-    "latentllm+refit=true",
-    "latentllm+rank_allocation=spectrum",
-    "latentllm+sequential=false",
-    "latentllm-no-joint-mlp",
+    ("latentllm", (0.2, 0.4)),
+    ("latentllm+rank_allocation=uniform", (0.2,)),
+    ("latentllm+cov_shrinkage=0.05", (0.2,)),
+    ("latentllm+correct_upstream=true", (0.2,)),
+    ("latentllm+refit=true", (0.2,)),
+    ("latentllm+sequential=false", (0.2,)),
+    ("latentllm+joint_mlp_check=false", (0.2, 0.4)),
+    ("latentllm-no-joint-mlp", (0.4,)),
 ]
+# the ASVD audit at ratio 0.2: slimkv's asvd, the scaling exponent, the paper's calibration on the
+# dense model, and the paper's sensitivity-based rank search (probes cost ~1,900 forwards)
 ASVD = [
-    "asvd",
-    "asvd+asvd_alpha=0.25",
-    "asvd+asvd_alpha=1.0",
-    "asvd+sequential=false",
-    "asvd+sequential=false+rank_allocation=sensitivity",
-    "rootcov+sequential=false+rank_allocation=sensitivity",
+    ("asvd+rank_allocation=uniform", (0.2,)),
+    ("asvd+rank_allocation=uniform+asvd_alpha=0.25", (0.2,)),
+    ("asvd+rank_allocation=uniform+asvd_alpha=1.0", (0.2,)),
+    ("asvd+rank_allocation=uniform+sequential=false", (0.2,)),
+    ("asvd+rank_allocation=sensitivity+sequential=false", (0.2,)),
+    ("asvd+rank_allocation=spectrum", (0.2,)),
 ]
 
 
-def run(base, name: str, labels: list[str], ratios: list[float], calibs: list[tuple[str, int]], args, dense=None) -> dict:
-    """Every (calibration, tokens) x label x ratio; one JSON + markdown table per part."""
+def run(base, name: str, plan: list[tuple[str, tuple[float, ...]]], calibs: list[tuple[str, int]], args, dense=None) -> dict:
+    """Every (calibration, tokens) x (label, ratios); one JSON + markdown table per part."""
     results = []
     for calib, tokens in calibs:
-        result = run_sweep(base, parse_methods(",".join(labels)), ratios, calib=calib, calib_tokens=tokens, max_tokens=args.max_tokens, repeats=0,
-                           options=args.options, dense=dense)
-        dense = result["dense"]
-        print(markdown_table(result), flush=True)
-        results.append(result)
-    payload = {"part": name, "threads": torch.get_num_threads(), "load_average_1min_end": os.getloadavg()[0], "runs": results}
+        for label, ratios in plan:
+            result = run_sweep(base, parse_methods(label), list(ratios), calib=calib, calib_tokens=tokens, max_tokens=args.max_tokens, repeats=0,
+                               dense=dense)
+            dense = result["dense"]
+            print(markdown_table(result), flush=True)
+            results.append(result)
+    several = len(calibs) > 1
+    merged = {**results[0], "rows": [row | {"calib": r["calibration"]["source"], "calib_tokens": r["calibration"]["tokens"],
+                                            "method": f"{row['method']} ({r['calibration']['source']}, {r['calibration']['tokens']} tokens)" if several
+                                            else row["method"]} for r in results for row in r["rows"]]}
+    payload = {"part": name, "threads": torch.get_num_threads(), "load_average_1min_end": os.getloadavg()[0], "result": merged}
     path = write_results(name, payload, RESULTS)
-    path.with_suffix(".md").write_text("\n".join(f"Calibration: {r['calibration']['tokens']} tokens of {r['calibration']['source']!r}.\n\n"
-                                                 + markdown_table(r) for r in results))
+    path.with_suffix(".md").write_text(markdown_table(merged))
     return dense
 
 
@@ -69,28 +77,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--parts", default="curve,ablation,asvd")
-    parser.add_argument("--ratios", default="0.2,0.3", help="ratios of the ablation and the ASVD audit (default 0.2,0.3)")
     parser.add_argument("--calib", default=None, help="calibration of the ablation and the audit (default: the library default)")
     parser.add_argument("--calib-tokens", type=int, default=8192)
-    parser.add_argument("--curve-tokens", default="2048,8192,32768")
+    parser.add_argument("--curve", default="shakespeare:2048,shakespeare:8192,MIX:2048,MIX:8192,MIX:32768",
+                        help="calibration:tokens points of the curve (MIX: the library's mixed calibration)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="evaluation tokens per text (default 8192)")
     args = parser.parse_args(argv)
-    args.options = None
     if args.threads:
         torch.set_num_threads(args.threads)
     parts = set(args.parts.split(","))
-    ratios = [float(r) for r in args.ratios.split(",")]
     fetch_smollm2()
     base = load_pretrained("smollm2")
-    calib = args.calib or MIXED_CALIBRATION
+    calib = args.calib or DEFAULT_CALIB
     dense = None
     if "curve" in parts:
-        calibs = [(source, int(tokens)) for source in ("shakespeare", MIXED_CALIBRATION) for tokens in args.curve_tokens.split(",")]
-        dense = run(base, "compress_calibration_curve", ["latentllm"], [0.2], calibs, args, dense)
+        calibs = [(MIXED_CALIBRATION if source == "MIX" else source, int(tokens)) for source, tokens in (p.rsplit(":", 1) for p in args.curve.split(","))]
+        dense = run(base, "compress_calibration_curve", [("latentllm", (0.2,))], calibs, args, dense)
     if "ablation" in parts:
-        dense = run(base, "compress_robustness_ablation", ABLATION, ratios, [(calib, args.calib_tokens)], args, dense)
+        dense = run(base, "compress_robustness_ablation", ABLATION, [(calib, args.calib_tokens)], args, dense)
     if "asvd" in parts:
-        dense = run(base, "compress_asvd_audit", ASVD, ratios, [(calib, args.calib_tokens)], args, dense)
+        dense = run(base, "compress_asvd_audit", ASVD, [(calib, args.calib_tokens)], args, dense)
     return 0
 
 

@@ -22,7 +22,7 @@ from slimkv.compress.sweep import (
     run_sweep,
     write_sweep,
 )
-from slimkv.compress.workflow import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_TOKENS, compress_pretrained
+from slimkv.compress.workflow import DEFAULT_CALIB, DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_TOKENS, compress_pretrained
 from slimkv.data.texts import evaluation_text
 from slimkv.pretrained import SMOLLM2, fetch_smollm2, load_pretrained
 from slimkv.pretrained.smollm2 import SOURCE_FILE
@@ -38,8 +38,8 @@ def add_commands(subparsers) -> None:
 
 
 def _add_calibration_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--calib", default="shakespeare", help="calibration text: `shakespeare` (training plays), `kjv`, `devil`, `pydoc`, a comma-separated mix of them "
-                             "(equal shares, e.g. shakespeare,kjv,devil,pydoc) or a local text file/folder (default: shakespeare)")
+    parser.add_argument("--calib", default=DEFAULT_CALIB, help="calibration text: `shakespeare` (training plays), `kjv`, `devil`, `pydoc`, a comma-separated mix of them "
+                             f"(equal shares) or a local text file/folder (default: {DEFAULT_CALIB})")
     parser.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS, help=f"calibration tokens (default {DEFAULT_CALIB_TOKENS})")
     parser.add_argument("--calib-seq-len", type=int, default=DEFAULT_CALIB_SEQ_LEN, help=f"calibration window length (default {DEFAULT_CALIB_SEQ_LEN})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the calibration window sampling (default 0)")

@@ -33,6 +33,9 @@ from slimkv.compress.block import BlockContext, capture_block_inputs, run_block
 from slimkv.compress.linalg import factor_params, rank_for_budget, top_eigh
 from slimkv.compress.options import CompressOptions
 
+# The spectra are measured on the first SPECTRUM_SEQUENCES calibration windows: their shape (the
+# relative error at each rank) settles on far fewer tokens than the factors need.
+SPECTRUM_SEQUENCES = 2
 # Every matrix keeps at least this fraction of the rank the uniform rule would give it: the
 # relative-error proxy says nothing about how a nearly removed matrix hurts downstream blocks.
 RANK_FLOOR = 0.25

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from slimkv.compress.allocation import (
     PROBE_LENGTH,
     PROBE_SEQUENCES,
+    SPECTRUM_SEQUENCES,
     allocate,
     allocate_by_sensitivity,
     measure_sensitivity,
@@ -79,11 +80,11 @@ def plan_budgets(model: nn.Module, arch: Architecture, calib_ids: torch.Tensor |
     names = [p.name for p in arch.layout.projections()]
     budgets: dict[int, dict[str, float]] = {}
     if options.rank_allocation == "spectrum":
-        ranks = allocate(measure_spectra(model, calib_ids, options, progress=progress), shapes, options.ratio, identity)
+        ranks = allocate(measure_spectra(model, calib_ids[:SPECTRUM_SEQUENCES], options, progress=progress), shapes, options.ratio, identity)
         for (index, name), rank in ranks.items():
             d_out, d_in = shapes[(index, name)]
             budgets.setdefault(index, {})[name] = factor_params(d_in, d_out, rank, identity)
-        detail = {"ranks": {name: [ranks[(index, name)] for index in range(len(arch.blocks()))] for name in names}}
+        detail = {"spectrum_tokens": list(calib_ids[:SPECTRUM_SEQUENCES].shape), "ranks": {name: [ranks[(index, name)] for index in range(len(arch.blocks()))] for name in names}}
     else:
         local = options.method if options.method in LOCAL_METHODS else "rootcov"
         probe = calib_ids[:PROBE_SEQUENCES, :PROBE_LENGTH]

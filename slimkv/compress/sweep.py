@@ -24,7 +24,7 @@ from slimkv.common.timing import write_results
 from slimkv.compress.cost import cost_summary, prefill_latency
 from slimkv.compress.methods import METHODS
 from slimkv.compress.options import CompressOptions
-from slimkv.compress.workflow import DEFAULT_CALIB_SEQ_LEN, calibration_set, compress_loaded
+from slimkv.compress.workflow import DEFAULT_CALIB, DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_TOKENS, calibration_set, compress_loaded
 from slimkv.data.texts import AUSTEN, EVAL_SHAKESPEARE, evaluation_text, text_sha256, tokenize
 from slimkv.pretrained import SMOLLM2, LoadedModel, fetch_smollm2, load_pretrained
 from slimkv.scoring import perplexity_of_ids
@@ -117,7 +117,7 @@ def _measure(model: torch.nn.Module, eval_ids: dict[str, torch.Tensor], seq_len:
             "speedup": dense_latency["median_s"] / latency["median_s"] if dense_latency else None}
 
 
-def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, calib: str = "shakespeare", calib_tokens: int = 8192,
+def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, calib: str = DEFAULT_CALIB, calib_tokens: int = DEFAULT_CALIB_TOKENS,
               calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, texts: tuple[str, ...] = DEFAULT_TEXTS, seq_len: int = 1024, max_tokens: int | None = 16384,
               prefill_len: int = 512, repeats: int = 5, seed: int = 0, options: dict[str, Any] | None = None,
               dense: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -237,7 +237,7 @@ def demo_compression(out_dir: str | Path, *, model: str = "smollm2", ratio: floa
     if model == SMOLLM2:
         fetch_smollm2()
     base = load_pretrained(model)
-    print(f"compression demo: {model} at ratio {ratio} with {', '.join(methods)}; calibration {calib_tokens} tokens of the training plays, "
+    print(f"compression demo: {model} at ratio {ratio} with {', '.join(methods)}; calibration {calib_tokens} tokens of {DEFAULT_CALIB!r}, "
           f"evaluation on the first {eval_tokens} tokens of the held-out plays (in domain) and of Austen's novels (out of domain; small so it runs in minutes on a CPU; "
           f"`slimkv compress-sweep` measures more)", flush=True)
     result = run_sweep(base, list(methods), [ratio], calib_tokens=calib_tokens, calib_seq_len=min(seq_len, calib_tokens), seq_len=seq_len,

@@ -16,6 +16,7 @@ from slimkv.compress.pipeline import compress_model
 from slimkv.data.texts import DOC_SEPARATOR, calibration_ids, calibration_sources, text_sha256
 from slimkv.pretrained import LoadedModel, load_pretrained, weights_fingerprint
 
+DEFAULT_CALIB = "shakespeare"  # the calibration text of `slimkv compress` and the sweep (docs/compression.md)
 DEFAULT_CALIB_TOKENS = 8192
 DEFAULT_CALIB_SEQ_LEN = 1024
 

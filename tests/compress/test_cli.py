@@ -72,6 +72,27 @@ def test_sweep_writes_table_json_and_png(tiny_folder, tmp_path, capsys):
     assert sum(line.startswith("| ") for line in table.splitlines()) == 7  # header, rule, dense, 4 rows
 
 
+def test_sweep_measures_every_text_and_refuses_its_calibration_text_as_one(tiny_folder, tmp_path, capsys):
+    (tmp_path / "other.txt").write_text("Call me Ishmael. Some years ago, never mind how long precisely, I thought I would sail about.\n" * 3)
+    texts = f"{tmp_path / 'held.txt'},{tmp_path / 'other.txt'}"
+    common = ["--model", str(tiny_folder), "--ratios", "0.3", "--calib-tokens", "64", "--calib-seq-len", "32", "--seq-len", "32", "--repeats", "0",
+              "--out-dir", str(tmp_path / "results"), "--name", "two"]
+    code = main(["compress-sweep", *common, "--methods", "rootcov,latentllm+rank_allocation=spectrum", "--calib", str(tmp_path / "calib.txt"),
+                 "--texts", texts])
+    assert code == 0
+    data = json.loads((tmp_path / "results" / "two.json").read_text())
+    names = [str(tmp_path / "held.txt"), str(tmp_path / "other.txt")]
+    assert list(data["dense"]["ppl_by_text"]) == names and data["eval"]["in_domain"] == names[0]
+    for row in data["rows"]:
+        assert list(row["ppl_by_text"]) == names and row["ppl"] == row["ppl_by_text"][names[0]]
+    assert data["rows"][1]["allocation"]["rule"] == "spectrum"
+    header = (tmp_path / "results" / "two.md").read_text().splitlines()[2]
+    assert header.count("| vs dense |") == 2 and "(out of domain)" in (tmp_path / "results" / "two.md").read_text()
+    capsys.readouterr()
+    assert main(["compress-sweep", *common, "--calib", str(tmp_path / "calib.txt"), "--texts", f"{tmp_path / 'held.txt'},{tmp_path / 'calib.txt'}"]) == 2
+    assert "never evaluated on its calibration text" in capsys.readouterr().err
+
+
 def test_missing_smollm2_names_the_fetch_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SLIMKV_CACHE", str(tmp_path / "empty-cache"))
     assert main(["compress", "--model", "smollm2", "--method", "rootcov", "--ratio", "0.2", "--out", str(tmp_path / "o")]) == 2
