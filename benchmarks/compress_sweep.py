@@ -1,9 +1,10 @@
 """LatentLLM and its baselines on SmolLM2-135M-Instruct (targets in docs/compression.md).
 
 Writes under benchmarks/results/:
-- compress_sweep_smollm2.{json,md,png}: svd/asvd/rootcov/latentllm x ratios 0.1..0.5 on held-out
-  Shakespeare (perplexity, parameters, analytic FLOPs/token, measured CPU prefill latency,
-  calibration + factorization seconds), the dense model measured in the same run;
+- compress_sweep_smollm2.{json,md,png}: svd/asvd/rootcov/latentllm x ratios 0.1..0.5 on the held-out
+  plays (in domain) and Austen's novels (out of domain), with the default calibration (perplexity,
+  parameters, analytic FLOPs/token, measured CPU prefill latency, calibration + factorization
+  seconds), the dense model measured in the same run;
 - compress_ablation_smollm2.{json,md}: latentllm with one component switched off at ratio 0.2
   (what joint QK, joint MLP and identity blocks each buy);
 - compress_dense_check_smollm2.json: the dense model on the first 16,368 predicted tokens of all
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5")
     parser.add_argument("--methods", default="svd,asvd,rootcov,latentllm", help="methods of the sweep (default svd,asvd,rootcov,latentllm)")
     parser.add_argument("--name", default="compress_sweep_smollm2", help="results file name of the sweep (default compress_sweep_smollm2)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed prefill repeats per row (0: no latency; time only on a quiet machine)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: dense,rope,sweep,ablation")
     args = parser.parse_args(argv)
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     common = {"calib_tokens": args.calib_tokens, "max_tokens": max_tokens}
     if "sweep" not in skip:
-        result = run_sweep(base, parse_methods(args.methods), ratios, **common)
+        result = run_sweep(base, parse_methods(args.methods), ratios, repeats=args.repeats, **common)
         write_sweep(result, args.name, RESULTS)
         print(markdown_table(result))
     if "ablation" not in skip:
