@@ -24,7 +24,8 @@ def load_language_model(name_or_path: str, *, dtype: torch.dtype = torch.float32
         model, tokenizer, manifest = load_compressed(path, dtype=dtype, device=device, return_manifest=True)
         identity = dict(manifest["base_model"])
         identity["compressed"] = {"path": str(path), "method": manifest["method"], "ratio": manifest["ratio"], "achieved_ratio": manifest["achieved_ratio"],
-                                  "calibration_text_sha256": manifest.get("calibration", {}).get("text_sha256")}
+                                  "calibration_text_sha256": manifest.get("calibration", {}).get("text_sha256"),
+                                  "calibration_sources": manifest.get("calibration", {}).get("sources") or []}
         identity["base"] = identity["name"]
         return LoadedModel(model, tokenizer, identity)
     if AutoConfig.from_pretrained(path, trust_remote_code=False).model_type == ModelConfig.model_type:

@@ -44,6 +44,11 @@ def perplexity_report(model: str, text: str = "shakespeare-val", seq_len: int = 
     calibrated_on = (loaded.identity.get("compressed") or {}).get("calibration_text_sha256") or ((loaded.identity.get("converted") or {}).get("calibration") or {}).get("text_sha256")
     if calibrated_on is not None and calibrated_on == text_sha256(eval_text):
         raise ValueError(f"text {text!r} is the text this model was calibrated on; evaluate on held-out text")
+    sources = set((loaded.identity.get("compressed") or {}).get("calibration_sources") or [])
+    sources |= set(str(((loaded.identity.get("converted") or {}).get("calibration") or {}).get("source") or "").split(","))
+    if text in sources:
+        raise ValueError(f"text {text!r} is one of the calibration sources of this model ({', '.join(sorted(s for s in sources if s))}); "
+                         "evaluate on a text it was not calibrated on")
     if loaded.identity.get("base"):
         base = load_language_model(loaded.identity["base"])
         what = "dense" if loaded.identity.get("compressed") else "original"

@@ -72,6 +72,20 @@ def test_sweep_writes_table_json_and_png(tiny_folder, tmp_path, capsys):
     assert sum(line.startswith("| ") for line in table.splitlines()) == 7  # header, rule, dense, 4 rows
 
 
+def test_eval_refuses_a_text_named_among_the_calibration_sources(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "c"
+    assert main(["compress", "--model", str(tiny_folder), "--method", "rootcov", "--ratio", "0.2", "--calib", str(tmp_path / "calib.txt"),
+                 "--calib-tokens", "64", "--calib-seq-len", "32", "--out", str(out)]) == 0
+    manifest_path = out / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["calibration"]["sources"] == [str(tmp_path / "calib.txt")]
+    manifest["calibration"]["sources"].append(str(tmp_path / "held.txt"))  # as a mix naming it would record
+    manifest_path.write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["eval", "ppl", "--model", str(out), "--text", str(tmp_path / "held.txt"), "--seq-len", "32"]) == 2
+    assert "one of the calibration sources" in capsys.readouterr().err
+
+
 def test_sweep_measures_every_text_and_refuses_its_calibration_text_as_one(tiny_folder, tmp_path, capsys):
     (tmp_path / "other.txt").write_text("Call me Ishmael. Some years ago, never mind how long precisely, I thought I would sail about.\n" * 3)
     texts = f"{tmp_path / 'held.txt'},{tmp_path / 'other.txt'}"
