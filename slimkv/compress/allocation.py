@@ -115,8 +115,9 @@ def allocate(spectra: dict[tuple[int, str], torch.Tensor], shapes: dict[tuple[in
 
 
 # The sensitivity probe: the first PROBE_LENGTH tokens of the first PROBE_SEQUENCES calibration
-# windows (ASVD measures perplexity on its calibration set; a small probe keeps 30 x 7 x 9 forwards affordable on a CPU).
-PROBE_SEQUENCES, PROBE_LENGTH = 2, 256
+# windows (ASVD measures perplexity on its calibration set; a small probe keeps 30 x 7 x 9 forwards affordable on a CPU:
+# about 10 minutes for SmolLM2 on one thread).
+PROBE_SEQUENCES, PROBE_LENGTH = 1, 256
 # ASVD's candidate fractions of a matrix's weights to keep, each measured alone (its STRS search).
 SENSITIVITY_KEEPS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
