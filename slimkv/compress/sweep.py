@@ -227,12 +227,13 @@ def write_sweep(result: dict, name: str, out_dir: str | Path) -> Path:
 
 
 def demo_compression(out_dir: str | Path, *, model: str = "smollm2", ratio: float = 0.2, methods: tuple[str, ...] = ("rootcov", "latentllm"),
-                     calib_tokens: int = 2048, eval_tokens: int = 4096, seq_len: int = 1024, seed: int = 0) -> dict[str, Any]:
+                     calib_tokens: int = 2048, calib_seq_len: int = 512, eval_tokens: int = 4096, seq_len: int = 1024, seed: int = 0) -> dict[str, Any]:
     """The ``make demo`` step: compress SmolLM2 at ``ratio`` with each method, print perplexities beside
     the dense model's (same run, same held-out tokens), write ``compression_demo.{json,md,png}``.
 
-    Small on purpose (a few minutes on 2 CPU cores): ``calib_tokens`` calibration tokens and the
-    first ``eval_tokens`` held-out tokens; the full sweep (``slimkv compress-sweep``) uses more.
+    Small on purpose (a few minutes on 2 CPU cores): ``calib_tokens`` calibration tokens in
+    ``calib_seq_len`` windows (four windows: one per source of the default mix) and the first
+    ``eval_tokens`` tokens of each evaluation text; the full sweep (``slimkv compress-sweep``) uses more.
     """
     if model == SMOLLM2:
         fetch_smollm2()
@@ -240,7 +241,7 @@ def demo_compression(out_dir: str | Path, *, model: str = "smollm2", ratio: floa
     print(f"compression demo: {model} at ratio {ratio} with {', '.join(methods)}; calibration {calib_tokens} tokens of {DEFAULT_CALIB!r}, "
           f"evaluation on the first {eval_tokens} tokens of the held-out plays (in domain) and of Austen's novels (out of domain; small so it runs in minutes on a CPU; "
           f"`slimkv compress-sweep` measures more)", flush=True)
-    result = run_sweep(base, list(methods), [ratio], calib_tokens=calib_tokens, calib_seq_len=min(seq_len, calib_tokens), seq_len=seq_len,
+    result = run_sweep(base, list(methods), [ratio], calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, seq_len=seq_len,
                        max_tokens=eval_tokens, repeats=0, seed=seed)
     table = markdown_table(result)
     print(table)
