@@ -92,30 +92,37 @@ def mlp_stage(ctx: BlockContext) -> None:
     for x in mlp_inputs:
         add(x)
     stats = ctx.finish(stats_acc, f"{ctx.arch.block_prefix(ctx.index)} mlp_in activations")
-    separate = {}
-    if not ctx.options.joint_mlp or ctx.options.joint_mlp_check:
-        separate = {name: ctx.local_factors(name, "rootcov", stats, ctx.rank(name, identity)) for name in ins}
-    if ctx.options.joint_mlp:
-        joint, info, key = weighted_inputs_stage(ctx, act, mlp_inputs, stats)
-        if ctx.options.joint_mlp_check:
-            errors = {form: mlp_output_error(ctx, act, mlp_inputs[:CHECK_SEQUENCES], {n: f.product() for n, f in parts.items()})
-                      for form, parts in (("joint", joint), ("separate", separate))}
-            info = {**info, "mlp_output_error": errors, "chosen": min(errors, key=errors.get)}
-        if not ctx.options.joint_mlp_check or info["chosen"] == "joint":
-            for name, part in joint.items():
-                part = ctx.refit(name, part, stats)
-                ctx.plan_factors(name, part, ctx.corrected_bias(name, part, stats), "joint_mlp_shared" if key else "joint_mlp_weighted", info, shared=key)
-            separate = {}
-        else:
-            for name in ins:
-                ctx.plan(name, separate[name], "rootcov", stats, {"statistics": info["statistics"], **{k: info[k] for k in ("mlp_output_error", "chosen")}},
-                         identity=identity)
-            separate = {}
-    for name, factors in separate.items():
-        ctx.plan(name, factors, "rootcov", stats, {"statistics": "centered" if ctx.has_bias(name) else "uncentered"}, identity=identity)
+    input_projections_stage(ctx, act, mlp_inputs, stats)
     ctx.install(ins)
     ctx.factor_local(down, "rootcov", down_stats(ctx, mlp_inputs), identity=identity)
     ctx.install([down])
+
+
+def input_projections_stage(ctx: BlockContext, act: nn.Module, mlp_inputs: list[torch.Tensor], stats: Stats) -> None:
+    """Plan gate/up (or up): the joint factors, separate RootCov factors, or - with
+    ``joint_mlp_check`` - whichever gives the lower MLP output error on calibration windows."""
+    ins = [p.name for p in ctx.layout.mlp_in]
+    identity = ctx.options.identity_block
+    joint = weighted_inputs_stage(ctx, act, mlp_inputs, stats) if ctx.options.joint_mlp else None
+    separate = None
+    if joint is None or ctx.options.joint_mlp_check:
+        separate = {name: ctx.local_factors(name, "rootcov", stats, ctx.rank(name, identity)) for name in ins}
+    info = {"statistics": "centered" if ctx.has_bias(*ins) else "uncentered"}
+    chosen = "separate" if joint is None else "joint"
+    if joint is not None and separate is not None:
+        errors = {form: mlp_output_error(ctx, act, mlp_inputs[:CHECK_SEQUENCES], {n: f.product() for n, f in parts.items()})
+                  for form, parts in (("joint", joint[0]), ("separate", separate))}
+        chosen = min(errors, key=errors.get)
+        info |= {"mlp_output_error": errors, "chosen": chosen}
+    if chosen == "joint":
+        parts, joint_info, key = joint
+        for name, part in parts.items():
+            part = ctx.refit(name, part, stats)
+            ctx.plan_factors(name, part, ctx.corrected_bias(name, part, stats), "joint_mlp_shared" if key else "joint_mlp_weighted",
+                             joint_info | info, shared=key)
+    else:
+        for name in ins:
+            ctx.plan(name, separate[name], "rootcov", stats, info, identity=identity)
 
 
 def down_stats(ctx: BlockContext, mlp_inputs: list[torch.Tensor]) -> Stats:
