@@ -42,12 +42,22 @@ ABLATION = [
 # the ASVD audit at ratio 0.2: slimkv's asvd, the scaling exponent, the paper's calibration on the
 # dense model, and the paper's sensitivity-based rank search (probes cost ~1,900 forwards)
 ASVD = [
+    ("asvd+rank_allocation=sensitivity+sequential=false", (0.2,)),
     ("asvd+rank_allocation=uniform", (0.2,)),
     ("asvd+rank_allocation=uniform+asvd_alpha=0.25", (0.2,)),
     ("asvd+rank_allocation=uniform+asvd_alpha=1.0", (0.2,)),
     ("asvd+rank_allocation=uniform+sequential=false", (0.2,)),
-    ("asvd+rank_allocation=sensitivity+sequential=false", (0.2,)),
 ]
+
+
+def write_part(name: str, results: list[dict], several: bool) -> None:
+    """The part's JSON and markdown so far (rewritten after every run, so an interrupted part keeps its rows)."""
+    merged = {**results[0], "rows": [row | {"calib": r["calibration"]["source"], "calib_tokens": r["calibration"]["tokens"],
+                                            "method": f"{row['method']} ({r['calibration']['source']}, {r['calibration']['tokens']} tokens)" if several
+                                            else row["method"]} for r in results for row in r["rows"]]}
+    payload = {"part": name, "threads": torch.get_num_threads(), "load_average_1min_end": os.getloadavg()[0], "result": merged}
+    path = write_results(name, payload, RESULTS)
+    path.with_suffix(".md").write_text(markdown_table(merged))
 
 
 def run(base, name: str, plan: list[tuple[str, tuple[float, ...]]], calibs: list[tuple[str, int]], args, dense=None) -> dict:
@@ -60,13 +70,7 @@ def run(base, name: str, plan: list[tuple[str, tuple[float, ...]]], calibs: list
             dense = result["dense"]
             print(markdown_table(result), flush=True)
             results.append(result)
-    several = len(calibs) > 1
-    merged = {**results[0], "rows": [row | {"calib": r["calibration"]["source"], "calib_tokens": r["calibration"]["tokens"],
-                                            "method": f"{row['method']} ({r['calibration']['source']}, {r['calibration']['tokens']} tokens)" if several
-                                            else row["method"]} for r in results for row in r["rows"]]}
-    payload = {"part": name, "threads": torch.get_num_threads(), "load_average_1min_end": os.getloadavg()[0], "result": merged}
-    path = write_results(name, payload, RESULTS)
-    path.with_suffix(".md").write_text(markdown_table(merged))
+            write_part(name, results, several=len(calibs) > 1)
     return dense
 
 
