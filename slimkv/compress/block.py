@@ -158,10 +158,14 @@ class BlockContext:
     def leaf(self, name: str) -> nn.Module:
         return self.arch.leaf(self.block, self.layout.get(name))
 
+    def input_groups(self) -> dict[str, tuple[Projection, ...]]:
+        """The block's four inputs and the projections reading each (q/k/v share one, gate/up one)."""
+        layout = self.layout
+        return {"attn_in": layout.attn_in, "attn_out": (layout.attn_out,), "mlp_in": layout.mlp_in, "mlp_out": (layout.mlp_out,)}
+
     def group_leaf(self, name: str) -> tuple[str, nn.Module]:
         """(input group, the leaf whose input is that group's input) of projection ``name``."""
-        layout = self.layout
-        for group, projs in (("attn_in", layout.attn_in), ("attn_out", (layout.attn_out,)), ("mlp_in", layout.mlp_in), ("mlp_out", (layout.mlp_out,))):
+        for group, projs in self.input_groups().items():
             if any(p.name == name for p in projs):
                 return group, self.arch.leaf(self.block, projs[0])
         raise KeyError(name)
@@ -187,9 +191,9 @@ class BlockContext:
             return None
         if self._dense_inputs is None:
             original, inputs = self.dense
-            groups = {"attn_in": self.layout.attn_in[0], "attn_out": self.layout.attn_out, "mlp_in": self.layout.mlp_in[0], "mlp_out": self.layout.mlp_out}
+            groups = self.input_groups()
             captured: dict[str, list[torch.Tensor]] = {group: [] for group in groups}
-            run_block(original, inputs, [(self.arch.leaf(original, proj), captured[group].append) for group, proj in groups.items()])
+            run_block(original, inputs, [(self.arch.leaf(original, projs[0]), captured[group].append) for group, projs in groups.items()])
             self._dense_inputs = captured
         return self._dense_inputs[self.group_leaf(name)[0]]
 
