@@ -16,12 +16,15 @@ Usage: .venv/bin/python benchmarks/compress_robustness.py --threads 2 --parts cu
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 
+from slimkv.common.files import save_figure
+from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
 from slimkv.compress.sweep import markdown_table, parse_methods, run_sweep
 from slimkv.compress.workflow import DEFAULT_CALIB
@@ -50,13 +53,34 @@ ASVD = [
 ]
 
 
+def plot_curve(merged: dict):
+    """Perplexity against calibration tokens (log x), one line per calibration and text; returns the figure."""
+    fig, ax = new_figure(figsize=(6.4, 4.4))
+    texts = list(merged["eval"]["texts"])
+    for calib in dict.fromkeys(row["calib"] for row in merged["rows"]):
+        rows = sorted((r for r in merged["rows"] if r["calib"] == calib), key=lambda r: r["calib_tokens"])
+        for text, style in zip(texts, ("-", "--")):
+            ax.plot([r["calib_tokens"] for r in rows], [r["ppl_by_text"][text] / merged["dense"]["ppl_by_text"][text] for r in rows],
+                    style, marker="o", label=f"{calib}: {text}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("calibration tokens")
+    ax.set_ylabel("perplexity / dense perplexity")
+    ax.set_title("latentllm at ratio 0.2: calibration size and mix")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def write_part(name: str, results: list[dict], several: bool) -> None:
     """The part's JSON and markdown so far (rewritten after every run, so an interrupted part keeps its rows)."""
     merged = {**results[0], "rows": [row | {"calib": r["calibration"]["source"], "calib_tokens": r["calibration"]["tokens"],
                                             "method": f"{row['method']} ({r['calibration']['source']}, {r['calibration']['tokens']} tokens)" if several
                                             else row["method"]} for r in results for row in r["rows"]]}
+    if several:
+        merged["calibration"] = {"source": "each row's (in its label)", "tokens": "each row's"}
     payload = {"part": name, "threads": torch.get_num_threads(), "load_average_1min_end": os.getloadavg()[0], "result": merged}
-    path = write_results(name, payload, RESULTS)
+    path = write_results(name, payload, RESULTS, figure=plot_curve(merged) if several else None)
     path.with_suffix(".md").write_text(markdown_table(merged))
 
 
@@ -74,6 +98,23 @@ def run(base, name: str, plan: list[tuple[str, tuple[float, ...]]], calibs: list
     return dense
 
 
+def replot_curve() -> None:
+    """The curve with the default-calibration point of the main sweep (same evaluation tokens and seed)."""
+    curve = json.loads((RESULTS / "compress_calibration_curve.json").read_text())
+    sweep = json.loads((RESULTS / "compress_sweep_smollm2.json").read_text())
+    merged = curve["result"]
+    row = next(r for r in sweep["rows"] if r["method"] == "latentllm" and r["ratio"] == 0.2)
+    source, tokens = sweep["calibration"]["source"], sweep["calibration"]["tokens"]
+    if not any(r["calib"] == source and r["calib_tokens"] == tokens for r in merged["rows"]):
+        merged["rows"].append(row | {"calib": source, "calib_tokens": tokens, "method": f"latentllm ({source}, {tokens} tokens; compress_sweep_smollm2)"})
+    merged["rows"].sort(key=lambda r: (r["calib"], r["calib_tokens"]))
+    merged["calibration"] = {"source": "each row's (in its label)", "tokens": "each row's"}
+    curve["result"] = merged
+    (RESULTS / "compress_calibration_curve.json").write_text(json.dumps(curve, indent=1))
+    save_figure(plot_curve(merged), RESULTS / "compress_calibration_curve.png")
+    (RESULTS / "compress_calibration_curve.md").write_text(markdown_table(merged))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None)
@@ -83,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--curve", default="shakespeare:8192,MIX:2048,MIX:32768",
                         help="calibration:tokens points of the curve (MIX: the library's mixed calibration)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="evaluation tokens per text (default 8192)")
+    parser.add_argument("--replot", action="store_true",
+                        help="only rebuild the curve's table and plot from its JSON, adding latentllm 0.2 of compress_sweep_smollm2.json (same settings)")
     args = parser.parse_args(argv)
+    if args.replot:
+        replot_curve()
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     parts = set(args.parts.split(","))
