@@ -11,6 +11,7 @@ last 5% of the healing text's tokens are held out: the loop reports KL and the s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import folder_lock, read_json, write_json
-from slimkv.data.texts import DOC_SEPARATOR, calibration_documents, text_sha256, tokenize
+from slimkv.data.texts import DOC_SEPARATOR, calibration_sources, text_sha256, tokenize
 from slimkv.train.batches import BatchSampler
 from slimkv.train.checkpoint import existing_directory
 from slimkv.train.config import check_optimizer_settings
@@ -141,7 +142,9 @@ def heal(student: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cfg
     summary (plus what was trained and on which text). The student's weights end healed."""
     cfg.validate()
     run_dir = Path(out_dir) / HEAL_DIR
-    documents = calibration_documents(cfg.text)
+    # a mix's documents interleaved source by source, so the held-out tail holds every source, not only the last one
+    sources = [documents for _name, documents in calibration_sources(cfg.text)]
+    documents = [doc for group in itertools.zip_longest(*sources) for doc in group if doc is not None]
     ids = np.asarray(tokenize(tokenizer, DOC_SEPARATOR.join(documents)), dtype=np.int64)
     held = max(cfg.seq_len + 2, int(len(ids) * HELD_OUT_FRACTION))
     if len(ids) - held < cfg.seq_len + 2:
