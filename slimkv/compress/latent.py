@@ -25,7 +25,7 @@ from slimkv.compress.linalg import (
 # The joint MLP's channel weights are averages over tokens: the first few calibration sequences
 # estimate them well, at a fraction of the cost of recomputing every sequence's pre-activations.
 SENSITIVITY_SEQUENCES = 4
-# Sequences on which the joint MLP is compared with separate factors (``mlp_output_error``).
+# Sequences on which the joint MLP is compared with separate factors (``mlp_output_errors``).
 CHECK_SEQUENCES = 2
 
 
@@ -110,8 +110,8 @@ def input_projections_stage(ctx: BlockContext, act: nn.Module, mlp_inputs: list[
     info = {"statistics": "centered" if ctx.has_bias(*ins) else "uncentered"}
     chosen = "separate" if joint is None else "joint"
     if joint is not None and separate is not None:
-        errors = {form: mlp_output_error(ctx, act, mlp_inputs[:CHECK_SEQUENCES], {n: f.product() for n, f in parts.items()})
-                  for form, parts in (("joint", joint[0]), ("separate", separate))}
+        errors = mlp_output_errors(ctx, act, mlp_inputs[:CHECK_SEQUENCES],
+                                   {form: {n: f.product() for n, f in parts.items()} for form, parts in (("joint", joint[0]), ("separate", separate))})
         chosen = min(errors, key=errors.get)
         info |= {"mlp_output_error": errors, "chosen": chosen}
     if chosen == "joint":
@@ -149,10 +149,11 @@ def mlp_pre_activations(ctx: BlockContext, x: torch.Tensor) -> list[torch.Tensor
 
 
 @torch.no_grad()
-def mlp_output_error(ctx: BlockContext, act: nn.Module, mlp_inputs: list[torch.Tensor], products: dict[str, torch.Tensor]) -> float:
-    """Relative squared error of the MLP output (down still dense) on ``mlp_inputs`` when the input
-    projections' weights are replaced by ``products``: the objective the joint MLP approximates.
-    Computed in the activations' dtype (a comparison of two candidates, not a statistic to keep)."""
+def mlp_output_errors(ctx: BlockContext, act: nn.Module, mlp_inputs: list[torch.Tensor], candidates: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Relative squared error of the MLP output (down still dense) on ``mlp_inputs`` for each
+    candidate (a name -> {projection: its replacement weight}): the objective the joint MLP
+    approximates. Computed in the activations' dtype (a comparison of candidates, not a statistic
+    to keep); the original output is computed once per window."""
     layout = ctx.layout
     dtype = mlp_inputs[0].dtype
     W_down = ctx.original[layout.mlp_out.name][0].to(dtype)
@@ -163,13 +164,15 @@ def mlp_output_error(ctx: BlockContext, act: nn.Module, mlp_inputs: list[torch.T
         hidden = act(pre[0]) * pre[1] if layout.gated else act(pre[0])
         return hidden @ W_down.T
 
-    error = total = 0.0
+    errors = dict.fromkeys(candidates, 0.0)
+    total = 0.0
     for x in mlp_inputs:
         x = x.reshape(-1, x.shape[-1])
         reference = output(x, [ctx.original[p.name][0].to(dtype) for p in layout.mlp_in])
-        error += float(((output(x, [products[p.name].to(dtype) for p in layout.mlp_in]) - reference) ** 2).sum(dtype=torch.float64))
         total += float((reference**2).sum(dtype=torch.float64))
-    return error / max(total, 1e-300)
+        for name, products in candidates.items():
+            errors[name] += float(((output(x, [products[p.name].to(dtype) for p in layout.mlp_in]) - reference) ** 2).sum(dtype=torch.float64))
+    return {name: error / max(total, 1e-300) for name, error in errors.items()}
 
 
 def weighted_inputs_stage(ctx: BlockContext, act: nn.Module, mlp_inputs: list[torch.Tensor], stats: Stats) -> tuple[dict, dict, str | None]:
