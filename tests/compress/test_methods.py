@@ -4,11 +4,11 @@ its registration) compresses, saves and reloads like the built-in ones."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from slimkv.compress import METHODS, CompressOptions, compress_model, load, register_method, save
+from slimkv.compress import METHODS, CompressOptions, compress_model, register_method
 from slimkv.compress.block import BlockContext
 from slimkv.compress.methods import get_method
+from tests.compress.helpers import assert_reloads_with_identical_logits
 
 from .conftest import calib_ids, tiny_model
 
@@ -33,11 +33,7 @@ def test_a_registered_method_compresses_saves_and_reloads(svd_of_attention_only,
     replaced = {e["module"].rsplit(".", 2)[-2] + "." + e["module"].rsplit(".", 1)[-1] for e in manifest["modules"]}
     assert replaced == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
     assert manifest["within_block"] == "none" and manifest["method"] == svd_of_attention_only
-    save(model, None, manifest, tmp_path / "out")
-    reloaded, _ = load(tmp_path / "out")
-    ids = calib_ids(1, 16)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, reloaded(ids).logits)
+    assert_reloads_with_identical_logits(model, manifest, tmp_path / "out", calib_ids(1, 16))
 
 
 def test_unknown_methods_are_refused_with_the_registered_names():

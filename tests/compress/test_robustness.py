@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimkv.compress import CompressOptions, compress_model, load, save
+from slimkv.compress import CompressOptions, compress_model
 from slimkv.compress.allocation import allocate, allocate_by_sensitivity
 from slimkv.compress.linalg import (
     Factors,
@@ -19,6 +19,7 @@ from slimkv.compress.linalg import (
 )
 from slimkv.compress.pipeline import iter_leaf_entries
 from slimkv.compress.sweep import parse_methods, variant
+from tests.compress.helpers import assert_reloads_with_identical_logits
 
 from .conftest import calib_ids, tiny_model
 
@@ -181,11 +182,7 @@ def test_sensitivity_allocation_compresses_saves_and_reloads(method, tmp_path):
     kinds = {entry["kind"] for entry in manifest["modules"]}
     assert kinds <= {"factored", "dense"} and "factored" in kinds
     assert len(allocation["dense"]) == sum(entry["kind"] == "dense" for entry in manifest["modules"])
-    save(model, None, manifest, tmp_path / "out")
-    reloaded, _ = load(tmp_path / "out")
-    ids = calib_ids(1, 16)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, reloaded(ids).logits)
+    assert_reloads_with_identical_logits(model, manifest, tmp_path / "out", calib_ids(1, 16))
 
 
 def test_correction_needs_sequential_calibration():
