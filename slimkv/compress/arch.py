@@ -144,6 +144,11 @@ class Architecture:
             W = W[proj.rows[0]:proj.rows[1]]
         return W.to(torch.float64).clone()
 
+    def weight_shape(self, block: nn.Module, proj: Projection) -> tuple[int, int]:
+        """(d_out, d_in) of ``proj`` without copying its weight."""
+        d_out, d_in = self.leaf(block, proj).weight.shape[::-1] if proj.conv1d else self.leaf(block, proj).weight.shape
+        return (proj.rows[1] - proj.rows[0] if proj.rows is not None else d_out), d_in
+
     def bias(self, block: nn.Module, proj: Projection) -> torch.Tensor | None:
         leaf = self.leaf(block, proj)
         if getattr(leaf, "bias", None) is None:

@@ -76,7 +76,7 @@ def plan_budgets(model: nn.Module, arch: Architecture, calib_ids: torch.Tensor |
     shapes = {}
     for index, block in enumerate(arch.blocks()):
         for proj in arch.layout.projections():
-            shapes[(index, proj.name)] = tuple(arch.weight(block, proj).shape)
+            shapes[(index, proj.name)] = arch.weight_shape(block, proj)
     names = [p.name for p in arch.layout.projections()]
     budgets: dict[int, dict[str, float]] = {}
     if options.rank_allocation == "spectrum":

@@ -13,7 +13,7 @@ from slimkv.compress.methods import get_method
 from slimkv.compress.options import CompressOptions
 from slimkv.compress.persist import COMPRESSED_FOLDER, save
 from slimkv.compress.pipeline import compress_model
-from slimkv.data.texts import DOC_SEPARATOR, MIXED_CALIBRATION, calibration_ids, calibration_sources, text_sha256
+from slimkv.data.texts import MIXED_CALIBRATION, calibration_ids, calibration_sources, calibration_text_sha256
 from slimkv.pretrained import LoadedModel, load_pretrained, weights_fingerprint
 
 # The calibration text of `slimkv compress` and the sweep: every calibration source in equal shares
@@ -24,15 +24,16 @@ DEFAULT_CALIB_TOKENS = 8192
 DEFAULT_CALIB_SEQ_LEN = 1024
 
 
-def calibration_set(loaded: LoadedModel, calib: str, tokens: int, seq_len: int, seed: int) -> tuple[torch.Tensor, dict]:
-    """Calibration windows and their description (source, text hash, token hash) for the manifest."""
-    sources = calibration_sources(calib)
-    documents = [document for _name, docs in sources for document in docs]
+def calibration_set(loaded: LoadedModel, calib: str, tokens: int, seq_len: int, seed: int,
+                    sources: list[tuple[str, list[str]]] | None = None) -> tuple[torch.Tensor, dict]:
+    """Calibration windows and their description (source, text hash, token hash) for the manifest.
+    ``sources``: ``calibration_sources(calib)`` when the caller already read them."""
+    sources = calibration_sources(calib) if sources is None else sources
     ids = calibration_ids(loaded.tokenizer, sources, tokens, seq_len, seed)
     info = {
         "source": calib,
         "sources": [name for name, _docs in sources],
-        "text_sha256": text_sha256(DOC_SEPARATOR.join(documents)),
+        "text_sha256": calibration_text_sha256(sources),
         "tokens_sha256": hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest(),
         "sequences": ids.shape[0],
         "seq_len": ids.shape[1],
@@ -77,10 +78,10 @@ def compress_pretrained(model: str, options: CompressOptions, calib: str, calib_
     get_method(options.method)
     if out_dir is not None:
         COMPRESSED_FOLDER.check(out_dir)
-    if get_method(options.method).needs_data:
-        calibration_sources(calib)
+    sources = calibration_sources(calib) if get_method(options.method).needs_data else None
     loaded = load_pretrained(model)
-    manifest = compress_loaded(loaded, options, calib, calib_tokens, calib_seq_len=calib_seq_len, seed=seed, progress=progress)
+    calibration = None if sources is None else calibration_set(loaded, calib, calib_tokens, calib_seq_len, seed, sources=sources)
+    manifest = compress_loaded(loaded, options, calib, calib_tokens, calib_seq_len=calib_seq_len, seed=seed, progress=progress, calibration=calibration)
     if out_dir is not None:
         save(loaded.model, loaded.tokenizer, manifest, out_dir)
     return loaded, manifest

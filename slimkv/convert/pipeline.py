@@ -32,7 +32,12 @@ from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import HealConfig, heal
 from slimkv.convert.methods import Conversion, LayerContext, get_conversion
 from slimkv.convert.source import Source, check_convertible, copy_shared_weights, slimkv_config
-from slimkv.data.texts import DOC_SEPARATOR, calibration_documents, calibration_ids, calibration_sources, text_sha256
+from slimkv.data.texts import (
+    calibration_documents,
+    calibration_ids,
+    calibration_sources,
+    calibration_text_sha256,
+)
 from slimkv.model import SlimKVForCausalLM, load_model_folder
 from slimkv.pretrained import load_pretrained, resolve_model_path, weights_fingerprint
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
@@ -142,7 +147,7 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
         "changed_parameters": changed,
         "calibration": {
             "source": options.calib,
-            "text_sha256": text_sha256(DOC_SEPARATOR.join(document for _name, docs in sources for document in docs)),
+            "text_sha256": calibration_text_sha256(sources),
             "tokens_sha256": hashlib.sha256(windows.numpy().tobytes()).hexdigest(),
             "sequences": windows.shape[0],
             "seq_len": windows.shape[1],

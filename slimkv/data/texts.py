@@ -110,6 +110,12 @@ def calibration_sources(spec: str) -> list[tuple[str, list[str]]]:
     return [(name, _named_documents(name)) for name in names]
 
 
+def calibration_text_sha256(sources: list[tuple[str, list[str]]]) -> str:
+    """The hash of the whole calibration text of ``sources`` (``calibration_sources``): every
+    document, sources in order, joined with ``DOC_SEPARATOR``; what ``eval ppl`` compares against."""
+    return text_sha256(DOC_SEPARATOR.join(document for _name, documents in sources for document in documents))
+
+
 def calibration_documents(spec: str) -> list[str]:
     """All documents of ``--calib SPEC`` (``calibration_sources``) as one list, sources in order:
     the calibration text to hash. Sample windows from ``calibration_sources(spec)``, not from

@@ -211,3 +211,12 @@ def test_the_joint_mlp_is_kept_only_where_it_beats_separate_factors(family):
         assert entry["how"] == ("rootcov" if entry["chosen"] == "separate" else ("joint_mlp_shared" if family == "llama" else "joint_mlp_weighted"))
     unchecked = compress_model(tiny_model(family), calib_ids(), CompressOptions(method="latentllm", ratio=0.5, joint_mlp_check=False), progress=False)
     assert all(e["how"].startswith("joint_mlp") for e in iter_leaf_entries(unchecked["modules"]) if e["projection"] in ("gate", "up"))
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "gpt2"])
+def test_weight_shapes_match_the_weights_without_copying_them(family):
+    from slimkv.compress.arch import Architecture
+
+    arch = Architecture(tiny_model(family))
+    for block in arch.blocks():
+        assert all(arch.weight_shape(block, p) == tuple(arch.weight(block, p).shape) for p in arch.layout.projections())
