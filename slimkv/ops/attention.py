@@ -22,6 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from slimkv.ops.native import decode_kernel, native_decode_attention, supports
 from slimkv.ops.norm import compute_dtype
 
 BACKENDS = ("sdpa", "reference")
@@ -167,17 +168,29 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
     """One query per head attending to every key (a decode step; no mask is needed).
 
-    The query heads that share a key/value head are folded onto it (``fold_groups``; one row per
-    head for MHA) and, in float32/float64, run as two matmuls around a softmax, so each cached key
-    and value is read once per step whatever the number of query heads: the logits as
-    keys x queries^T, (k_len, dim) x (dim, groups), with the cache as the large row-major operand
-    (the form BLAS streams fastest for a few query rows), made contiguous before the softmax (a
-    strided softmax output sends the next matmul to a slow path), then probabilities x values.
-    Measured on one CPU thread at 32K keys, 8 query rows over one 64-wide head: 2 ms vs 6 ms for
-    the strided form; 8 heads of MHA: 7.3 ms vs 8.2 ms for the fused kernel. Other dtypes run the
-    fused kernel on the folded rows.
-    q (batch, q_heads, 1, dim), k/v (batch, kv_heads, k_len, dim / v_dim) -> (batch, q_heads, 1, v_dim).
-    """
+    float32 on the CPU runs slimkv's native single-pass kernel (``slimkv.ops.native``: keys and
+    values streamed once in blocks with an online softmax, grouped query heads served from the same
+    block) when it could be built; everything else, and every call when it could not, runs
+    ``matmul_decode_attention``. q (batch, q_heads, 1, dim), k/v (batch, kv_heads, k_len, dim / v_dim)
+    -> (batch, q_heads, 1, v_dim)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if supports([q], [(k, v)]):
+        library = decode_kernel()
+        if library is not None:
+            return native_decode_attention([q], [(k, v)], scale, library)
+    return matmul_decode_attention(q, k, v, scale=scale)
+
+
+def matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """``decode_attention`` through torch: the query heads that share a key/value head are folded
+    onto it (``fold_groups``; one row per head for MHA) and, in float32/float64, run as two matmuls
+    around a softmax, so each cached key and value is read once per step whatever the number of
+    query heads: the logits as keys x queries^T, (k_len, dim) x (dim, groups), with the cache as the
+    large row-major operand (the form BLAS streams fastest for a few query rows), made contiguous
+    before the softmax (a strided softmax output sends the next matmul to a slow path), then
+    probabilities x values. Measured on one CPU thread at 32K keys, 8 query rows over one 64-wide
+    head: 2 ms vs 6 ms for the strided form; 8 heads of MHA: 7.3 ms vs 8.2 ms for the fused kernel.
+    Other dtypes run the fused kernel on the folded rows. Shapes as ``decode_attention``."""
     b, q_heads, _, dim = q.shape
     rows = fold_groups(q, k.shape[1])
     if q.dtype in (torch.float32, torch.float64):

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from slimkv.ops.attention import fold_groups, visibility_mask
 from slimkv.ops.kvm.settings import VALUE_EPS, KVMSettings
+from slimkv.ops.native import decode_kernel, native_decode_attention
+from slimkv.ops.native import supports as native_supports
 from slimkv.ops.norm import compute_dtype
 
 # ---------------------------------------------------------------- parameters and rows
@@ -262,10 +264,16 @@ def decode_token(q: torch.Tensor, rows: Rows, win_k: torch.Tensor, win_v: torch.
     and the window as ``_attend_one`` in fewer operations, for float32/float64 inputs (whose rows
     share their dtype). The temperatures and the scale are folded into the two query copies (one
     per region), the logits are keys x queries^T (the cache is the large row-major operand; see
-    ``slimkv.ops.attention.decode_attention``), and one softmax covers both regions.
+    ``slimkv.ops.attention.decode_attention``), and one softmax covers both regions. In float32
+    on the CPU the native kernel (``slimkv.ops.native``) reads the rows and the window as two
+    segments of one single-pass softmax, each with its own tempered query.
     q (B, Hq, 1, d), win_k/win_v (B, Hkv, L, .) -> (B, Hq, 1, dv)."""
     b, hq = q.shape[:2]
     hkv = win_k.shape[1]
+    segments = [(rows.read_k, rows.read_v), (win_k, win_v)]
+    if native_supports([q, q], segments) and (library := decode_kernel()) is not None:
+        queries = [q * (tau.view(1, hq, 1, 1) * scale) if tau is not None else q * scale for tau in (params.tau_state, params.tau_window)]
+        return native_decode_attention(queries, segments, 1.0, library)
     grouped = fold_groups(q, hkv)  # (B, Hkv, group, d)
     tau_s = params.tau_state.view(hkv, -1, 1) * scale if params.tau_state is not None else scale
     tau_w = params.tau_window.view(hkv, -1, 1) * scale if params.tau_window is not None else scale

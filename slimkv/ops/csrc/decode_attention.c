@@ -1,0 +1,340 @@
+/* Single-pass decode attention on the CPU (float32): slimkv's native kernel.
+ *
+ * One query row per query head attends to every cached key of its key/value head. The query heads
+ * that share a key/value head (GQA/MQA) are the ``groups`` rows of one block, so each cached key
+ * and value is read from memory once per step, whatever the number of query heads. Keys are
+ * visited in blocks of BLOCK_KEYS with an online softmax (running max, running sum, rescaled
+ * accumulator), so logits, probabilities and values never make a second trip through memory: the
+ * block's keys and values stay in the L1 cache for every row of the group.
+ *
+ * ``segments`` (key/value buffers read one after the other under one softmax) let a cache made of
+ * two parts, e.g. KVM's compressed rows and its exact window, be attended without concatenation;
+ * each segment has its own query rows (the same pointer for plain attention; KVM folds a
+ * per-region temperature into them). The logits are q . k * scale.
+ *
+ * Layout (what slimkv/ops/native.py passes): every query and out are contiguous
+ * (batch, kv_heads, groups, dim) and (batch, kv_heads, groups, v_dim); each segment's keys and values are rows of ``dim`` and
+ * ``v_dim`` contiguous floats, with a batch stride and a head stride in elements (a slice of a
+ * larger preallocated buffer is fine). The plain reference is slimkv.ops.attention.reference_attention;
+ * tests/ops/test_native.py compares the two.
+ *
+ * Threads: the (batch, kv_head) pairs are split over ``threads`` POSIX threads (1: the caller's).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK_KEYS 64
+#define MAX_SEGMENTS 4
+
+typedef struct {
+    const float *q, *k, *v; /* q: this segment's query rows (a region may have its own temperatures) */
+    int64_t keys, k_stride_b, k_stride_h, v_stride_b, v_stride_h;
+} Segment;
+
+typedef struct {
+    float *out;
+    const Segment *segments;
+    int n_segments;
+    int64_t batch, kv_heads, groups, dim, v_dim, first, last; /* work items [first, last) */
+    float scale;
+    int status;
+} Job;
+
+/* exp(x) for x <= 0, to a few ulp: Cody-Waite reduction to |r| <= ln2/2, then Cephes' degree-6
+ * polynomial, then 2^n from the exponent bits. Written so the compiler vectorizes it. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float pow2n;
+    memcpy(&pow2n, &bits, sizeof pow2n);
+    return p * pow2n;
+}
+
+/* One (batch, kv_head) item: ``groups`` query rows against every segment. ``dim`` and ``v_dim``
+ * are compile-time constants where the dispatcher below inlines this for common widths. */
+static inline __attribute__((always_inline)) void attend_item(int64_t item, float *restrict out, const Segment *segments,
+                                                               int n_segments, int64_t b, int64_t h, int64_t groups, int64_t dim,
+                                                               int64_t v_dim, float scale, float *restrict acc, float *restrict run_max,
+                                                               float *restrict run_sum, float *restrict qs) {
+    for (int64_t g = 0; g < groups; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+        for (int64_t e = 0; e < v_dim; e++) acc[g * v_dim + e] = 0.0f;
+    }
+    float logits[BLOCK_KEYS];
+    for (int s = 0; s < n_segments; s++) {
+        const Segment seg = segments[s];
+        const float *restrict q = seg.q + item * groups * dim;
+        for (int64_t i = 0; i < groups * dim; i++) qs[i] = q[i] * scale;
+        const float *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
+        const float *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
+        for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
+            const int64_t n = seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS;
+            const float *restrict kb = kh + t0 * dim;
+            const float *restrict vb = vh + t0 * v_dim;
+            for (int64_t g = 0; g < groups; g++) {
+                const float *restrict qg = qs + g * dim;
+                float block_max = -INFINITY;
+                for (int64_t t = 0; t < n; t++) {
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < dim; d++) dot += qg[d] * kb[t * dim + d];
+                    logits[t] = dot;
+                    block_max = dot > block_max ? dot : block_max;
+                }
+                float *restrict ag = acc + g * v_dim;
+                if (block_max > run_max[g]) {
+                    const float correction = exp_nonpositive(run_max[g] - block_max);
+                    run_sum[g] *= correction;
+#pragma omp simd
+                    for (int64_t e = 0; e < v_dim; e++) ag[e] *= correction;
+                    run_max[g] = block_max;
+                }
+                const float m = run_max[g];
+                float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+                for (int64_t t = 0; t < n; t++) {
+                    logits[t] = exp_nonpositive(logits[t] - m);
+                    block_sum += logits[t];
+                }
+                run_sum[g] += block_sum;
+                for (int64_t t = 0; t < n; t++) {
+                    const float p = logits[t];
+#pragma omp simd
+                    for (int64_t e = 0; e < v_dim; e++) ag[e] += p * vb[t * v_dim + e];
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const float inv = 1.0f / run_sum[g];
+        for (int64_t e = 0; e < v_dim; e++) out[g * v_dim + e] = acc[g * v_dim + e] * inv;
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp_nonpositive on 16 lanes. */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* Horizontal sums of R (1, 2 or 4) vectors: sums[i] = sum of the lanes of v[i]. */
+static inline __attribute__((always_inline)) void horizontal_sums(const __m512 *v, const int R, float *sums) {
+    if (R == 1) {
+        sums[0] = _mm512_reduce_add_ps(v[0]);
+        return;
+    }
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 a = v[0], b = v[1], c = R == 4 ? v[2] : zero, d = R == 4 ? v[3] : zero;
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* per 128-bit lane: a02 b02 a13 b13 */
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512 total = _mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, _MM_SHUFFLE(2, 3, 0, 1)));
+    float lanes[16] __attribute__((aligned(64)));
+    _mm512_store_ps(lanes, total);
+    for (int i = 0; i < R; i++) sums[i] = lanes[i];
+}
+
+/* R query rows (g0 .. g0 + R - 1 of one item) against one block of n keys, with AVX-512, for
+ * dim = 16 * ND and v_dim = 16 * NV: each key and value vector is loaded once for the R rows, the
+ * R accumulators stay in registers. Same arithmetic as attend_item. */
+static inline __attribute__((always_inline)) void block_rows_avx512(const float *restrict q, const float *restrict kb, const float *restrict vb,
+                                                                     int n, const int R, const int ND, const int NV, __m512 scale16,
+                                                                     float *restrict acc, float *restrict run_max, float *restrict run_sum) {
+    float logits[4][BLOCK_KEYS] __attribute__((aligned(64)));
+    __m512 qv[4][8];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < ND; j++) qv[i][j] = _mm512_mul_ps(_mm512_loadu_ps(q + i * 16 * ND + 16 * j), scale16);
+    for (int t = 0; t < n; t++) {
+        const float *kt = kb + t * 16 * ND;
+        __m512 kv[8], dots[4];
+        for (int j = 0; j < ND; j++) kv[j] = _mm512_loadu_ps(kt + 16 * j);
+        for (int i = 0; i < R; i++) {
+            dots[i] = _mm512_mul_ps(qv[i][0], kv[0]);
+            for (int j = 1; j < ND; j++) dots[i] = _mm512_fmadd_ps(qv[i][j], kv[j], dots[i]);
+        }
+        float sums[4];
+        horizontal_sums(dots, R, sums);
+        for (int i = 0; i < R; i++) logits[i][t] = sums[i];
+    }
+    __m512 av[4][8];
+    for (int i = 0; i < R; i++) {
+        for (int t = n; t < BLOCK_KEYS; t++) logits[i][t] = -INFINITY;
+        __m512 m16 = _mm512_load_ps(logits[i]);
+        for (int t = 16; t < BLOCK_KEYS; t += 16) m16 = _mm512_max_ps(m16, _mm512_load_ps(logits[i] + t));
+        const float block_max = _mm512_reduce_max_ps(m16);
+        for (int j = 0; j < NV; j++) av[i][j] = _mm512_loadu_ps(acc + i * 16 * NV + 16 * j);
+        if (block_max > run_max[i]) {
+            const __m512 correction = exp_nonpositive16(_mm512_set1_ps(run_max[i] - block_max));
+            run_sum[i] *= _mm512_cvtss_f32(correction);
+            for (int j = 0; j < NV; j++) av[i][j] = _mm512_mul_ps(av[i][j], correction);
+            run_max[i] = block_max;
+        }
+        const __m512 m = _mm512_set1_ps(run_max[i]);
+        __m512 sum16 = _mm512_setzero_ps();
+        for (int t = 0; t < BLOCK_KEYS; t += 16) {
+            const __m512 p = exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(logits[i] + t), m));
+            _mm512_store_ps(logits[i] + t, p);
+            sum16 = _mm512_add_ps(sum16, p);
+        }
+        run_sum[i] += _mm512_reduce_add_ps(sum16);
+    }
+    for (int t = 0; t < n; t++) {
+        const float *vt = vb + t * 16 * NV;
+        __m512 vv[8];
+        for (int j = 0; j < NV; j++) vv[j] = _mm512_loadu_ps(vt + 16 * j);
+        for (int i = 0; i < R; i++) {
+            const __m512 p = _mm512_set1_ps(logits[i][t]);
+            for (int j = 0; j < NV; j++) av[i][j] = _mm512_fmadd_ps(p, vv[j], av[i][j]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc + i * 16 * NV + 16 * j, av[i][j]);
+}
+
+/* attend_item with AVX-512 (see block_rows_avx512): the rows of a group go in tiles of 4 (2 for
+ * v_dim 128, so the accumulators fit the 32 vector registers), then 2, then 1. */
+static inline __attribute__((always_inline)) void attend_item_avx512(int64_t item, float *restrict out, const Segment *segments,
+                                                                      int n_segments, int64_t b, int64_t h, int64_t groups, const int ND,
+                                                                      const int NV, float scale, float *restrict acc, float *restrict run_max,
+                                                                      float *restrict run_sum) {
+    const int64_t dim = 16 * ND, v_dim = 16 * NV;
+    const int tile = NV > 4 ? 2 : 4;
+    for (int64_t g = 0; g < groups; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+        for (int64_t e = 0; e < v_dim; e++) acc[g * v_dim + e] = 0.0f;
+    }
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int s = 0; s < n_segments; s++) {
+        const Segment seg = segments[s];
+        const float *restrict q = seg.q + item * groups * dim;
+        const float *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
+        const float *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
+        for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
+            const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
+            const float *restrict kb = kh + t0 * dim;
+            const float *restrict vb = vh + t0 * v_dim;
+            int64_t g = 0;
+            for (; tile == 4 && g + 4 <= groups; g += 4)
+                block_rows_avx512(q + g * dim, kb, vb, n, 4, ND, NV, scale16, acc + g * v_dim, run_max + g, run_sum + g);
+            for (; g + 2 <= groups; g += 2)
+                block_rows_avx512(q + g * dim, kb, vb, n, 2, ND, NV, scale16, acc + g * v_dim, run_max + g, run_sum + g);
+            for (; g < groups; g++)
+                block_rows_avx512(q + g * dim, kb, vb, n, 1, ND, NV, scale16, acc + g * v_dim, run_max + g, run_sum + g);
+        }
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const float inv = 1.0f / run_sum[g];
+        for (int64_t e = 0; e < v_dim; e++) out[g * v_dim + e] = acc[g * v_dim + e] * inv;
+    }
+}
+
+#define DISPATCH_AVX512(ND, NV)                                                                                                 \
+    if (job->dim == 16 * (ND) && job->v_dim == 16 * (NV)) {                                                                   \
+        for (int64_t i = job->first; i < job->last; i++)                                                                      \
+            attend_item_avx512(i, job->out + i * job->groups * job->v_dim, job->segments,    \
+                               job->n_segments, i / job->kv_heads, i % job->kv_heads, job->groups, (ND), (NV), job->scale, acc, \
+                               run_max, run_sum);                                                                             \
+        goto done;                                                                                                            \
+    }
+#else
+#define DISPATCH_AVX512(ND, NV)
+#endif
+
+#define DISPATCH(D, DV)                                                                                                         \
+    if (job->dim == (D) && job->v_dim == (DV)) {                                                                               \
+        for (int64_t i = job->first; i < job->last; i++)                                                                      \
+            attend_item(i, job->out + i * job->groups * (DV), job->segments, job->n_segments,     \
+                        i / job->kv_heads, i % job->kv_heads, job->groups, (D), (DV), job->scale, acc, run_max, run_sum, qs);  \
+        goto done;                                                                                                            \
+    }
+
+static void *run_job(void *arg) {
+    Job *job = (Job *)arg;
+    float *acc = malloc(sizeof(float) * (size_t)(job->groups * (job->v_dim + job->dim + 2)));
+    if (!acc) {
+        job->status = 1;
+        return NULL;
+    }
+    float *qs = acc + job->groups * job->v_dim;
+    float *run_max = qs + job->groups * job->dim;
+    float *run_sum = run_max + job->groups;
+    DISPATCH_AVX512(4, 4)
+    DISPATCH_AVX512(2, 2)
+    DISPATCH_AVX512(8, 8)
+    DISPATCH(64, 64)
+    DISPATCH(32, 32)
+    DISPATCH(128, 128)
+    for (int64_t i = job->first; i < job->last; i++)
+        attend_item(i, job->out + i * job->groups * job->v_dim, job->segments, job->n_segments,
+                    i / job->kv_heads, i % job->kv_heads, job->groups, job->dim, job->v_dim, job->scale, acc, run_max, run_sum, qs);
+done:
+    free(acc);
+    job->status = 0;
+    return NULL;
+}
+
+/* Returns 0 on success, 1 when memory or a thread could not be had, 2 on bad arguments. */
+int slimkv_decode_attention_f32(const float *const *q, float *out, const float *const *k, const float *const *v, const int64_t *keys,
+                                const int64_t *k_strides, const int64_t *v_strides, int n_segments, int64_t batch, int64_t kv_heads,
+                                int64_t groups, int64_t dim, int64_t v_dim, float scale, int threads) {
+    if (n_segments < 1 || n_segments > MAX_SEGMENTS || batch < 1 || kv_heads < 1 || groups < 1 || dim < 1 || v_dim < 1) return 2;
+    Segment segments[MAX_SEGMENTS];
+    int64_t total_keys = 0;
+    for (int s = 0; s < n_segments; s++) {
+        segments[s] = (Segment){q[s], k[s], v[s], keys[s], k_strides[2 * s], k_strides[2 * s + 1], v_strides[2 * s], v_strides[2 * s + 1]};
+        total_keys += keys[s];
+    }
+    if (total_keys < 1) return 2;
+    const int64_t items = batch * kv_heads;
+    if (threads > items) threads = (int)items;
+    if (threads < 1) threads = 1;
+    Job jobs[64];
+    if (threads > 64) threads = 64;
+    pthread_t ids[64];
+    for (int t = 0; t < threads; t++)
+        jobs[t] = (Job){out, segments, n_segments, batch, kv_heads, groups, dim, v_dim, items * t / threads, items * (t + 1) / threads, scale, 1};
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&ids[t], NULL, run_job, &jobs[t]) != 0) break;
+        started = t;
+    }
+    for (int t = started + 1; t < threads; t++) run_job(&jobs[t]); /* threads that could not start: run here */
+    run_job(&jobs[0]);
+    int status = jobs[0].status;
+    for (int t = 1; t <= started; t++) {
+        pthread_join(ids[t], NULL);
+        status |= jobs[t].status;
+    }
+    for (int t = started + 1; t < threads; t++) status |= jobs[t].status;
+    return status;
+}

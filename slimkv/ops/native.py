@@ -1,0 +1,145 @@
+"""slimkv's native CPU kernel: single-pass decode attention in C (``csrc/decode_attention.c``).
+
+Built on first use with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for this
+machine's CPU (``-march=native``), cached as a shared library under ``cache_dir()/kernels`` (the
+file name holds a hash of the source, the flags, the compiler and the CPU, so a changed source or
+another machine never loads a stale build), and loaded with ctypes: no torch headers, about a
+second to build. Without a compiler, or when the build fails, ``decode_kernel()`` returns None
+(with one warning saying why) and callers take the torch path; ``SLIMKV_NATIVE=0`` asks for that.
+
+``native_decode_attention`` is the fast path of ``slimkv.ops.attention.decode_attention``; the
+plain reference beside it is ``reference_attention``, and tests/ops/test_native.py compares them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from slimkv.common.paths import cache_dir
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
+ARCH_FLAGS = (("-march=native",), ())  # tried in order: this CPU's vector units, then the compiler's default target
+MAX_SEGMENTS = 4  # MAX_SEGMENTS in the C source
+PARALLEL_MIN_BYTES = 1 << 21  # a step reading less than this runs on one thread (starting threads would cost more)
+ENV_SWITCH = "SLIMKV_NATIVE"
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC`` or the first of cc, gcc, clang on PATH (None: none)."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def build(cc: str, folder: Path) -> Path:
+    """Compile the kernel into ``folder`` (atomically: a temporary file renamed into place), or
+    return the build already there. RuntimeError with the compiler's message when every flag set fails."""
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    errors = []
+    for arch in ARCH_FLAGS:
+        flags = (*FLAGS, *arch)
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()])).hexdigest()[:16]
+        target = folder / f"decode_attention-{key}.so"
+        if target.is_file():
+            return target
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(handle)
+        result = subprocess.run([cc, *flags, "-o", temporary, str(SOURCE)], capture_output=True, text=True, check=False)
+        if result.returncode == 0:
+            os.replace(temporary, target)
+            return target
+        os.unlink(temporary)
+        errors.append(f"{cc} {' '.join(flags)}: {result.stderr.strip()[:400]}")
+    raise RuntimeError("; ".join(errors))
+
+
+@functools.lru_cache(maxsize=1)
+def decode_kernel() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (one warning says why) when it cannot be had."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    cc = compiler()
+    if cc is None:
+        warnings.warn("slimkv: no C compiler found ($CC, cc, gcc, clang); decode uses the torch path (install gcc for the native kernel)", stacklevel=2)
+        return None
+    try:
+        library = ctypes.CDLL(str(build(cc, cache_dir() / "kernels")))
+    except (RuntimeError, OSError) as err:
+        warnings.warn(f"slimkv: the native decode kernel could not be built or loaded; decode uses the torch path ({err})", stacklevel=2)
+        return None
+    function = library.slimkv_decode_attention_f32
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer, pointer, ctypes.c_int, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return library
+
+
+def supports(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether the native kernel takes this call: float32 on the CPU, no autograd, one query per
+    head, rows of keys and values contiguous, at most ``MAX_SEGMENTS`` segments."""
+    if not 1 <= len(segments) <= MAX_SEGMENTS or len(queries) != len(segments):
+        return False
+    grad = torch.is_grad_enabled()
+    for q in queries:
+        if q.dtype != torch.float32 or q.device.type != "cpu" or q.shape[2] != 1 or (grad and q.requires_grad):
+            return False
+    for k, v in segments:
+        for x in (k, v):
+            if x.dtype != torch.float32 or x.device.type != "cpu" or (grad and x.requires_grad):
+                return False
+            if x.stride(-1) != 1 or (x.shape[2] > 1 and x.stride(2) != x.shape[-1]):
+                return False
+    return True
+
+
+def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                            library: ctypes.CDLL) -> torch.Tensor:
+    """One query per head over the keys of every (k, v) segment under one softmax; segment i's
+    logits are ``queries[i]`` . k * scale (the same tensor for plain attention).
+
+    each query (batch, q_heads, 1, dim); each k (batch, kv_heads, keys_i, dim), v (batch, kv_heads,
+    keys_i, v_dim) -> (batch, q_heads, 1, v_dim). Call ``supports`` first."""
+    batch, q_heads, _, dim = queries[0].shape
+    kv_heads, v_dim = segments[0][0].shape[1], segments[0][1].shape[-1]
+    rows = [q.contiguous() for q in queries]
+    out = torch.empty(batch, q_heads, 1, v_dim, dtype=torch.float32)
+    n = len(segments)
+    q_ptrs = (ctypes.c_void_p * n)(*(q.data_ptr() for q in rows))
+    k_ptrs = (ctypes.c_void_p * n)(*(k.data_ptr() for k, _ in segments))
+    v_ptrs = (ctypes.c_void_p * n)(*(v.data_ptr() for _, v in segments))
+    keys = (ctypes.c_int64 * n)(*(k.shape[2] for k, _ in segments))
+    k_strides = (ctypes.c_int64 * (2 * n))(*(s for k, _ in segments for s in (k.stride(0), k.stride(1))))
+    v_strides = (ctypes.c_int64 * (2 * n))(*(s for _, v in segments for s in (v.stride(0), v.stride(1))))
+    step_bytes = 4 * batch * kv_heads * sum(k.shape[2] * (dim + v_dim) for k, _ in segments)
+    threads = torch.get_num_threads() if step_bytes >= PARALLEL_MIN_BYTES else 1
+    status = library.slimkv_decode_attention_f32(q_ptrs, out.data_ptr(), k_ptrs, v_ptrs, keys, k_strides, v_strides, n, batch, kv_heads,
+                                                 q_heads // kv_heads, dim, v_dim, scale, threads)
+    if status != 0:
+        raise RuntimeError(f"native decode attention failed (status {status}: {'out of memory or threads' if status == 1 else 'bad arguments'})")
+    return out

@@ -1,0 +1,137 @@
+"""The native decode kernel (slimkv/ops/csrc/decode_attention.c) against the plain reference, and
+its build, cache and fallback behaviour."""
+
+import math
+
+import pytest
+import torch
+
+from slimkv.ops import native
+from slimkv.ops.attention import decode_attention, matmul_decode_attention, reference_attention
+
+LIBRARY = native.decode_kernel()
+needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no C compiler on this machine: the native kernel cannot be built, decode takes the torch path")
+
+
+def _cache(batch, kv_heads, keys, dim, v_dim, *, spare=0, seed=0):
+    """Keys and values as a decode cache holds them: the live part of a larger buffer when ``spare``."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, kv_heads, keys + spare, dim, generator=gen)[:, :, :keys]
+    v = torch.randn(batch, kv_heads, keys + spare, v_dim, generator=gen)[:, :, :keys]
+    return k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_heads,groups", [(4, 1), (2, 4), (1, 8), (3, 2)])
+@pytest.mark.parametrize("dim,v_dim", [(64, 64), (32, 32), (128, 128), (40, 24), (16, 48)])
+@pytest.mark.parametrize("keys", [1, 63, 64, 65, 300])
+def test_native_matches_the_reference(kv_heads, groups, dim, v_dim, keys):
+    k, v = _cache(2, kv_heads, keys, dim, v_dim, spare=7)
+    q = torch.randn(2, kv_heads * groups, 1, dim)
+    assert native.supports([q], [(k, v)])
+    out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(dim), LIBRARY)
+    torch.testing.assert_close(out, reference_attention(q, k, v), rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_decode_attention_takes_the_native_path_and_agrees_with_the_matmul_path(monkeypatch):
+    k, v = _cache(1, 2, 500, 64, 64)
+    q = torch.randn(1, 8, 1, 64)
+    calls = []
+    real = native.native_decode_attention
+    monkeypatch.setattr("slimkv.ops.attention.native_decode_attention", lambda *a: calls.append(1) or real(*a))
+    out = decode_attention(q, k, v, scale=0.3)
+    assert calls == [1]
+    torch.testing.assert_close(out, matmul_decode_attention(q, k, v, scale=0.3), rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_segments_are_one_softmax_with_a_query_each():
+    """Two segments with their own queries equal one attention over the concatenated keys with
+    per-region scaled logits (KVM's rows and window with temperatures)."""
+    (k1, v1), (k2, v2) = _cache(1, 2, 37, 64, 64, seed=1), _cache(1, 2, 90, 64, 64, seed=2)
+    q = torch.randn(1, 4, 1, 64)
+    tau1, tau2 = torch.rand(4) + 0.5, torch.rand(4) + 0.5
+    q1, q2 = q * tau1.view(1, 4, 1, 1), q * tau2.view(1, 4, 1, 1)
+    out = native.native_decode_attention([q1, q2], [(k1, v1), (k2, v2)], 0.125, LIBRARY)
+    rep = lambda x: x.repeat_interleave(2, dim=1)  # noqa: E731
+    logits = torch.cat((q1 @ rep(k1).transpose(-1, -2), q2 @ rep(k2).transpose(-1, -2)), dim=-1) * 0.125
+    expected = logits.softmax(-1) @ torch.cat((rep(v1), rep(v2)), dim=2)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_threads_split_the_heads_without_changing_the_result(monkeypatch):
+    k, v = _cache(2, 4, 3000, 64, 64)
+    q = torch.randn(2, 8, 1, 64)
+    one = native.native_decode_attention([q], [(k, v)], 0.125, LIBRARY)
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    with_threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        three = native.native_decode_attention([q], [(k, v)], 0.125, LIBRARY)
+    finally:
+        torch.set_num_threads(with_threads)
+    assert torch.equal(one, three)
+
+
+@needs_kernel
+def test_large_logits_do_not_overflow():
+    k, v = _cache(1, 1, 200, 64, 64)
+    q = torch.randn(1, 1, 1, 64) * 200
+    out = native.native_decode_attention([q], [(k, v)], 1.0, LIBRARY)
+    torch.testing.assert_close(out, reference_attention(q, k, v, scale=1.0), rtol=1e-5, atol=1e-5)
+
+
+def test_calls_the_kernel_cannot_take_are_refused():
+    k, v = _cache(1, 2, 10, 8, 8)
+    q = torch.randn(1, 2, 1, 8)
+    assert not native.supports([q.double()], [(k.double(), v.double())])
+    assert not native.supports([torch.randn(1, 2, 3, 8)], [(k, v)])
+    assert not native.supports([q], [(k.transpose(-1, -2).contiguous().transpose(-1, -2), v)])  # columns strided
+    assert not native.supports([q] * 5, [(k, v)] * 5)
+    assert not native.supports([q.requires_grad_()], [(k, v)])
+
+
+def test_without_a_compiler_decode_falls_back_with_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLIMKV_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    native.decode_kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no C compiler"):
+            assert native.decode_kernel() is None
+        k, v = _cache(1, 2, 50, 16, 16)
+        q = torch.randn(1, 4, 1, 16)
+        torch.testing.assert_close(decode_attention(q, k, v), reference_attention(q, k, v), rtol=1e-5, atol=2e-6)
+        assert not (tmp_path / "kernels").exists()
+    finally:
+        native.decode_kernel.cache_clear()
+
+
+def test_the_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.decode_kernel.cache_clear()
+    try:
+        assert native.decode_kernel() is None
+    finally:
+        native.decode_kernel.cache_clear()
+
+
+def test_a_failing_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
+    bad = tmp_path / "broken.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler on this machine: nothing to build")
+    with pytest.raises(RuntimeError, match="broken.c|error"):
+        native.build(cc, tmp_path / "kernels")
+    assert list((tmp_path / "kernels").iterdir()) == []
+
+
+@needs_kernel
+def test_builds_are_cached_by_source(tmp_path):
+    cc = native.compiler()
+    first = native.build(cc, tmp_path)
+    assert native.build(cc, tmp_path) == first
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
