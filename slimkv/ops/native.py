@@ -95,7 +95,7 @@ def decode_kernel() -> ctypes.CDLL | None:
         return None
     function = library.slimkv_decode_attention_f32
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer, pointer, ctypes.c_int, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    function.argtypes = [pointer, ctypes.c_int, pointer, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     function.restype = ctypes.c_int
     return library
 
@@ -129,16 +129,12 @@ def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[
     kv_heads, v_dim = segments[0][0].shape[1], segments[0][1].shape[-1]
     rows = [q.contiguous() for q in queries]
     out = torch.empty(batch, q_heads, 1, v_dim, dtype=torch.float32)
-    n = len(segments)
-    q_ptrs = (ctypes.c_void_p * n)(*(q.data_ptr() for q in rows))
-    k_ptrs = (ctypes.c_void_p * n)(*(k.data_ptr() for k, _ in segments))
-    v_ptrs = (ctypes.c_void_p * n)(*(v.data_ptr() for _, v in segments))
-    keys = (ctypes.c_int64 * n)(*(k.shape[2] for k, _ in segments))
-    k_strides = (ctypes.c_int64 * (2 * n))(*(s for k, _ in segments for s in (k.stride(0), k.stride(1))))
-    v_strides = (ctypes.c_int64 * (2 * n))(*(s for _, v in segments for s in (v.stride(0), v.stride(1))))
+    fields = []  # per segment, the C struct Segment's order: q, k, v, keys, k strides (batch, head), v strides
+    for q, (k, v) in zip(rows, segments):
+        fields += (q.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     step_bytes = 4 * batch * kv_heads * sum(k.shape[2] * (dim + v_dim) for k, _ in segments)
     threads = torch.get_num_threads() if step_bytes >= PARALLEL_MIN_BYTES else 1
-    status = library.slimkv_decode_attention_f32(q_ptrs, out.data_ptr(), k_ptrs, v_ptrs, keys, k_strides, v_strides, n, batch, kv_heads,
+    status = library.slimkv_decode_attention_f32((ctypes.c_int64 * len(fields))(*fields), len(segments), out.data_ptr(), batch, kv_heads,
                                                  q_heads // kv_heads, dim, v_dim, scale, threads)
     if status != 0:
         raise RuntimeError(f"native decode attention failed (status {status}: {'out of memory or threads' if status == 1 else 'bad arguments'})")

@@ -303,16 +303,18 @@ done:
     return NULL;
 }
 
-/* Returns 0 on success, 1 when memory or a thread could not be had, 2 on bad arguments. */
-int slimkv_decode_attention_f32(const float *const *q, float *out, const float *const *k, const float *const *v, const int64_t *keys,
-                                const int64_t *k_strides, const int64_t *v_strides, int n_segments, int64_t batch, int64_t kv_heads,
-                                int64_t groups, int64_t dim, int64_t v_dim, float scale, int threads) {
+/* ``fields`` holds 8 integers per segment: the query, key and value pointers, the key count, the
+ * keys' batch and head strides and the values' batch and head strides (strides in elements).
+ * Returns 0 on success, 1 when memory or a thread could not be had, 2 on bad arguments. */
+int slimkv_decode_attention_f32(const int64_t *fields, int n_segments, float *out, int64_t batch, int64_t kv_heads, int64_t groups,
+                                int64_t dim, int64_t v_dim, float scale, int threads) {
     if (n_segments < 1 || n_segments > MAX_SEGMENTS || batch < 1 || kv_heads < 1 || groups < 1 || dim < 1 || v_dim < 1) return 2;
     Segment segments[MAX_SEGMENTS];
     int64_t total_keys = 0;
     for (int s = 0; s < n_segments; s++) {
-        segments[s] = (Segment){q[s], k[s], v[s], keys[s], k_strides[2 * s], k_strides[2 * s + 1], v_strides[2 * s], v_strides[2 * s + 1]};
-        total_keys += keys[s];
+        const int64_t *f = fields + 8 * s;
+        segments[s] = (Segment){(const float *)(intptr_t)f[0], (const float *)(intptr_t)f[1], (const float *)(intptr_t)f[2], f[3], f[4], f[5], f[6], f[7]};
+        total_keys += f[3];
     }
     if (total_keys < 1) return 2;
     const int64_t items = batch * kv_heads;
