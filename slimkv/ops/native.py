@@ -102,8 +102,10 @@ def decode_kernel() -> ctypes.CDLL | None:
 
 def supports(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether the native kernel takes this call: float32 on the CPU, no autograd, one query per
-    head, rows of keys and values contiguous, at most ``MAX_SEGMENTS`` segments."""
-    if not 1 <= len(segments) <= MAX_SEGMENTS or len(queries) != len(segments):
+    head, rows of keys and values contiguous, at most ``MAX_SEGMENTS`` segments, and no torch
+    dispatch mode active (the kernel bypasses torch's dispatcher, so a FLOP counter or a fake-tensor
+    trace would not see it: those calls take the torch path)."""
+    if not 1 <= len(segments) <= MAX_SEGMENTS or len(queries) != len(segments) or torch._C._len_torch_dispatch_stack() > 0:
         return False
     grad = torch.is_grad_enabled()
     for q in queries:

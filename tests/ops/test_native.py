@@ -93,6 +93,17 @@ def test_calls_the_kernel_cannot_take_are_refused():
     assert not native.supports([q.requires_grad_()], [(k, v)])
 
 
+def test_a_flop_counter_sees_the_decode_step():
+    """Under a dispatch mode the torch path runs, so the FLOP count is the same either way."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    k, v = _cache(1, 2, 100, 16, 16)
+    q = torch.randn(1, 4, 1, 16)
+    with FlopCounterMode(display=False) as counter:
+        decode_attention(q, k, v)
+    assert counter.get_total_flops() == 2 * 4 * 100 * (16 + 16)
+
+
 def test_without_a_compiler_decode_falls_back_with_one_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("SLIMKV_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "compiler", lambda: None)
