@@ -26,7 +26,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifndef BLOCK_KEYS
 #define BLOCK_KEYS 64
+#endif
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2 /* software prefetch of the keys and values this many blocks ahead (0: none) */
+#endif
 #define MAX_SEGMENTS 4
 
 typedef struct {
@@ -175,6 +180,8 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
         for (int j = 0; j < ND; j++) qv[i][j] = _mm512_mul_ps(_mm512_loadu_ps(q + i * 16 * ND + 16 * j), scale16);
     for (int t = 0; t < n; t++) {
         const float *kt = kb + t * 16 * ND;
+        if (PREFETCH_BLOCKS > 0)
+            for (int j = 0; j < ND; j++) _mm_prefetch((const char *)(kt + PREFETCH_BLOCKS * BLOCK_KEYS * 16 * ND + 16 * j), _MM_HINT_T0);
         __m512 kv[8], dots[4];
         for (int j = 0; j < ND; j++) kv[j] = _mm512_loadu_ps(kt + 16 * j);
         for (int i = 0; i < R; i++) {
@@ -209,6 +216,8 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
     }
     for (int t = 0; t < n; t++) {
         const float *vt = vb + t * 16 * NV;
+        if (PREFETCH_BLOCKS > 0)
+            for (int j = 0; j < NV; j++) _mm_prefetch((const char *)(vt + PREFETCH_BLOCKS * BLOCK_KEYS * 16 * NV + 16 * j), _MM_HINT_T0);
         __m512 vv[8];
         for (int j = 0; j < NV; j++) vv[j] = _mm512_loadu_ps(vt + 16 * j);
         for (int i = 0; i < R; i++) {
