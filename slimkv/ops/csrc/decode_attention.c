@@ -349,3 +349,118 @@ int slimkv_decode_attention_f32(const int64_t *fields, int n_segments, float *ou
     for (int t = started + 1; t < threads; t++) status |= jobs[t].status;
     return status;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * LRKV's factored decode (slimkv/attention/lrkv.py, ``_decode_factored``) in one pass.
+ *
+ * For query head h of residual group g = h / (heads / groups), over every cached token t:
+ *   logit[h, t] = (q[h] . ks[t] + ql[h] . zk[g, :, t]) * s[g, t]      (s = 1 without a key scale)
+ *   out_s[h] = sum_t p[h, t] vs[t],   out_l[h, j] = sum_t p[h, t] zv[g, j, t]
+ * with p the softmax over t. The shared key/value ks, vs (rows of head_dim) are read once per
+ * block for all heads; the latents zk, zv are time-last (one contiguous row per rank channel),
+ * so their products run along t. The shared block is transposed once into scratch so that every
+ * product in the block runs along t as well: plain loops the compiler vectorises, no horizontal
+ * sums. The caller finishes out = out_s + out_l (B^V)^T.
+ *
+ * ``ints`` holds: batch, heads, groups, head_dim, rank_k, rank_v, keys, then the strides in
+ * elements: ks batch, vs batch, zk batch, zk group, zk rank, zv batch, zv group, zv rank,
+ * s batch, s group (rows of ks/vs are contiguous; zk, zv and s are contiguous along t).
+ * ``pointers``: q (batch, heads, head_dim), ql (batch, heads, rank_k), ks, vs, zk, zv, s (may be
+ * NULL), out_s (batch, heads, head_dim), out_l (batch, heads, rank_v); q and ql contiguous.
+ * Returns 0, 1 when scratch memory could not be had, 2 on bad arguments. One thread.
+ * --------------------------------------------------------------------------------------------- */
+int slimkv_lrkv_decode_f32(const int64_t *ints, const int64_t *pointers) {
+    const int64_t batch = ints[0], heads = ints[1], groups = ints[2], hd = ints[3], rk = ints[4], rv = ints[5], keys = ints[6];
+    const int64_t ks_b = ints[7], vs_b = ints[8], zk_b = ints[9], zk_g = ints[10], zk_r = ints[11], zv_b = ints[12], zv_g = ints[13],
+                  zv_r = ints[14], s_b = ints[15], s_g = ints[16];
+    if (batch < 1 || heads < 1 || groups < 1 || heads % groups || hd < 1 || rk < 0 || rv < 0 || keys < 1) return 2;
+    const float *q_all = (const float *)(intptr_t)pointers[0], *ql_all = (const float *)(intptr_t)pointers[1];
+    const float *ks_all = (const float *)(intptr_t)pointers[2], *vs_all = (const float *)(intptr_t)pointers[3];
+    const float *zk_all = (const float *)(intptr_t)pointers[4], *zv_all = (const float *)(intptr_t)pointers[5];
+    const float *s_all = (const float *)(intptr_t)pointers[6];
+    float *out_s = (float *)(intptr_t)pointers[7], *out_l = (float *)(intptr_t)pointers[8];
+    const int64_t per_group = heads / groups;
+    /* scratch: transposed shared keys (hd x BLOCK), logits (heads x BLOCK), running max/sum (heads each) */
+    float *scratch = malloc(sizeof(float) * (size_t)(hd * BLOCK_KEYS + heads * BLOCK_KEYS + 2 * heads));
+    if (!scratch) return 1;
+    float *ks_t = scratch, *logits = ks_t + hd * BLOCK_KEYS, *run_max = logits + heads * BLOCK_KEYS, *run_sum = run_max + heads;
+    for (int64_t b = 0; b < batch; b++) {
+        const float *restrict q = q_all + b * heads * hd, *restrict ql = ql_all + b * heads * rk;
+        const float *restrict ks = ks_all + b * ks_b, *restrict vs = vs_all + b * vs_b;
+        float *restrict acc_s = out_s + b * heads * hd, *restrict acc_l = out_l + b * heads * rv;
+        for (int64_t h = 0; h < heads; h++) {
+            run_max[h] = -INFINITY;
+            run_sum[h] = 0.0f;
+        }
+        for (int64_t i = 0; i < heads * hd; i++) acc_s[i] = 0.0f;
+        for (int64_t i = 0; i < heads * rv; i++) acc_l[i] = 0.0f;
+        for (int64_t t0 = 0; t0 < keys; t0 += BLOCK_KEYS) {
+            const int64_t n = keys - t0 < BLOCK_KEYS ? keys - t0 : BLOCK_KEYS;
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t d = 0; d < hd; d++) ks_t[d * BLOCK_KEYS + t] = ks[(t0 + t) * hd + d];
+            for (int64_t h = 0; h < heads; h++) {
+                const int64_t g = h / per_group;
+                float *restrict lg = logits + h * BLOCK_KEYS;
+#pragma omp simd
+                for (int64_t t = 0; t < n; t++) lg[t] = 0.0f;
+                for (int64_t d = 0; d < hd; d++) {
+                    const float qd = q[h * hd + d];
+                    const float *restrict row = ks_t + d * BLOCK_KEYS;
+#pragma omp simd
+                    for (int64_t t = 0; t < n; t++) lg[t] += qd * row[t];
+                }
+                for (int64_t j = 0; j < rk; j++) {
+                    const float qj = ql[h * rk + j];
+                    const float *restrict row = zk_all + b * zk_b + g * zk_g + j * zk_r + t0;
+#pragma omp simd
+                    for (int64_t t = 0; t < n; t++) lg[t] += qj * row[t];
+                }
+                if (s_all) {
+                    const float *restrict scale = s_all + b * s_b + g * s_g + t0;
+#pragma omp simd
+                    for (int64_t t = 0; t < n; t++) lg[t] *= scale[t];
+                }
+                float block_max = -INFINITY;
+                for (int64_t t = 0; t < n; t++) block_max = lg[t] > block_max ? lg[t] : block_max;
+                if (block_max > run_max[h]) {
+                    const float correction = exp_nonpositive(run_max[h] - block_max);
+                    run_sum[h] *= correction;
+                    for (int64_t e = 0; e < hd; e++) acc_s[h * hd + e] *= correction;
+                    for (int64_t j = 0; j < rv; j++) acc_l[h * rv + j] *= correction;
+                    run_max[h] = block_max;
+                }
+                const float m = run_max[h];
+                float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+                for (int64_t t = 0; t < n; t++) {
+                    lg[t] = exp_nonpositive(lg[t] - m);
+                    block_sum += lg[t];
+                }
+                run_sum[h] += block_sum;
+                for (int64_t j = 0; j < rv; j++) {
+                    const float *restrict row = zv_all + b * zv_b + g * zv_g + j * zv_r + t0;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t t = 0; t < n; t++) dot += lg[t] * row[t];
+                    acc_l[h * rv + j] += dot;
+                }
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const float *restrict vt = vs + (t0 + t) * hd;
+                for (int64_t h = 0; h < heads; h++) {
+                    const float p = logits[h * BLOCK_KEYS + t];
+                    float *restrict a = acc_s + h * hd;
+#pragma omp simd
+                    for (int64_t e = 0; e < hd; e++) a[e] += p * vt[e];
+                }
+            }
+        }
+        for (int64_t h = 0; h < heads; h++) {
+            const float inv = 1.0f / run_sum[h];
+            for (int64_t e = 0; e < hd; e++) acc_s[h * hd + e] *= inv;
+            for (int64_t j = 0; j < rv; j++) acc_l[h * rv + j] *= inv;
+        }
+    }
+    free(scratch);
+    return 0;
+}
