@@ -60,7 +60,6 @@ from slimkv.attention.mha import MultiHeadAttention
 from slimkv.common.buffer import GrowableBuffer, dtype_bytes
 from slimkv.common.checks import Checked, check_choice, check_float, check_int
 from slimkv.ops.attention import attend, fold_groups, visibility_mask
-from slimkv.ops.native import decode_kernel, lrkv_supports, native_lrkv_decode
 from slimkv.ops.norm import compute_dtype
 from slimkv.ops.rope import Rotary
 
@@ -509,8 +508,6 @@ class LowRankKVAttention(Attention):
         groups, length = self.n_kv_heads, entries.shared_k.shape[2]
         group = heads // groups
         q = self._prepared_queries(q)
-        if lrkv_supports(q, *entries) and (library := decode_kernel()) is not None:
-            return self._decode_native(q, entries, library)
         logits = (entries.shared_k[:, 0] @ q[:, :, 0].transpose(-1, -2)).transpose(-1, -2)  # (b, H, L)
         if self.rank_k:
             q_latent = q[:, :, 0, self.key_residual_start :].reshape(b, groups, group, -1) @ self.k_up  # (b, G, g, r_k)
@@ -522,23 +519,6 @@ class LowRankKVAttention(Attention):
         if self.rank_v:
             mixed = weights.view(b, groups, group, length) @ entries.latent_v.transpose(-1, -2)  # (b, G, g, r_v)
             out = out + (mixed @ self.v_up.transpose(-1, -2)).view(b, heads, hd)
-        return out[:, :, None]
-
-    def _decode_native(self, q: torch.Tensor, entries: LRKVEntries, library) -> torch.Tensor:
-        """``_decode_factored`` through the native kernel (``slimkv.ops.native.native_lrkv_decode``:
-        the shared key/value and the latents streamed once, one online softmax); q already
-        prepared, (b, H, 1, hd) -> (b, H, 1, hd)."""
-        b, heads, _, hd = q.shape
-        groups = self.n_kv_heads
-        group = heads // groups
-        rows = q[:, :, 0]
-        if self.rank_k:
-            q_latent = (rows[..., self.key_residual_start :].reshape(b, groups, group, -1) @ self.k_up).reshape(b, heads, self.rank_k)
-        else:
-            q_latent = rows.new_zeros(b, heads, 0)
-        out, mixed = native_lrkv_decode(rows, q_latent, entries.shared_k, entries.shared_v, entries.latent_k, entries.latent_v, entries.key_scale, library)
-        if self.rank_v:
-            out = out + (mixed.view(b, groups, group, self.rank_v) @ self.v_up.transpose(-1, -2)).view(b, heads, hd)
         return out[:, :, None]
 
     def _attend_rebuilt(self, q: torch.Tensor, entries: LRKVEntries) -> torch.Tensor:

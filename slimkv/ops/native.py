@@ -97,8 +97,6 @@ def decode_kernel() -> ctypes.CDLL | None:
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer, ctypes.c_int, pointer, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     function.restype = ctypes.c_int
-    library.slimkv_lrkv_decode_f32.argtypes = [pointer, pointer]
-    library.slimkv_lrkv_decode_f32.restype = ctypes.c_int
     return library
 
 
@@ -143,47 +141,3 @@ def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[
     if status != 0:
         raise RuntimeError(f"native decode attention failed (status {status}: {'out of memory or threads' if status == 1 else 'bad arguments'})")
     return out
-
-
-def lrkv_supports(*tensors: torch.Tensor | None) -> bool:
-    """Whether ``native_lrkv_decode`` takes these cache views and queries: float32 on the CPU, no
-    autograd, no torch dispatch mode (see ``supports``)."""
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    grad = torch.is_grad_enabled()
-    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and not (grad and t.requires_grad)) for t in tensors)
-
-
-def native_lrkv_decode(q: torch.Tensor, q_latent: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tensor, latent_k: torch.Tensor,
-                       latent_v: torch.Tensor, key_scale: torch.Tensor | None, library: ctypes.CDLL) -> tuple[torch.Tensor, torch.Tensor]:
-    """LRKV's factored decode step in one pass (``slimkv_lrkv_decode_f32``): (out_s, out_l) with
-    out_s[h] = sum_t p[h, t] v_s[t] (batch, heads, head_dim) and out_l[h] = sum_t p[h, t] z^V_g[:, t]
-    (batch, heads, rank_v), p the softmax of (q . k_s + q_latent . z^K_g) * key_scale.
-
-    q (batch, heads, head_dim), already scaled; q_latent (batch, heads, rank_k); shared_k/v
-    (batch, 1, L, head_dim); latent_k/v (batch, groups, rank, L), time-contiguous; key_scale
-    (batch, groups, L, 1) or None. Call ``lrkv_supports`` first."""
-    batch, heads, hd = q.shape
-    groups, rank_k, length = latent_k.shape[1], latent_k.shape[2], latent_k.shape[3]
-    rank_v = latent_v.shape[2]
-    q, q_latent = q.contiguous(), q_latent.contiguous()
-    if shared_k.stride(-1) != 1 or (length > 1 and shared_k.stride(2) != hd):
-        shared_k = shared_k.contiguous()
-    if shared_v.stride(-1) != 1 or (length > 1 and shared_v.stride(2) != hd):
-        shared_v = shared_v.contiguous()
-    if latent_k.stride(-1) != 1:
-        latent_k = latent_k.contiguous()
-    if latent_v.stride(-1) != 1:
-        latent_v = latent_v.contiguous()
-    if key_scale is not None and key_scale.stride(2) != 1:
-        key_scale = key_scale.contiguous()
-    out_s = torch.empty(batch, heads, hd, dtype=torch.float32)
-    out_l = torch.empty(batch, heads, rank_v, dtype=torch.float32)
-    ints = [batch, heads, groups, hd, rank_k, rank_v, length, shared_k.stride(0), shared_v.stride(0), *latent_k.stride()[:3], *latent_v.stride()[:3],
-            *(key_scale.stride()[:2] if key_scale is not None else (0, 0))]
-    pointers = [q.data_ptr(), q_latent.data_ptr(), shared_k.data_ptr(), shared_v.data_ptr(), latent_k.data_ptr(), latent_v.data_ptr(),
-                key_scale.data_ptr() if key_scale is not None else 0, out_s.data_ptr(), out_l.data_ptr()]
-    status = library.slimkv_lrkv_decode_f32((ctypes.c_int64 * len(ints))(*ints), (ctypes.c_int64 * len(pointers))(*pointers))
-    if status != 0:
-        raise RuntimeError(f"native lrkv decode failed (status {status}: {'out of memory' if status == 1 else 'bad arguments'})")
-    return out_s, out_l

@@ -146,36 +146,3 @@ def test_builds_are_cached_by_source(tmp_path):
     first = native.build(cc, tmp_path)
     assert native.build(cc, tmp_path) == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
-
-
-@needs_kernel
-@pytest.mark.parametrize("options", [
-    {"rank": 4},
-    {"rank_k": 3, "rank_v": 5, "n_kv_heads": 2},
-    {"rank_k": 0, "rank_v": 2, "n_kv_heads": 4},
-    {"rank": 2, "qk_norm": True, "n_kv_heads": 2},
-    {"rank": 2, "rope": "none"},
-])
-def test_lrkv_native_decode_matches_the_torch_factored_path(options, monkeypatch):
-    """Decode steps of an LRKV layer (prompt, then single tokens past a block boundary) through the
-    native kernel, the torch factored path and the expanded reference agree."""
-    from slimkv.attention import build_attention
-
-    torch.manual_seed(0)
-    layer = build_attention("lrkv", 32, 4, 8, **options).eval()
-    calls = []
-    real = native.native_lrkv_decode
-    monkeypatch.setattr("slimkv.attention.lrkv.native_lrkv_decode", lambda *a: calls.append(1) or real(*a))
-    x = torch.randn(2, 70, 32)
-    outputs = {}
-    for path in ("native", "torch", "expanded"):
-        if path == "torch":
-            monkeypatch.setattr("slimkv.attention.lrkv.decode_kernel", lambda: None)
-        layer.decode_path = "expanded" if path == "expanded" else "factored"
-        cache = layer.new_cache(2)
-        with torch.no_grad():
-            layer(x[:, :60], cache=cache)
-            outputs[path] = torch.cat([layer(x[:, i : i + 1], cache=cache) for i in range(60, 70)], dim=1)
-    assert len(calls) == 10
-    torch.testing.assert_close(outputs["native"], outputs["torch"], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(outputs["native"], outputs["expanded"], rtol=1e-4, atol=1e-5)
