@@ -33,7 +33,7 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
 ARCH_FLAGS = (("-march=native",), ())  # tried in order: this CPU's vector units, then the compiler's default target
 MAX_SEGMENTS = 4  # MAX_SEGMENTS in the C source
-PARALLEL_MIN_BYTES = 1 << 21  # a step reading less than this runs on one thread (starting threads would cost more)
+PARALLEL_MIN_BYTES = 32 << 20  # a step reading less runs on one thread: threads start per call (~0.2-0.3 ms measured here), which only pays off above this
 ENV_SWITCH = "SLIMKV_NATIVE"
 
 
