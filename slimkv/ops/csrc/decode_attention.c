@@ -13,10 +13,10 @@
  * per-region temperature into them). The logits are q . k * scale.
  *
  * Layout (what slimkv/ops/native.py passes): every query and out are contiguous
- * (batch, kv_heads, groups, dim) and (batch, kv_heads, groups, v_dim); each segment's keys and values are rows of ``dim`` and
- * ``v_dim`` contiguous floats, with a batch stride and a head stride in elements (a slice of a
- * larger preallocated buffer is fine). The plain reference is slimkv.ops.attention.reference_attention;
- * tests/ops/test_native.py compares the two.
+ * (batch, kv_heads, groups, dim) and (batch, kv_heads, groups, v_dim); each segment's keys and
+ * values are rows of ``dim`` and ``v_dim`` contiguous floats, with a batch stride and a head
+ * stride in elements (a slice of a larger preallocated buffer is fine). The plain reference is
+ * slimkv.ops.attention.reference_attention; tests/ops/test_native.py compares the two.
  *
  * Threads: the (batch, kv_head) pairs are split over ``threads`` POSIX threads (1: the caller's).
  */
