@@ -212,7 +212,8 @@ def task_text(task: dict[str, Any]) -> str:
         return (f"Needles task: {task['n_pairs']} {lines} with {values} in {task['seq_len']}-token documents of "
                 f"{task['dataset']} prose (train split in training, val split in the test sets), each needle asked once at the end. "
                 "At f x: f times longer documents, the same needles.")
-    return (f"MQAR task: vocabulary {task['vocab_size']}, {task['seq_len']} tokens, {task['n_pairs']} pairs, "
+    haystack = f", fillers drawn from {task['haystack_tokens']} further token ids" if task.get("haystack_tokens") else ""
+    return (f"MQAR task: vocabulary {task['vocab_size']}{haystack}, {task['seq_len']} tokens, {task['n_pairs']} pairs, "
             f"{task['n_queries'] or task['n_pairs']} queries, {task['gap']} gaps" + (f" (power_a {task['power_a']})" if task["gap"] == "power" else "")
             + ". At f x: f times the tokens, pairs and queries.")
 

@@ -102,9 +102,9 @@ def _cache(args: argparse.Namespace) -> int:
 
 # recall options: flag name (dashes for underscores) -> type; the task's fields, then the recipe's
 RECALL_TASK_FLAGS = {"seq_len": int, "n_pairs": int, "vocab_size": int, "n_queries": int, "query_start": int, "gap": str, "power_a": float,
-                     "dataset": str, "values": str, "keys": int, "value_words": int, "digits": int, "needle_prefix": str}
-RECALL_RECIPE_FLAGS = {"d_model": int, "n_layers": int, "n_heads": int, "steps": int, "batch_size": int, "lr": float, "warmup_steps": int,
-                       "eval_sequences": int}
+                     "haystack_tokens": int, "dataset": str, "values": str, "keys": int, "value_words": int, "digits": int, "needle_prefix": str}
+RECALL_RECIPE_FLAGS = {"d_model": int, "n_layers": int, "n_heads": int, "steps": int, "batch_size": int, "lr": float, "weight_decay": float,
+                       "warmup_steps": int, "eval_sequences": int}
 
 
 def _recall_arguments(parser: argparse.ArgumentParser) -> None:

@@ -130,6 +130,11 @@ class NeedleTask:
         return self.source.vocab_size
 
     @property
+    def model_vocab_size(self) -> int:
+        """Token ids a model of this task needs: the tokenizer's vocabulary."""
+        return self.vocab_size
+
+    @property
     def queries(self) -> int:
         return self.n_pairs if self.n_queries is None else min(self.n_queries, self.n_pairs)
 

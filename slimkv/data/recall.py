@@ -57,6 +57,12 @@ class RecallTask:
     gap: str = "power"
     power_a: float = 0.01
     query_start: int | None = None
+    haystack_tokens: int = 0  # > 0: every filler is a random one of this many extra token ids (a diverse haystack)
+
+    @property
+    def model_vocab_size(self) -> int:
+        """Token ids a model of this task needs: the task's vocabulary and the haystack's ids after it."""
+        return self.vocab_size + self.haystack_tokens
 
     @property
     def n_keys(self) -> int:
@@ -91,6 +97,7 @@ class RecallTask:
             check_int("n_queries", self.n_queries, 1, self.n_pairs)
         check_choice("gap", self.gap, GAP_KINDS)
         check_float("power_a", self.power_a, 0.0, 1.0)
+        check_int("haystack_tokens", self.haystack_tokens, 0)
         if self.n_keys < self.n_pairs:
             raise ValueError(f"n_pairs={self.n_pairs} needs at least {self.n_pairs} key ids; vocab_size={self.vocab_size} has {self.n_keys} "
                              f"(raise vocab_size to >= {FIRST_KEY + 2 * self.n_pairs})")
@@ -122,7 +129,11 @@ class RecallTask:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return {"task": self.name, **asdict(self)}
+        """The task's fields; ``haystack_tokens`` only when set, so runs made before it existed still match."""
+        fields = asdict(self)
+        if not fields["haystack_tokens"]:
+            del fields["haystack_tokens"]
+        return {"task": self.name, **fields}
 
     def make_batch(self, batch: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both (batch, seq_len) int64, drawn from ``rng``."""
@@ -154,6 +165,9 @@ def make_batch(task: RecallTask, batch: int, rng: np.random.Generator) -> tuple[
     inputs[rows, positions + 1] = values[rows, asked]
     targets = np.full((batch, t), IGNORE, dtype=np.int64)
     targets[rows, positions] = values[rows, asked]
+    if task.haystack_tokens:
+        filler = inputs == FILLER
+        inputs[filler] = rng.integers(task.vocab_size, task.model_vocab_size, size=int(filler.sum()))
     return torch.from_numpy(inputs), torch.from_numpy(targets)
 
 

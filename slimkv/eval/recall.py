@@ -140,7 +140,7 @@ def default_recall_recipe(task: str = RecallTask.name) -> RecallRecipe:
 def model_config(spec: AttentionSpec, recipe: RecallRecipe) -> ModelConfig:
     """The model of a recall run: the recipe's shape, ``spec``'s attention over the base options."""
     fields = AttentionSpec(spec.kinds, {**recipe.base_options, **spec.shared}, spec.per_kind).to_fields()
-    return ModelConfig(vocab_size=recipe.task.vocab_size, d_model=recipe.d_model, n_layers=recipe.n_layers, n_heads=recipe.n_heads,
+    return ModelConfig(vocab_size=recipe.task.model_vocab_size, d_model=recipe.d_model, n_layers=recipe.n_layers, n_heads=recipe.n_heads,
                        head_dim=recipe.head_dim, mlp=recipe.mlp, tie_word_embeddings=True, **fields)
 
 

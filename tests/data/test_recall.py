@@ -57,6 +57,20 @@ def test_batches_follow_the_layout(task):
         check_layout(scaled, *make_batch(scaled, 16, np.random.default_rng(factor)))
 
 
+def test_a_diverse_haystack_replaces_only_the_fillers():
+    """haystack_tokens: the same pairs, queries and answers as without it (one rng draw more, at
+    the end), every filler replaced by an id after the task's vocabulary."""
+    plain, diverse = RecallTask(), RecallTask(haystack_tokens=500)
+    x0, y0 = make_batch(plain, 32, np.random.default_rng(3))
+    x1, y1 = make_batch(diverse, 32, np.random.default_rng(3))
+    filler = x0 == FILLER
+    assert torch.equal(y0, y1) and torch.equal(x0[~filler], x1[~filler])
+    assert ((x1[filler] >= plain.vocab_size) & (x1[filler] < plain.vocab_size + 500)).all()
+    assert len(set(x1[filler].tolist())) > 100
+    assert diverse.model_vocab_size == plain.vocab_size + 500 and plain.model_vocab_size == plain.vocab_size
+    assert "haystack_tokens" not in plain.to_dict() and diverse.to_dict()["haystack_tokens"] == 500
+
+
 def test_gaps_are_query_minus_context_position():
     task = RecallTask()
     inputs, targets = make_batch(task, 32, np.random.default_rng(0))
@@ -95,6 +109,7 @@ def test_batches_are_a_function_of_seed_and_step():
         ({"query_start": 5}, "query_start"),
         ({"power_a": -1.0}, "power_a"),
         ({"vocab_size": 3}, "vocab_size"),
+        ({"haystack_tokens": -1}, "haystack_tokens"),
     ],
 )
 def test_invalid_tasks_name_the_option(change, message):

@@ -82,3 +82,8 @@ def test_foreign_folders_are_refused_and_kept(tmp_path):
 def test_invalid_recipes_name_the_option(change, message):
     with pytest.raises(ValueError, match=message):
         RecallRecipe(**{**TINY.__dict__, **change}).validate()
+
+
+def test_the_model_has_room_for_a_diverse_haystack():
+    recipe = RecallRecipe(task=RecallTask(haystack_tokens=70))
+    assert model_config(AttentionSpec.parse("mha"), recipe).vocab_size == RecallTask().vocab_size + 70
