@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from decode_all import int_list  # this folder's decode benchmark: one parser for comma-separated counts
 
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
@@ -29,16 +30,6 @@ from slimkv.ops.attention import matmul_decode_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COPY_BYTES = 256 << 20
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def measure(kv_heads: int, context: int, *, heads: int, head_dim: int, rounds: int, library) -> dict:
