@@ -96,7 +96,7 @@ def main() -> None:
         ax.set_ylabel("cache bytes/s / copy bandwidth")
         ax.set_title(f"decode attention, {args.heads} x {args.head_dim}, {threads} thread(s)")
         ax.legend(fontsize=7)
-        payload = {"settings": {**vars(args), "threads": threads}, "native_kernel": library._name, "rows": rows}
+        payload = {"settings": {**vars(args), "threads": threads}, "native_kernel": native.kernel_path(), "rows": rows}
         path = write_results(f"decode_native_{threads}thread", payload, args.out_dir, figure=fig)
         print(f"wrote {path} and {path.with_suffix('.png')}")
 

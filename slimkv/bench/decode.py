@@ -17,7 +17,7 @@ from slimkv.attention import Attention, AttentionCache, LayerShape, build_attent
 from slimkv.common.checks import check_int
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import measure_copy_bandwidth, measure_matmul_rate, time_fn, write_results
-from slimkv.ops.native import decode_kernel
+from slimkv.ops.native import kernel_path
 
 
 @torch.no_grad()
@@ -369,8 +369,7 @@ def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: lis
     add_roofline(payload, copy_bandwidth, matmul_rate)
     payload["targets"] = decode_targets(payload, copy_bandwidth) + (overhead_targets(payload) if check_overhead else [])
     payload["threads"] = torch.get_num_threads()
-    library = decode_kernel()
-    payload["native_kernel"] = library._name if library is not None else None
+    payload["native_kernel"] = kernel_path()
     print(decode_table(payload, copy_bandwidth))
     print(f"native decode kernel: {payload['native_kernel'] or 'not in use (the torch path)'}")
     print(f"memory-copy bandwidth: {copy_bandwidth / 1e9:.2f} GB/s (read + write counted); "

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from slimkv.ops.native import decode_kernel, native_decode_attention, supports
+from slimkv.ops.native import kernel_for, native_decode_attention
 from slimkv.ops.norm import compute_dtype
 
 BACKENDS = ("sdpa", "reference")
@@ -174,10 +174,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     ``matmul_decode_attention``. q (batch, q_heads, 1, dim), k/v (batch, kv_heads, k_len, dim / v_dim)
     -> (batch, q_heads, 1, v_dim)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if supports([q], [(k, v)]):
-        library = decode_kernel()
-        if library is not None:
-            return native_decode_attention([q], [(k, v)], scale, library)
+    library = kernel_for([q], [(k, v)])
+    if library is not None:
+        return native_decode_attention([q], [(k, v)], scale, library)
     return matmul_decode_attention(q, k, v, scale=scale)
 
 

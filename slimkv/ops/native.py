@@ -100,18 +100,37 @@ def decode_kernel() -> ctypes.CDLL | None:
     return library
 
 
+def kernel_path() -> str | None:
+    """The file of the loaded kernel (what a benchmark records), or None when calls take the torch path."""
+    library = decode_kernel()
+    return None if library is None else library._name
+
+
+def kernel_for(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.CDLL | None:
+    """The kernel library when it takes this call (``supports``) and could be built, else None:
+    the one test every caller makes before ``native_decode_attention``."""
+    return decode_kernel() if supports(queries, segments) else None
+
+
 def supports(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether the native kernel takes this call: float32 on the CPU, no autograd, one query per
-    head, rows of keys and values contiguous, at most ``MAX_SEGMENTS`` segments, and no torch
-    dispatch mode active (the kernel bypasses torch's dispatcher, so a FLOP counter or a fake-tensor
-    trace would not see it: those calls take the torch path)."""
+    head, shapes that agree (the kernel trusts them: a mismatch takes the torch path, which raises),
+    rows of keys and values contiguous, at most ``MAX_SEGMENTS`` segments, and no torch dispatch
+    mode active (the kernel bypasses torch's dispatcher, so a FLOP counter or a fake-tensor trace
+    would not see it: those calls take the torch path)."""
     if not 1 <= len(segments) <= MAX_SEGMENTS or len(queries) != len(segments) or torch._C._len_torch_dispatch_stack() > 0:
         return False
     grad = torch.is_grad_enabled()
+    batch, q_heads, _, dim = queries[0].shape
+    kv_heads, v_dim = segments[0][0].shape[1], segments[0][1].shape[-1]
+    if kv_heads < 1 or q_heads % kv_heads:
+        return False
     for q in queries:
-        if q.dtype != torch.float32 or q.device.type != "cpu" or q.shape[2] != 1 or (grad and q.requires_grad):
+        if q.dtype != torch.float32 or q.device.type != "cpu" or q.shape != (batch, q_heads, 1, dim) or (grad and q.requires_grad):
             return False
     for k, v in segments:
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or k.shape[:2] != (batch, kv_heads) or k.shape[3] != dim or v.shape[3] != v_dim:
+            return False
         for x in (k, v):
             if x.dtype != torch.float32 or x.device.type != "cpu" or (grad and x.requires_grad):
                 return False

@@ -10,7 +10,8 @@ from slimkv.ops import native
 from slimkv.ops.attention import decode_attention, matmul_decode_attention, reference_attention
 
 LIBRARY = native.decode_kernel()
-needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no C compiler on this machine: the native kernel cannot be built, decode takes the torch path")
+needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no C compiler on this machine, so there is no native kernel to test: decode takes the "
+                                  "torch path, which the fallback tests below and the attention tests still check")
 
 
 def _cache(batch, kv_heads, keys, dim, v_dim, *, spare=0, seed=0):
@@ -90,6 +91,11 @@ def test_calls_the_kernel_cannot_take_are_refused():
     assert not native.supports([torch.randn(1, 2, 3, 8)], [(k, v)])
     assert not native.supports([q], [(k.transpose(-1, -2).contiguous().transpose(-1, -2), v)])  # columns strided
     assert not native.supports([q] * 5, [(k, v)] * 5)
+    assert not native.supports([torch.randn(1, 3, 1, 8)], [(k, v)])  # 3 query heads over 2 kv heads
+    assert not native.supports([torch.randn(1, 2, 1, 16)], [(k, v)])  # query wider than the keys
+    assert not native.supports([q], [(k, v[:, :, :5])])  # fewer values than keys
+    assert not native.supports([q, q], [(k, v), (k[:, :1], v[:, :1])])  # segments with other kv heads
+    assert native.supports([q], [(k, v)])
     assert not native.supports([q.requires_grad_()], [(k, v)])
 
 
@@ -134,7 +140,7 @@ def test_a_failing_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "SOURCE", bad)
     cc = native.compiler()
     if cc is None:
-        pytest.skip("no C compiler on this machine: nothing to build")
+        pytest.skip("no C compiler on this machine: there is no build to fail (the fallback without one is tested above)")
     with pytest.raises(RuntimeError, match="broken.c|error"):
         native.build(cc, tmp_path / "kernels")
     assert list((tmp_path / "kernels").iterdir()) == []

@@ -43,7 +43,7 @@ typedef struct {
     float *out;
     const Segment *segments;
     int n_segments;
-    int64_t batch, kv_heads, groups, dim, v_dim, first, last; /* work items [first, last) */
+    int64_t kv_heads, groups, dim, v_dim, first, last; /* work items [first, last) */
     float scale;
     int status;
 } Job;
@@ -333,7 +333,7 @@ int slimkv_decode_attention_f32(const int64_t *fields, int n_segments, float *ou
     if (threads > 64) threads = 64;
     pthread_t ids[64];
     for (int t = 0; t < threads; t++)
-        jobs[t] = (Job){out, segments, n_segments, batch, kv_heads, groups, dim, v_dim, items * t / threads, items * (t + 1) / threads, scale, 1};
+        jobs[t] = (Job){out, segments, n_segments, kv_heads, groups, dim, v_dim, items * t / threads, items * (t + 1) / threads, scale, 1};
     int started = 0;
     for (int t = 1; t < threads; t++) {
         if (pthread_create(&ids[t], NULL, run_job, &jobs[t]) != 0) break;

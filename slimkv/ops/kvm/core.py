@@ -12,8 +12,7 @@ import torch.nn.functional as F
 
 from slimkv.ops.attention import fold_groups, visibility_mask
 from slimkv.ops.kvm.settings import VALUE_EPS, KVMSettings
-from slimkv.ops.native import decode_kernel, native_decode_attention
-from slimkv.ops.native import supports as native_supports
+from slimkv.ops.native import kernel_for, native_decode_attention
 from slimkv.ops.norm import compute_dtype
 
 # ---------------------------------------------------------------- parameters and rows
@@ -271,7 +270,7 @@ def decode_token(q: torch.Tensor, rows: Rows, win_k: torch.Tensor, win_v: torch.
     b, hq = q.shape[:2]
     hkv = win_k.shape[1]
     segments = [(rows.read_k, rows.read_v), (win_k, win_v)]
-    if native_supports([q, q], segments) and (library := decode_kernel()) is not None:
+    if (library := kernel_for([q, q], segments)) is not None:
         queries = [q * (tau.view(1, hq, 1, 1) * scale) if tau is not None else q * scale for tau in (params.tau_state, params.tau_window)]
         return native_decode_attention(queries, segments, 1.0, library)
     grouped = fold_groups(q, hkv)  # (B, Hkv, group, d)
