@@ -28,7 +28,7 @@ from slimkv.ops.kvm import (
     kvm_step,
     kvm_step_reference,
 )
-from slimkv.ops.kvm.core import least_novel, route
+from slimkv.ops.kvm.core import least_novel, prepare_keys, route, routing_scores
 from tests.helpers import D_MODEL, HEAD_DIM, N_HEADS, rel_rmse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -253,13 +253,40 @@ def test_repeated_tokens_route_the_same_in_both_paths(dtype, routing_dtype, seed
         assert torch.allclose(a, b, rtol=tol, atol=tol)
 
 
-def test_tie_rules_lowest_row_and_earliest_token_within_the_tolerance():
-    tol = torch.full((1, 1, 1), 1e-6, dtype=torch.float64)
-    scores = torch.tensor([[[[9.0, 5.0, 5.0 + 1e-9, 5.0 - 1e-9, 4.0], [9.0, 1.0, 2.0, 3.0, 3.0 + 1e-3]]]], dtype=torch.float64)
-    assert route(scores, tol, sink_len=1).tolist() == [[[1, 4]]]  # near-ties -> the lowest row; the sink never
-    novelty = torch.tensor([[[3.0, 1.0 + 1e-9, 2.0, 1.0, 1.0 - 1e-9, 0.5]]], dtype=torch.float64)
-    assert least_novel(novelty, tol, 3).tolist() == [[[1, 3, 5]]]  # 0.5 first, then the earliest of the near-equal 1.0s
-    assert least_novel(novelty, torch.zeros_like(tol), 3).tolist() == [[[3, 4, 5]]]  # without a tolerance: plain order
+def test_tie_rules_lowest_row_and_earliest_token_on_exact_ties_only():
+    """Ties are exact (up to a few ulps of the score: rounding); anything larger is a real
+    difference, and the higher score wins as in the authors' argmax."""
+    ulp = torch.finfo(torch.float32).eps * 5.0
+    scores = torch.tensor([[[[9.0, 5.0, 5.0, 5.0 - 1e-3, 4.0],  # an exact tie between rows 1 and 2
+                             [9.0, 5.0, 5.0 + ulp, 4.0, 4.0],  # one ulp apart: still a tie (rounding)
+                             [9.0, 5.0, 5.0 + 1e-4, 4.0, 4.0],  # 1e-4 apart: real, though the old 1024-ulp bound tied it
+                             [9.0, 1.0, 2.0, 3.0, 3.0 + 1e-3]]]], dtype=torch.float32)
+    assert route(scores, sink_len=1).tolist() == [[[1, 1, 2, 4]]]  # the sink (9.0) is never a target
+    novelty = torch.tensor([[[3.0, 1.0 + 1e-4, 2.0, 1.0, 1.0, 0.5]]], dtype=torch.float32)
+    assert least_novel(novelty, 3).tolist() == [[[3, 4, 5]]]  # 0.5, then the earliest of the exact 1.0 tie, then the other
+    assert least_novel(novelty, 4).tolist() == [[[1, 3, 4, 5]]]
+
+
+def test_routing_follows_the_argmax_where_the_old_tolerance_tied():
+    """A fold whose two candidate rows score 1e-4 apart (more than rounding, less than the
+    1024 eps x |key| x |row| tolerance that moved routing away from the authors' rule): the
+    higher row takes every token."""
+    h = torch.kron(torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]]), torch.tensor([[1.0, 1.0], [1.0, -1.0]])), torch.tensor([[1.0, 1.0], [1.0, -1.0]]))[1:]
+    params = KVMParams(None, None)
+    settings = KVMSettings(chunk_size=4, schedule="fixed", min_rows=4, sink_len=1)
+    row_keys = torch.stack([h[0], h[1], h[1] + 2e-5 * h[2], h[3]])[None, None]  # rows 1 and 2 nearly equal; row 2 leans to h[2]
+    rows = Rows.build(row_keys, torch.randn(1, 1, 4, 8), torch.ones(1, 1, 4), params, "radius")
+    tokens = torch.stack([h[1] + h[2]] * 4)[None, None]
+    reads = rows.read_k[0, 0]
+    prepared = prepare_keys(tokens[0, 0, :1], params, 0)[0]
+    gap = float(prepared @ reads[2] - prepared @ reads[1])
+    old_tolerance = 1024 * torch.finfo(torch.float32).eps * float(prepared.norm()) * float(reads.norm(dim=-1).max())
+    assert 1e-5 < gap < old_tolerance
+    values = torch.randn(1, 1, 4, 8)
+    new = fold_chunk(rows, tokens, values, None, 100, params, settings)
+    assert torch.allclose(new.s_v[0, 0, 2], rows.s_v[0, 0, 2] + values[0, 0].sum(0))  # every token went to row 2
+    assert torch.equal(new.s_v[0, 0, 1], rows.s_v[0, 0, 1])
+    assert route(routing_scores(prepare_keys(tokens, params, 0), rows.read_k, "float32"), sink_len=1).tolist() == [[[2, 2, 2, 2]]]
 
 
 # ---------------------------------------------------------------- 4. long attention in bounded memory

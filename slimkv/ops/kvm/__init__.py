@@ -22,11 +22,11 @@ the merge gate Hkv heads; query head h reads kv head h // (Hq // Hkv). Rows and 
 head, the two temperatures per query head. Keys arrive after QK-norm and RoPE; RoPE rotates their
 first ``rot_dim`` channels, which are zeroed before ``LN_s`` when a key enters the state.
 
-Ties: scores within a fold's tolerance (``tie_tolerance``: 1024 eps x the largest key and row
-norms) count as equal, so rounding cannot break them differently in the two implementations.
-Routing picks the LOWEST row index among the ties of a token's best score (``route``); the novelty
-ranking prefers the EARLIEST token among the ties of the lowest novelty left (``least_novel``).
-Both score the ungated key (a positive gate cannot change a choice).
+Ties follow the authors' argmax / argsort: routing takes the highest score and, on an exact tie,
+the LOWEST row index (``route``); the novelty ranking is ascending and takes the EARLIEST token on
+an exact tie (``least_novel``). "Exact" allows ``tie_margin`` (4 ulps of the score itself), the
+rounding by which the two implementations can differ, and nothing more. Both score the ungated key
+(a positive gate cannot change a choice).
 
 Two implementations of the same computation live here:
 

@@ -110,7 +110,7 @@ def new_rows(prepared_k: torch.Tensor, v: torch.Tensor, params: KVMParams, setti
 # ---------------------------------------------------------------- the optimised path
 
 
-TIE_ULPS = 1024  # scores closer to the best than TIE_ULPS eps x |key| x |row| count as ties
+TIE_ULPS = 4  # scores within TIE_ULPS ulps of the best (of its own magnitude) count as ties: rounding, not a margin
 
 
 def routing_scores(keys: torch.Tensor, row_keys: torch.Tensor, routing_dtype: str) -> torch.Tensor:
@@ -129,14 +129,13 @@ def routing_scores(keys: torch.Tensor, row_keys: torch.Tensor, routing_dtype: st
         return exact.to(low).to(keys.dtype)
 
 
-def tie_tolerance(keys: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
-    """The tie tolerance of a fold, (batch, kv_heads, 1): TIE_ULPS x eps(compute dtype) x the
-    largest |prepared key| x the largest |row key| (a bound on every score's size). Rounding
-    (GEMM vs dot products, LN_s written two ways) moves scores far less than this, so exact and
-    near-exact ties resolve the same in the optimised path and the reference."""
-    with torch.no_grad():
-        bound = keys.detach().norm(dim=-1).amax(-1) * row_keys.detach().norm(dim=-1).amax(-1)
-        return (TIE_ULPS * torch.finfo(keys.dtype).eps * bound).unsqueeze(-1)
+def tie_margin(score: torch.Tensor) -> torch.Tensor:
+    """How far below ``score`` another score may lie and still tie with it: TIE_ULPS units in the
+    last place of ``score`` itself (eps of its dtype x |score|). That is the size of the rounding
+    by which two ways of computing one dot product differ, so an exact tie stays a tie in both
+    implementations, while any real difference (a few ulps and up) is decided by the higher score,
+    as the authors' argmax decides it."""
+    return TIE_ULPS * torch.finfo(score.dtype).eps * score.abs()
 
 
 def _first(mask: torch.Tensor) -> torch.Tensor:
@@ -144,33 +143,34 @@ def _first(mask: torch.Tensor) -> torch.Tensor:
     return mask.to(torch.uint8).argmax(dim=-1, keepdim=True)  # argmax returns the first of equal maxima
 
 
-def least_novel(novelty: torch.Tensor, tol: torch.Tensor, count: int) -> torch.Tensor:
+def least_novel(novelty: torch.Tensor, count: int) -> torch.Tensor:
     """Token indices (batch, kv_heads, count), ascending, of the ``count`` least novel tokens:
-    repeatedly the EARLIEST remaining token whose novelty is within ``tol`` (batch, kv_heads, 1)
-    of the lowest remaining one (with tol = 0, a stable ascending sort)."""
+    repeatedly the EARLIEST remaining token whose novelty ties with (``tie_margin``) or is the
+    lowest remaining one: an ascending sort, stable on ties, as the authors' ``argsort``."""
     n = novelty.shape[-1]
     if count >= n:
         return torch.arange(n, device=novelty.device).expand(*novelty.shape[:-1], n)
     left, picks = novelty.clone(), []
     for _ in range(count):
-        pick = _first(left <= left.amin(dim=-1, keepdim=True) + tol)
+        low = left.amin(dim=-1, keepdim=True)
+        pick = _first(left <= low + tie_margin(low))
         picks.append(pick)
         left = left.scatter(-1, pick, math.inf)
     return torch.cat(picks, dim=-1).sort(dim=-1).values
 
 
-def route(scores: torch.Tensor, tol: torch.Tensor, sink_len: int, fresh: torch.Tensor | None = None) -> torch.Tensor:
-    """Merge targets (batch, kv_heads, n): for each token the LOWEST row index, the ``sink_len``
-    first rows excluded, whose score is within ``tol`` (batch, kv_heads, 1) of the token's best.
-    ``scores`` (batch, kv_heads, n, S) are against the S existing rows and ``fresh`` (optional,
-    n x S_new) against rows appended after them (indices S, S + 1, ...)."""
+def route(scores: torch.Tensor, sink_len: int, fresh: torch.Tensor | None = None) -> torch.Tensor:
+    """Merge targets (batch, kv_heads, n): for each token the row of its highest score, the
+    ``sink_len`` first rows excluded; on a tie (``tie_margin`` of the best) the LOWEST row index,
+    as the authors' argmax. ``scores`` (batch, kv_heads, n, S) are against the S existing rows and
+    ``fresh`` (optional, n x S_new) against rows appended after them (indices S, S + 1, ...)."""
     old = scores[..., sink_len:]
     best = old_best = old.amax(dim=-1, keepdim=True)
     if fresh is not None:
         best = torch.maximum(old_best, fresh.amax(dim=-1, keepdim=True))
-    threshold = best - tol.unsqueeze(-1)
+    threshold = best - tie_margin(best)
     target = _first(old >= threshold) + sink_len
-    if fresh is not None:  # a fresh row only where no existing row is within tol of the best
+    if fresh is not None:  # a fresh row only where no existing row ties with the best
         target = torch.where(old_best >= threshold, target, _first(fresh >= threshold) + scores.shape[-1])
     return target.squeeze(-1)
 
@@ -195,8 +195,9 @@ def fold_chunk(rows: Rows, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor 
 
     Scores are taken with the ungated key: g_j > 0 scales all of token j's scores alike and cannot
     change its choice, so step 3 reuses step 2's similarities (one C x S product per fold). Ties
-    (``tie_tolerance``): routing takes the lowest row index among scores within the tolerance of
-    the best, the novelty ranking the earliest token (``least_novel``, ``route``).
+    (``tie_margin``: a few ulps of the score, i.e. rounding): routing takes the lowest row index,
+    the novelty ranking the earliest token (``route``, ``least_novel``), as the authors' argmax
+    and argsort do.
     """
     ko = prepare_keys(k, params, settings.rot_dim)
     vo = v.to(ko.dtype)
@@ -205,19 +206,18 @@ def fold_chunk(rows: Rows, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor 
     n_tokens, n_old = ko.shape[2], rows.count
     n_app = settings.append_count(n_old, ctx)
     scores = routing_scores(ko, rows.read_k, settings.routing_dtype)  # (B, H, C, S)
-    tol = tie_tolerance(ko, rows.read_k)
     if n_app:
-        chosen = least_novel(scores.amax(dim=-1), tol, n_app)
+        chosen = least_novel(scores.amax(dim=-1), n_app)
         weight = _gather_tokens(g, chosen) if (settings.gate_appends and g is not None) else None
         appended = new_rows(_gather_tokens(ko, chosen), _gather_tokens(vo, chosen), params, settings, weight)
         if n_app == n_tokens:
             return rows.extend(appended)
         merge_weight = torch.ones_like(kg[..., 0]).scatter(-1, chosen, 0.0)  # 0 for appended tokens
         kg, vg = kg * merge_weight.unsqueeze(-1), vg * merge_weight.unsqueeze(-1)
-    # targets: the best non-sink row, old or fresh; ties (within tol) -> the lowest index, so an
-    # existing row beats a fresh one unless the fresh one scores clearly higher
+    # targets: the best non-sink row, old or fresh; an exact tie -> the lowest index (an existing
+    # row beats a fresh one only when they tie)
     fresh = routing_scores(ko, appended.read_k, settings.routing_dtype) if n_app else None
-    target = route(scores, tol, settings.sink_len, fresh)
+    target = route(scores, settings.sink_len, fresh)
     index_k, index_v = target.unsqueeze(-1).expand_as(kg), target.unsqueeze(-1).expand_as(vg)
     if n_app:  # the concatenation is a fresh tensor: add in place
         s_k = torch.cat((rows.s_k, appended.s_k), dim=2).scatter_add_(2, index_k, kg)

@@ -53,10 +53,6 @@ def _ref_dot(a: torch.Tensor, b: torch.Tensor, routing_dtype: str) -> float:
     return float(torch.dot(a.to(low).double(), b.to(low).double()).to(low))
 
 
-def _ref_norm(x: torch.Tensor) -> float:
-    return float(torch.sqrt((x.detach() ** 2).sum()))
-
-
 class _Work:
     """A working copy of a ``KVMState`` for one call: plain tensors, so autograd can see every
     step, and nothing reaches the state before the call has succeeded."""
@@ -95,16 +91,15 @@ def _ref_fold(work: _Work, ctx: int, params: KVMParams, settings: KVMSettings) -
             s_k, s_v, radius = list(rows.s_k[b, h]), list(rows.s_v[b, h]), list(rows.radius[b, h])
             ko = [_ref_prepare(k_o[b, h, j], params, settings.rot_dim) for j in range(c)]
             g = [g_o[b, h, j] for j in range(c)]
-            # scores within tol of the best are ties (see tie_tolerance)
+            # a score within TIE_ULPS ulps of another (of its own size: rounding) ties with it
             read = [_ref_layer_norm(r, params) for r in s_k]
-            tol = TIE_ULPS * eps * max(_ref_norm(x) for x in ko) * max(_ref_norm(r) for r in read)
             # append: the n_app tokens least similar to any row (sink included, ungated keys);
-            # each pick is the earliest token within tol of the lowest novelty left
+            # each pick is the earliest token that ties with the lowest novelty left
             novelty = [max(_ref_dot(ko[j], r, settings.routing_dtype) for r in read) for j in range(c)]
             left, chosen = list(range(c)), []
             for _ in range(n_app):
                 low = min(novelty[j] for j in left)
-                pick = next(j for j in left if novelty[j] <= low + tol)
+                pick = next(j for j in left if novelty[j] <= low + TIE_ULPS * eps * abs(low))
                 chosen.append(pick)
                 left.remove(pick)
             chosen.sort()
@@ -122,7 +117,7 @@ def _ref_fold(work: _Work, ctx: int, params: KVMParams, settings: KVMSettings) -
                     continue
                 scores = {i: _ref_dot(ko[j], read[i], settings.routing_dtype) for i in range(settings.sink_len, len(s_k))}
                 best = max(scores.values())
-                targets.append((j, min(i for i, score in scores.items() if score >= best - tol)))  # ties: the lowest row index
+                targets.append((j, min(i for i, score in scores.items() if score >= best - TIE_ULPS * eps * abs(best))))  # ties: the lowest row
             for j, i in targets:
                 s_k[i] = s_k[i] + g[j] * ko[j]
                 s_v[i] = s_v[i] + g[j] * v_o[b, h, j]
