@@ -14,8 +14,10 @@ from slimkv.bench.recall import check_entries, frontier_entries, run_recall
 from slimkv.common.checks import check_int
 from slimkv.common.files import write_json
 from slimkv.data import prepare_shakespeare
+from slimkv.data import retrieval as retrieval_tasks
 from slimkv.data.recall import GAP_KINDS
-from slimkv.eval import cache, niah, positions, ppl
+from slimkv.data.texts import evaluation_text
+from slimkv.eval import cache, niah, positions, ppl, retrieval
 from slimkv.eval.lm import MAX_NEW_TOKENS, evaluate_run, generate_ids
 from slimkv.eval.recall import TASKS as RECALL_TASKS
 from slimkv.eval.recall import RecallRecipe, default_recall_recipe
@@ -39,28 +41,66 @@ def _ppl(args: argparse.Namespace) -> int:
 
 
 def _niah_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a training run (slimkv train --out RUN_DIR)")
-    parser.add_argument("--tasks", default="s1,s2,s3", help=f"comma-separated tasks among {', '.join(niah.TASKS)} (default: all)")
-    parser.add_argument("--lengths", default="1x,2x,4x", help="prompt lengths in tokens, or multiples of the training length like 2x (default 1x,2x,4x)")
+    parser.add_argument("run_dir", metavar="RUN_DIR", nargs="?", default=None, help="a training run (slimkv train --out RUN_DIR); or give --model")
+    parser.add_argument("--model", default=None, help="instead of RUN_DIR: `smollm2`, a local transformers folder, or a `slimkv convert` / `slimkv compress` "
+                        f"output; runs the pretrained-model tasks ({', '.join(retrieval_tasks.TASKS)})")
+    parser.add_argument("--tasks", default=None, help=f"comma-separated tasks; for RUN_DIR among {', '.join(niah.TASKS)} (default: all); "
+                        "for --model among the pretrained-model tasks or `all` (default passkey,needle-number)")
+    parser.add_argument("--lengths", default=None, help="prompt lengths in tokens (2048 or 2k); for RUN_DIR also multiples of the training length like 2x "
+                        "(default: 1x,2x,4x for RUN_DIR; 1k,2k,4k,8k capped by the model's max_position_embeddings for --model)")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths as fractions of the haystack (default 0,0.25,0.5,0.75,1)")
-    parser.add_argument("--samples", type=int, default=10, help="prompts per (length, depth) cell (default 10)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="greedy new tokens per prompt (default 48: a UUID takes ~37 with the 4096-id Shakespeare BPE)")
+    parser.add_argument("--samples", type=int, default=None, help="prompts per (length, depth) cell (default 10 for RUN_DIR, 2 for --model)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="RUN_DIR only: greedy new tokens per prompt (default 48); --model generates what each answer needs")
+    parser.add_argument("--haystack", default="shakespeare-val", help="--model only: the prose haystack (default shakespeare-val, the held-out plays; also austen, kjv, devil, pydoc or a PATH)")
     parser.add_argument("--seed", type=int, default=0, help="seed of keys, values and haystack positions (default 0)")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
-    parser.add_argument("--out", default=None, metavar="DIR", help=f"folder for {niah.RESULT_FILE} and {niah.PLOT_FILE} (default RUN_DIR)")
+    parser.add_argument("--batch-size", type=int, default=None, help="prompts generated together (default 8 for RUN_DIR, 1 for --model)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--export-prompts", action="store_true", help=f"--model only: also write OUT/{retrieval.PROMPTS_FILE} (the prompts as token ids, "
+                        "for benchmarks/kvpress_niah.py)")
+    parser.add_argument("--out", default=None, metavar="DIR", help=f"folder for {niah.RESULT_FILE}, the table and the heatmap (default RUN_DIR; required with --model; "
+                        "an interrupted --model run resumes there)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _niah(args: argparse.Namespace) -> int:
-    tasks = niah.parse_tasks(args.tasks)
+    if (args.run_dir is None) == (args.model is None):
+        raise ValueError("give either RUN_DIR (a training run) or --model (a pretrained, converted or compressed model), not both")
+    if args.threads is not None:
+        check_int("--threads", args.threads, 1)
+        torch.set_num_threads(args.threads)
+    if args.model is not None:
+        return _niah_pretrained(args)
+    for option in ("haystack", "export_prompts"):
+        if getattr(args, option) not in (None, False, "shakespeare-val"):
+            raise ValueError(f"--{option.replace('_', '-')} applies to --model, not to a training run")
+    tasks = niah.parse_tasks(args.tasks or "s1,s2,s3")
     niah.parse_depths(args.depths)
+    args.samples = 10 if args.samples is None else args.samples
+    args.batch_size = 8 if args.batch_size is None else args.batch_size
     for name in ("samples", "max_new_tokens", "batch_size"):
         check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1)
-    report = niah.niah_report(args.run_dir, tasks=tasks, lengths=args.lengths, depths=args.depths, samples=args.samples, max_new_tokens=args.max_new_tokens,
-                              seed=args.seed, batch_size=args.batch_size, out_dir=args.out, progress=not args.no_progress)
+    report = niah.niah_report(args.run_dir, tasks=tasks, lengths=args.lengths or "1x,2x,4x", depths=args.depths, samples=args.samples,
+                              max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=args.batch_size, out_dir=args.out, progress=not args.no_progress)
     print(niah.format_table(report))
     out_dir = Path(args.out) if args.out else Path(args.run_dir)
     print(f"wrote {out_dir / niah.RESULT_FILE} and {out_dir / niah.PLOT_FILE}")
+    return 0
+
+
+def _niah_pretrained(args: argparse.Namespace) -> int:
+    if args.out is None:
+        raise ValueError("--out DIR is required with --model (results, table and heatmap go there)")
+    if args.max_new_tokens != 48:
+        raise ValueError("--max-new-tokens applies to RUN_DIR; with --model each prompt generates what its answer needs")
+    tasks = retrieval_tasks.parse_tasks(args.tasks or "passkey,needle-number")
+    lengths = retrieval.parse_lengths(args.lengths) if args.lengths else None
+    depths = retrieval.parse_depths(args.depths)
+    evaluation_text(args.haystack)  # a bad haystack fails before the model loads
+    report = retrieval.evaluate(args.model, tasks=tasks, lengths=lengths, depths=depths, samples=2 if args.samples is None else args.samples, seed=args.seed,
+                                haystack=args.haystack, batch_size=1 if args.batch_size is None else args.batch_size, out_dir=args.out,
+                                progress=not args.no_progress, export_prompts=args.export_prompts)
+    print(retrieval.format_markdown(report))
+    print(f"wrote {Path(args.out) / retrieval.RESULT_FILE}, {retrieval.TABLE_FILE} and {retrieval.PLOT_FILE}")
     return 0
 
 
@@ -179,7 +219,8 @@ def _recall(args: argparse.Namespace) -> int:
 # Evaluation tasks: name -> (description, add the task's arguments, run it).
 EVAL_TASKS = {
     "ppl": ("perplexity of a pretrained, compressed or converted model on held-out text (its original beside it)", _ppl_arguments, _ppl),
-    "niah": ("needle-in-a-haystack retrieval of a training run over a length x depth grid", _niah_arguments, _niah),
+    "niah": ("long-context retrieval (passkey, needles) over a length x depth grid: a pretrained, converted or compressed model (--model) or a training run",
+             _niah_arguments, _niah),
     "positions": ("val loss by position out to several times a training run's length", _positions_arguments, _positions),
     "recall": ("the recall frontier: MQAR (or needles-in-prose) accuracy against measured cache bytes per token, every kind at several sizes, several seeds", _recall_arguments, _recall),
     "cache": ("live KV-cache bytes of a real generate() (per token, per layer, total), beside the original model's", _cache_arguments, _cache),

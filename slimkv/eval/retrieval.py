@@ -1,0 +1,248 @@
+"""Long-context retrieval of a pretrained, converted or compressed causal LM over a task x length x
+depth grid (``slimkv eval niah --model``; docs/evaluation.md, "Long-context retrieval on
+pretrained models").
+
+Each prompt (``slimkv.data.retrieval``) goes through the model's own ``generate()`` and caches,
+greedy, for the few tokens its answer needs; a prompt scores the fraction of its answers found in
+the continuation (``value_found``: whole, case-insensitive), so 1 or 0 for a single needle. A cell
+is (task, length, depth) over ``samples`` prompts; its score is the mean, with the count of
+prompts fully answered and a 95% Wilson interval. Results are written after every cell, so an
+interrupted run resumes where it stopped (same options, same model: else it refuses). The live
+cache of one prompt per length is measured from the cache tensors (``slimkv.eval.cache``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from slimkv.common.checks import check_int
+from slimkv.common.files import check_folder_target, read_json, save_figure, write_json, write_text
+from slimkv.common.plotting import new_figure
+from slimkv.data.needles import value_found
+from slimkv.data.retrieval import TASKS, PromptBuilder, RetrievalPrompt, RetrievalTask
+from slimkv.data.texts import evaluation_text
+from slimkv.eval.cache import layer_bytes
+from slimkv.eval.models import load_language_model
+from slimkv.pretrained import LoadedModel
+
+RESULT_FILE, TABLE_FILE, PLOT_FILE, PROMPTS_FILE = "niah.json", "niah.md", "niah.png", "niah_prompts.json"
+PROMPTS_FORMAT = "slimkv-niah-prompts/1"
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"1024,2k,4K"`` -> token counts, in the order given."""
+    lengths = []
+    for part in (p.strip().lower() for p in str(text).split(",") if p.strip()):
+        try:
+            value = int(float(part[:-1]) * 1024) if part.endswith("k") else int(part)
+        except ValueError:
+            raise ValueError(f"--lengths: {part!r} is not a token count (like 2048 or 2k)") from None
+        check_int("--lengths entry", value, 64)
+        lengths.append(value)
+    if not lengths or len(set(lengths)) != len(lengths):
+        raise ValueError(f"--lengths must list distinct token counts, got {text!r}")
+    return lengths
+
+
+def parse_depths(text: str) -> list[float]:
+    """``"0,0.5,1"`` -> fractions of the haystack in [0, 1]."""
+    try:
+        depths = [float(p) for p in str(text).split(",") if p.strip()]
+    except ValueError:
+        depths = []
+    if not depths or any(not (0.0 <= d <= 1.0) for d in depths) or len(set(depths)) != len(depths):
+        raise ValueError(f"--depths must be distinct comma-separated fractions in [0, 1], got {text!r}")
+    return depths
+
+
+def check_lengths(lengths: list[int], model: Any) -> None:
+    """Refuse lengths past the model's positions (``max_position_embeddings``), naming the option."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    too_long = [n for n in lengths if limit is not None and n > limit]
+    if too_long:
+        raise ValueError(f"--lengths {', '.join(map(str, too_long))} exceed this model's positions (max_position_embeddings={limit}); use lengths <= {limit}")
+
+
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion hits / n."""
+    if n == 0:
+        return 0.0, 1.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def score_output(answers: list[str], output: str) -> float:
+    """The fraction of ``answers`` found (whole, case-insensitive) in ``output``."""
+    return sum(value_found(a, output) for a in answers) / len(answers)
+
+
+def build_grid(builder: PromptBuilder, tasks: list[RetrievalTask], lengths: list[int], depths: list[float], samples: int, seed: int) -> dict[tuple[str, int, float], list[RetrievalPrompt]]:
+    """Every prompt of the grid, built (and checked) before any model runs."""
+    return {(t.name, n, d): [builder.build(t, n, d, s, seed) for s in range(samples)] for t in tasks for n in lengths for d in depths}
+
+
+@torch.no_grad()
+def generate(loaded: LoadedModel, prompts: list[RetrievalPrompt], batch_size: int) -> tuple[list[str], dict[str, Any]]:
+    """Greedy continuations of equal-length ``prompts`` (each for its ``max_new_tokens``), and the
+    live cache of the first batch: bytes per token processed, measured from its tensors."""
+    model, tokenizer = loaded.model, loaded.tokenizer
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    texts, measured = [], {}
+    for first in range(0, len(prompts), batch_size):
+        part = prompts[first : first + batch_size]
+        ids = torch.tensor([p.ids for p in part], dtype=torch.long, device=device)
+        new = max(p.max_new_tokens for p in part)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, pad_token_id=pad, return_dict_in_generate=True)
+        for row, p in enumerate(part):
+            texts.append(tokenizer.decode(out["sequences"][row, ids.shape[1] : ids.shape[1] + p.max_new_tokens].tolist(), skip_special_tokens=True))
+        if not measured:
+            cache = out["cache"]
+            tokens = cache.get_seq_length()
+            total = sum(layer_bytes(cache))
+            measured = {"cache_type": type(cache).__name__, "tokens": int(tokens), "batch": len(part), "bytes_per_token": total / len(part) / max(int(tokens), 1)}
+    return texts, measured
+
+
+def fingerprint(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def evaluate(
+    model: str,
+    *,
+    tasks: list[RetrievalTask],
+    lengths: list[int] | None = None,
+    depths: list[float],
+    samples: int,
+    seed: int = 0,
+    haystack: str = "shakespeare-val",
+    batch_size: int = 1,
+    out_dir: str | Path,
+    progress: bool = True,
+    export_prompts: bool = False,
+) -> dict[str, Any]:
+    """Run (or resume) the grid for ``model`` (anything ``load_language_model`` reads); writes
+    ``niah.json`` after every cell, then ``niah.md`` and ``niah.png`` into ``out_dir``. With
+    ``export_prompts`` also ``niah_prompts.json`` (the prompts as token ids, for other tools such
+    as ``benchmarks/kvpress_niah.py``). Every option is checked and every prompt built before the
+    first generation."""
+    check_int("--samples", samples, 1)
+    check_int("--batch-size", batch_size, 1)
+    out_dir = Path(out_dir)
+    check_folder_target(out_dir)
+    loaded = load_language_model(model)
+    lengths = list(lengths or [n for n in DEFAULT_LENGTHS if n <= getattr(loaded.model.config, "max_position_embeddings", n)])
+    check_lengths(lengths, loaded.model)
+    builder = PromptBuilder(loaded.tokenizer, evaluation_text(haystack))
+    grid = build_grid(builder, tasks, lengths, depths, samples, seed)
+    settings = {"model": model, "identity": loaded.identity, "tasks": [t.name for t in tasks], "lengths": lengths, "depths": depths, "samples": samples,
+                "seed": seed, "haystack": haystack, "dtype": str(next(loaded.model.parameters()).dtype).replace("torch.", "")}
+    report = {"settings": settings, "fingerprint": fingerprint(settings), "cells": {}, "cache": {}}
+    path = out_dir / RESULT_FILE
+    if path.is_file():
+        previous = read_json(path, expect=dict)
+        if previous.get("fingerprint") != report["fingerprint"]:
+            raise ValueError(f"{path} holds results of another model or other options (its settings: {json.dumps(previous.get('settings', {}).get('tasks'))}, "
+                             f"lengths {previous.get('settings', {}).get('lengths')}); give another --out, or move that file away to start over")
+        report["cells"], report["cache"] = previous.get("cells", {}), previous.get("cache", {})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if export_prompts:
+        write_json(out_dir / PROMPTS_FILE, {"format": PROMPTS_FORMAT, "model": model, "settings": settings,
+                                            "prompts": [p.to_json() for cell in grid.values() for p in cell]})
+    todo = [key for key in grid if cell_id(*key) not in report["cells"]]
+    bar = tqdm(total=len(grid), initial=len(grid) - len(todo), desc=f"niah {Path(model).name}", unit="cell", disable=not progress)
+    for key in todo:
+        prompts = grid[key]
+        started = time.perf_counter()
+        outputs, measured = generate(loaded, prompts, batch_size)
+        scores = [score_output(p.answers, text) for p, text in zip(prompts, outputs)]
+        report["cells"][cell_id(*key)] = {
+            "task": key[0], "length": key[1], "depth": key[2], "score": float(np.mean(scores)), "scores": scores,
+            "depth_actual": [p.depth_actual for p in prompts], "answers": [p.answers for p in prompts], "outputs": outputs,
+            "seconds": time.perf_counter() - started,
+        }
+        report["cache"].setdefault(str(key[1]), measured)
+        write_json(path, report)
+        bar.update()
+    bar.close()
+    summarize(report)
+    write_json(path, report)
+    write_text(out_dir / TABLE_FILE, format_markdown(report) + "\n")
+    plot_grids(report, out_dir / PLOT_FILE)
+    return report
+
+
+def cell_id(task: str, length: int, depth: float) -> str:
+    return f"{task}/{length}/{depth:.2f}"
+
+
+def summarize(report: dict[str, Any]) -> None:
+    """Per task and length: the mean score over depths, prompts fully answered / prompts, and the
+    Wilson interval of that proportion; and the overall mean per length. In place."""
+    settings = report["settings"]
+    summary: dict[str, Any] = {}
+    for task in settings["tasks"]:
+        rows = {}
+        for length in settings["lengths"]:
+            cells = [report["cells"][cell_id(task, length, d)] for d in settings["depths"]]
+            scores = [s for c in cells for s in c["scores"]]
+            hits = sum(s == 1.0 for s in scores)
+            low, high = wilson(hits, len(scores))
+            rows[str(length)] = {"score": float(np.mean(scores)), "full_hits": hits, "prompts": len(scores), "wilson95": [low, high]}
+        summary[task] = rows
+    report["summary"] = summary
+    report["mean_per_length"] = {str(n): float(np.mean([summary[t][str(n)]["score"] for t in settings["tasks"]])) for n in settings["lengths"]}
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """Per task a depth x length table of scores, then the per-length means with counts."""
+    s = report["settings"]
+    lines = [f"# Long-context retrieval: {s['model']}", "",
+             f"{s['samples']} prompts per cell, greedy, haystack {s['haystack']!r} for the prose tasks, seed {s['seed']}, {s['dtype']}. "
+             "Score: the fraction of the asked values found in the continuation.", ""]
+    for task in s["tasks"]:
+        lines += [f"## {task}: {TASKS[task].description}", "", "| depth | " + " | ".join(str(n) for n in s["lengths"]) + " |", "| ---: |" + " ---: |" * len(s["lengths"])]
+        for d in s["depths"]:
+            lines.append(f"| {d:.2f} | " + " | ".join(f"{report['cells'][cell_id(task, n, d)]['score']:.2f}" for n in s["lengths"]) + " |")
+        rows = report["summary"][task]
+        lines.append("| mean (full / prompts, 95% CI) | " + " | ".join(
+            f"{rows[str(n)]['score']:.2f} ({rows[str(n)]['full_hits']}/{rows[str(n)]['prompts']}, {rows[str(n)]['wilson95'][0]:.2f}-{rows[str(n)]['wilson95'][1]:.2f})"
+            for n in s["lengths"]) + " |")
+        lines.append("")
+    cache = report.get("cache", {})
+    if cache:
+        lines.append("Live cache, bytes per token processed: " + ", ".join(f"{n}: {cache[str(n)]['bytes_per_token']:.0f}" for n in s["lengths"] if str(n) in cache))
+    return "\n".join(lines)
+
+
+def plot_grids(report: dict[str, Any], path: Path) -> None:
+    """One heatmap per task: depth (rows) x length (columns), the score annotated; atomic PNG."""
+    s = report["settings"]
+    fig, axes = new_figure(1, len(s["tasks"]), figsize=(3.0 * len(s["tasks"]) + 1.0, 1.8 + 0.4 * len(s["depths"])), squeeze=False, layout="constrained")
+    for index, (ax, task) in enumerate(zip(axes[0], s["tasks"])):
+        grid = np.asarray([[report["cells"][cell_id(task, n, d)]["score"] for n in s["lengths"]] for d in s["depths"]])
+        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+        for (i, j), value in np.ndenumerate(grid):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white" if value < 0.6 else "black", fontsize=7)
+        ax.set_xticks(range(len(s["lengths"])), [str(n) for n in s["lengths"]], fontsize=7)
+        ax.set_yticks(range(len(s["depths"])), [f"{d:.0%}" for d in s["depths"]], fontsize=7)
+        ax.set_xlabel("prompt tokens", fontsize=8)
+        if index == 0:
+            ax.set_ylabel("needle depth")
+        ax.set_title(task, fontsize=9)
+    fig.suptitle(f"retrieval: {s['model']} ({s['samples']} prompts per cell)", fontsize=9)
+    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03)
+    save_figure(fig, path)
