@@ -10,7 +10,10 @@ KV cache, the LatentLLM compression demo and a small recall frontier (``DEMO_PAR
    and the live cache bytes of a real generate() beside the original's, into ``OUT/conversion``.
 3. Compresses SmolLM2 at ratio 0.2 with rootcov and latentllm and prints the perplexities beside
    the dense model's (``slimkv.compress.demo_compression``), into ``OUT/compression``.
-4. Maps recall against cache size for a few kinds (``DEMO_RECALL_ENTRIES``, one seed, a short
+4. Asks the original SmolLM2 and the demo's conversion for a pass key hidden in 1K and 2K tokens
+   of filler (``DEMO_RETRIEVAL``; ``slimkv eval niah --model`` runs the full grid), into
+   ``OUT/retrieval``.
+5. Maps recall against cache size for a few kinds (``DEMO_RECALL_ENTRIES``, one seed, a short
    MQAR recipe; ``slimkv eval recall`` runs the full sweep), into ``OUT/recall``.
 
 Finished runs in the output folder are reused; interrupted ones resume from their checkpoint.
@@ -31,6 +34,8 @@ from slimkv.common.files import check_folder_target, read_json, write_json
 from slimkv.compress import demo_compression
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
 from slimkv.data import prepare_shakespeare
+from slimkv.data.retrieval import TASKS
+from slimkv.eval import retrieval
 from slimkv.eval.cache import cache_report
 from slimkv.eval.cache import format_report as format_cache
 from slimkv.eval.ppl import format_table as format_ppl
@@ -40,7 +45,7 @@ from slimkv.pretrained import SMOLLM2, fetch_smollm2
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
 from slimkv.train.config import TrainConfig
 
-DEMO_PARTS = ("compare", "convert", "compress", "recall")
+DEMO_PARTS = ("compare", "convert", "retrieval", "compress", "recall")
 DEMO_CONVERSION = ("mla", 0.5)  # method and cache ratio of the conversion demo (the recommended method)
 DEMO_CONVERSION_CALIB_TOKENS = 2048
 DEMO_CONVERSION_EVAL_TOKENS = 4096
@@ -48,6 +53,7 @@ DEMO_STEPS = 120  # per entry: the default recipe; about 40 s per entry with eva
 DEMO_EVAL_TOKENS = 16384  # val tokens scored per entry (windows spread over the held-out plays)
 DEMO_DECODE_CONTEXTS = (128, 512, 2048)
 DEMO_SEED = 0
+DEMO_RETRIEVAL = {"tasks": ("passkey",), "lengths": (1024, 2048), "depths": (0.25, 0.75), "samples": 1}  # 4 prompts per model, about 30 s each on 2 cores
 DEMO_RECALL_ENTRIES = ("mha", "mqa", "swa:window=16", "swa+kvm:swa.window=8,kvm.chunk_size=4,kvm.schedule=fixed,kvm.min_rows=16")
 DEMO_RECALL_STEPS = 800  # with a schedule this short, 500 steps left MHA at 18%; 800 reach 100% (seed 0)
 
@@ -98,6 +104,8 @@ def run_demo(
         report = run_compare_demo(entries, recipe, out_dir, eval_tokens, progress)
     if "convert" in parts:
         run_conversion_demo(out_dir / "conversion", progress)
+    if "retrieval" in parts:
+        run_retrieval_demo(out_dir / "retrieval", out_dir / "conversion", progress)
     if "compress" in parts:
         run_compression_demo(out_dir / "compression")
     if "recall" in parts:
@@ -140,6 +148,22 @@ def run_conversion_demo(out_dir: Path, progress: bool, *, method: str = DEMO_CON
     print(format_cache(cache))
     write_json(out_dir.parent / "conversion_demo.json", {"perplexity": quality, "cache": cache})
     return {"perplexity": quality, "cache": cache}
+
+
+def run_retrieval_demo(out_dir: Path, conversion: Path, progress: bool) -> dict[str, Any]:
+    """A pass key in 1K and 2K tokens of filler: the original SmolLM2 and the demo's conversion
+    (when ``conversion`` holds it) on the same prompts."""
+    print(f"\n== retrieval demo (a pass key in {' and '.join(map(str, DEMO_RETRIEVAL['lengths']))} tokens; the original and the conversion) into {out_dir}", flush=True)
+    fetch_smollm2()
+    models = {"original": SMOLLM2, **({"conversion": str(conversion)} if (conversion / CONVERTED_MANIFEST).is_file() else {})}
+    reports = {}
+    for name, model in models.items():
+        reports[name] = retrieval.evaluate(model, tasks=[TASKS[t] for t in DEMO_RETRIEVAL["tasks"]], lengths=list(DEMO_RETRIEVAL["lengths"]),
+                                           depths=list(DEMO_RETRIEVAL["depths"]), samples=DEMO_RETRIEVAL["samples"], out_dir=out_dir / name, progress=progress)
+        means = ", ".join(f"{n} tokens: {m:.2f}" for n, m in reports[name]["mean_per_length"].items())
+        print(f"{name}: pass key found (mean over depths) at {means}; live cache {reports[name]['cache'][str(DEMO_RETRIEVAL['lengths'][-1])]['bytes_per_token']:.0f} B/token", flush=True)
+    print("(4 prompts per model: a glimpse; `slimkv eval niah --model ...` runs the grid, benchmarks/niah_smollm2.py the comparison)", flush=True)
+    return reports
 
 
 def run_compression_demo(out_dir: Path) -> None:

@@ -49,3 +49,24 @@ def test_recall_demo_entries_build():
     recipe = RecallRecipe()
     entries = parse_entries(list(DEMO_RECALL_ENTRIES), recipe, check=lambda e: check_entries([e], recipe))
     assert len(entries) == len(DEMO_RECALL_ENTRIES) >= 3
+
+
+def test_retrieval_demo_asks_the_original_and_the_conversion(tmp_path, monkeypatch, capsys):
+    """The retrieval part on a tiny local Llama standing in for SmolLM2 (a conversion folder absent:
+    the original alone)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.eval.test_retrieval import char_tokenizer, tiny_config
+
+    config = tiny_config("llama")
+    config.max_position_embeddings = 1024
+    folder = tmp_path / "tiny"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    monkeypatch.setattr("slimkv.demo.SMOLLM2", str(folder))
+    monkeypatch.setattr("slimkv.demo.fetch_smollm2", lambda: None)
+    monkeypatch.setattr("slimkv.demo.DEMO_RETRIEVAL", {"tasks": ("passkey",), "lengths": (400, 500), "depths": (0.25,), "samples": 1})
+    run_demo(tmp_path / "demo", parts=("retrieval",), progress=False)
+    assert (tmp_path / "demo" / "retrieval" / "original" / "niah.json").is_file()
+    assert "original: pass key found (mean over depths) at 400 tokens" in capsys.readouterr().out

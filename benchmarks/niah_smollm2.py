@@ -1,0 +1,115 @@
+"""Long-context retrieval of SmolLM2-135M-Instruct, its conversions and kvpress's presses on the
+same prompts (docs/evaluation.md, "Long-context retrieval on pretrained models").
+
+    # 1. slimkv's models, one after another (resumable per cell; the first run also exports the prompts)
+    .venv/bin/python benchmarks/niah_smollm2.py run smollm2 runs/smollm2-mla50 runs/smollm2-mla25 --threads 1
+    # 2. the presses, in kvpress's own environment, on the exported prompts
+    make bench-kvpress PROMPTS=runs/niah/smollm2/niah_prompts.json OUT=runs/kvpress
+    # 3. the comparison: benchmarks/results/niah_smollm2.{json,md,png}
+    .venv/bin/python benchmarks/niah_smollm2.py report --runs runs/niah --kvpress runs/kvpress
+
+The grid (``GRID``) is sized for the 2-core development box: 2 tasks x 3 depths x 1 sample = 6
+prompts per length and model. ``report`` renders the markdown from the JSON only
+(``slimkv.bench.retrieval.render_markdown``), and ``check`` fails when the committed markdown
+differs from what the committed JSON renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from slimkv.bench.retrieval import comparison, generations_row, plot, render_markdown, slimkv_row
+from slimkv.common.files import read_json, write_json, write_text
+from slimkv.data.retrieval import TASKS
+from slimkv.eval import retrieval
+
+RESULTS = Path(__file__).resolve().parent / "results"
+NAME = "niah_smollm2"
+GRID = {"tasks": ["passkey", "needle-number"], "depths": [0.1, 0.5, 0.9], "samples": 1, "seed": 0, "haystack": "shakespeare-val"}
+NOTES = {
+    "slimkv rows": "the model's own generate() over the whole prompt; bytes/token measured from the live cache after the prompt and the answer",
+    "kvpress rows": "the press compresses the prefilled context (keeping the stated fraction of its entries); the question and the answer are "
+                    "appended uncompressed at their true positions, so bytes/token is above the budget by that tail",
+}
+
+
+def label_of(report: dict) -> str:
+    identity = report["settings"]["identity"]
+    converted = identity.get("converted")
+    if converted:
+        return f"{converted['method']} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"
+    compressed = identity.get("compressed")
+    if compressed:
+        return f"{compressed['method']} ratio {compressed['ratio']:g}"
+    return "original" if report["settings"]["model"] == "smollm2" else Path(report["settings"]["model"]).name
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths = retrieval.parse_lengths(args.lengths)
+    for model in args.models:
+        out = Path(args.runs) / Path(model).name
+        print(f"=== {model}: {time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.2f}, {torch.get_num_threads()} threads", flush=True)
+        retrieval.evaluate(model, tasks=[TASKS[t] for t in GRID["tasks"]], lengths=lengths, depths=GRID["depths"], samples=GRID["samples"], seed=GRID["seed"],
+                           haystack=GRID["haystack"], out_dir=out, export_prompts=True)
+
+
+def report(args: argparse.Namespace) -> None:
+    runs = sorted(Path(args.runs).glob(f"*/{retrieval.RESULT_FILE}"))
+    if not runs:
+        raise SystemExit(f"--runs {args.runs}: no */{retrieval.RESULT_FILE} found; run `benchmarks/niah_smollm2.py run` first")
+    reports = [(path, read_json(path, expect=dict)) for path in runs]
+    rows = sorted((slimkv_row(r, label_of(r), str(path.parent.name)) for path, r in reports), key=lambda r: (-r["cache_budget"], r["label"]))
+    if args.kvpress:
+        prompt_files = [path.parent / retrieval.PROMPTS_FILE for path, _ in reports if (path.parent / retrieval.PROMPTS_FILE).is_file()]
+        prompts = {p["id"]: p for p in read_json(prompt_files[0], expect=dict)["prompts"]}
+        for path in sorted(Path(args.kvpress).glob("*.json")):
+            generations = read_json(path, expect=dict)
+            if generations.get("format") == "slimkv-niah-generations/1":
+                rows.append(generations_row(generations, prompts, path.name))
+    data = comparison(rows, GRID, NOTES)
+    out = Path(args.out)
+    write_json(out.with_suffix(".json"), data)
+    write_text(out.with_suffix(".md"), render_markdown(data))
+    plot(data, out.with_suffix(".png"))
+    print(render_markdown(data))
+    print(f"wrote {out.with_suffix('.json')}, .md and .png")
+
+
+def check(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    if out.with_suffix(".md").read_text(encoding="utf-8") != render_markdown(read_json(out.with_suffix(".json"), expect=dict)):
+        raise SystemExit(f"{out.with_suffix('.md')} differs from what {out.with_suffix('.json')} renders; run `benchmarks/niah_smollm2.py report`")
+    print("ok")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="evaluate slimkv models on the grid (resumable)")
+    r.add_argument("models", nargs="+", help="`smollm2` and/or converted or compressed model folders")
+    r.add_argument("--lengths", default="1k,2k,4k,8k", help="prompt lengths (default 1k,2k,4k,8k)")
+    r.add_argument("--runs", default="runs/niah", help="where each model's niah.json goes (default runs/niah)")
+    r.add_argument("--threads", type=int, default=None, help="torch threads")
+    r.set_defaults(func=run)
+    s = sub.add_parser("report", help="merge the runs and the kvpress generations into the comparison")
+    s.add_argument("--runs", default="runs/niah", help="folder of */niah.json (default runs/niah)")
+    s.add_argument("--kvpress", default=None, help="folder of kvpress generation files (benchmarks/kvpress_niah.py --out)")
+    s.add_argument("--out", default=str(RESULTS / NAME), help="output path without suffix (default benchmarks/results/niah_smollm2)")
+    s.set_defaults(func=report)
+    c = sub.add_parser("check", help="the committed markdown matches what its JSON renders")
+    c.add_argument("--out", default=str(RESULTS / NAME))
+    c.set_defaults(func=check)
+    args = p.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
