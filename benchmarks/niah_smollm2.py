@@ -28,8 +28,11 @@ from slimkv.bench.retrieval import comparison, generations_row, plot, render_mar
 from slimkv.common.files import read_json, write_json, write_text
 from slimkv.data.retrieval import TASKS
 from slimkv.eval import retrieval
+from slimkv.eval.ppl import perplexity_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PPL_FILE = "ppl.json"
+PPL_TEXTS = ("shakespeare-val", "austen")  # the held-out plays and another author and era
 NAME = "niah_smollm2"
 GRID = {"tasks": ["passkey", "needle-number"], "depths": [0.1, 0.5, 0.9], "samples": 1, "seed": 0, "haystack": "shakespeare-val"}
 NOTES = {
@@ -61,12 +64,33 @@ def run(args: argparse.Namespace) -> None:
                            haystack=GRID["haystack"], out_dir=out, export_prompts=True)
 
 
+def ppl(args: argparse.Namespace) -> None:
+    """Perplexity of each model and its original on two texts (1024-token windows, the first
+    ``--max-tokens``), into RUNS/<model>/ppl.json, for the comparison's perplexity columns."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for model in args.models:
+        out = Path(args.runs) / Path(model).name / PPL_FILE
+        results = {}
+        for text in PPL_TEXTS:
+            rows = perplexity_report(model, text, 1024, args.max_tokens, progress=False)["results"]
+            results[text] = {"ppl": rows[-1]["ppl"], "original_ppl": rows[0]["ppl"], "tokens_predicted": rows[-1]["tokens_predicted"]}
+        write_json(out, {"model": model, "max_tokens": args.max_tokens, "seq_len": 1024, "texts": results})
+        print(f"{model}: " + ", ".join(f"{t} {r['ppl']:.2f} (original {r['original_ppl']:.2f})" for t, r in results.items()), flush=True)
+
+
 def report(args: argparse.Namespace) -> None:
     runs = sorted(Path(args.runs).glob(f"*/{retrieval.RESULT_FILE}"))
     if not runs:
         raise SystemExit(f"--runs {args.runs}: no */{retrieval.RESULT_FILE} found; run `benchmarks/niah_smollm2.py run` first")
     reports = [(path, read_json(path, expect=dict)) for path in runs]
-    rows = sorted((slimkv_row(r, label_of(r), str(path.parent.name)) for path, r in reports), key=lambda r: (-r["cache_budget"], r["label"]))
+    rows = []
+    for path, r in reports:
+        row = slimkv_row(r, label_of(r), str(path.parent.name))
+        if (path.parent / PPL_FILE).is_file():
+            row["ppl"] = read_json(path.parent / PPL_FILE, expect=dict)["texts"]
+        rows.append(row)
+    rows.sort(key=lambda row: (-row["cache_budget"], row["label"]))
     if args.kvpress:
         prompt_files = [path.parent / retrieval.PROMPTS_FILE for path, _ in reports if (path.parent / retrieval.PROMPTS_FILE).is_file()]
         prompts = {p["id"]: p for p in read_json(prompt_files[0], expect=dict)["prompts"]}
@@ -99,6 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--runs", default="runs/niah", help="where each model's niah.json goes (default runs/niah)")
     r.add_argument("--threads", type=int, default=None, help="torch threads")
     r.set_defaults(func=run)
+    q = sub.add_parser("ppl", help="perplexity of each model (and its original) on the held-out plays and Austen")
+    q.add_argument("models", nargs="+")
+    q.add_argument("--runs", default="runs/niah")
+    q.add_argument("--max-tokens", type=int, default=8192, help="tokens of each text (default 8192)")
+    q.add_argument("--threads", type=int, default=None)
+    q.set_defaults(func=ppl)
     s = sub.add_parser("report", help="merge the runs and the kvpress generations into the comparison")
     s.add_argument("--runs", default="runs/niah", help="folder of */niah.json (default runs/niah)")
     s.add_argument("--kvpress", default=None, help="folder of kvpress generation files (benchmarks/kvpress_niah.py --out)")

@@ -112,6 +112,13 @@ def render_markdown(data: dict[str, Any]) -> str:
             s = r["per_length"].get(str(n))
             cells.append("" if s is None else f"{s['score']:.2f} ({s['full']}/{s['prompts']}, {s['wilson95'][0]:.2f}-{s['wilson95'][1]:.2f})")
         lines.append(f"| {r['label']} | {r['tool']} | {r['cache_budget']:.2f} | {'' if measured is None else f'{measured:.0f}'} | " + " | ".join(cells) + " |")
+    with_ppl = [r for r in rows if r.get("ppl")]
+    if with_ppl:
+        texts = list(with_ppl[0]["ppl"])
+        lines += ["", "Perplexity (1024-token windows; in brackets, over the original's in the same run):", "",
+                  "| model | " + " | ".join(texts) + " |", "| --- |" + " ---: |" * len(texts)]
+        for r in with_ppl:
+            lines.append(f"| {r['label']} | " + " | ".join(f"{r['ppl'][t]['ppl']:.2f} ({r['ppl'][t]['ppl'] / r['ppl'][t]['original_ppl']:.2f}x)" for t in texts) + " |")
     lines += ["", "Per task (mean score):", "", "| model | " + " | ".join(f"{t} {n}" for t in tasks for n in lengths) + " |",
               "| --- |" + " ---: |" * (len(tasks) * len(lengths))]
     for r in rows:
