@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo lint clean
+.PHONY: setup test demo lint clean bench-kvpress-env bench-kvpress
 
 setup: $(STAMP)
 
@@ -27,5 +27,27 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check slimkv tests benchmarks
 
+# The kvpress baseline (benchmarks/kvpress_niah.py) in its own venv: kvpress 0.5.5 needs transformers <5.3.
+#   make bench-kvpress-env
+#   make bench-kvpress PROMPTS=DIR/niah_prompts.json OUT=DIR/kvpress [MODEL_DIR=...] [KVPRESS_ARGS="--budgets 0.5 --threads 2"]
+KVPRESS_VENV := .venv-kvpress
+KVPRESS_PY := $(KVPRESS_VENV)/bin/python
+KVPRESS_STAMP := $(KVPRESS_VENV)/.installed
+MODEL_DIR ?=
+KVPRESS_ARGS ?=
+
+bench-kvpress-env: $(KVPRESS_STAMP)
+
+$(KVPRESS_STAMP): benchmarks/kvpress/requirements.txt
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_PY) -m pip install -q --upgrade pip
+	$(KVPRESS_PY) -m pip install -q torch==2.13.0
+	$(KVPRESS_PY) -m pip install -q -r benchmarks/kvpress/requirements.txt
+	touch $(KVPRESS_STAMP)
+
+bench-kvpress: $(KVPRESS_STAMP)
+	@test -n "$(PROMPTS)" -a -n "$(OUT)" || { echo "usage: make bench-kvpress PROMPTS=niah_prompts.json OUT=DIR [MODEL_DIR=DIR] [KVPRESS_ARGS=...]" >&2; exit 2; }
+	$(KVPRESS_PY) benchmarks/kvpress_niah.py --prompts "$(PROMPTS)" --out "$(OUT)" $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") $(KVPRESS_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(KVPRESS_VENV) .pytest_cache .ruff_cache
