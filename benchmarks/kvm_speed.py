@@ -1,28 +1,29 @@
-"""KVM speed at the post-projection boundary: KVM (fixed 256 rows, sqrt 16 sqrt(N) rows) against
-full causal attention (``slimkv.ops.attention.attend``, i.e. ``scaled_dot_product_attention``), as
-in the paper's speed figure.
+"""KVM's core against full attention, prefill and backward: KVM (fixed 256 rows, sqrt 16 sqrt(N)
+rows) against full causal attention (``slimkv.ops.attention.attend``, i.e.
+``scaled_dot_product_attention``), at the post-projection boundary, as in the paper's speed figure.
 
 For every context N (default 1K .. 32K) it times, on q, k, v, gate tensors of shape
 (batch, heads, N, head_dim) (kernel layout; the projections are not timed):
 
-* decode: latency of one more token with a filled state/cache (full: K/V cache append + SDPA;
-  KVM: ``kvm_step``, which folds a chunk into the state every ``chunk_size`` tokens). ``median``
-  is the typical token, ``mean`` the cost amortised over ``--decode-tokens`` consecutive tokens
-  (one fold per chunk included);
 * prefill: N tokens from empty, forward only, no autograd;
 * backward: the backward pass of that forward (gradients to q, k, v, gate, LN_s, temperatures),
   timed alone after an untimed forward.
 
-Variants run interleaved (round robin inside each repeat, token by token for decode) so background
-load hits them alike; ratios are full / KVM medians from the same run. Also recorded per context:
-the state bytes (``nbytes`` of the decode state: flat in N for fixed, ~16 sqrt(N) rows for sqrt),
-the bytes one decode token reads, and the machine's copy bandwidth as a yardstick.
+Decode is not timed here: benchmarks/decode_all.py times every kind's decode step, KVM's
+included, through the layers and the native decode kernel. (The decode rows of the committed
+``kvm_speed.json`` come from an earlier version of this script, before that kernel and KVM's
+fused decode step; git history keeps it.)
+
+Variants run interleaved (round robin inside each repeat) so background load hits them alike;
+ratios are full / KVM medians from the same run.
 
     python benchmarks/kvm_speed.py                 # CPU default: 8 heads x 64, batch 1, float32
     python benchmarks/kvm_speed.py --quick         # smoke test (1K and 2K, few repeats)
+    python benchmarks/kvm_speed.py --ops backward --contexts 1024,4096,16384 --name kvm_speed_backward
     python benchmarks/kvm_speed.py --heads 32 --head-dim 128 --batch 8 --dtype bfloat16 --device cuda  # paper's shape
 
-Writes ``benchmarks/results/kvm_speed.json`` and ``.png`` (``kvm_speed_quick.*`` with --quick).
+Writes ``benchmarks/results/<name>.json`` and ``.png`` (default name ``kvm_speed``, ``kvm_speed_quick``
+with --quick).
 """
 
 from __future__ import annotations
@@ -37,14 +38,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import slimkv  # noqa: F401  (registers everything; keeps import order canonical)
-from slimkv.common.buffer import GrowableBuffer
 from slimkv.common.plotting import new_figure
-from slimkv.common.timing import measure_copy_bandwidth, time_fn, write_results
+from slimkv.common.timing import time_fn, write_results
 from slimkv.ops.attention import attend
-from slimkv.ops.kvm import KVMParams, KVMSettings, KVMState, kvm_attention, kvm_step
+from slimkv.ops.kvm import KVMParams, KVMSettings, kvm_attention
 
 VARIANTS = ("full", "kvm-fixed", "kvm-sqrt")
-OPS = ("decode", "prefill", "backward")
+OPS = ("prefill", "backward")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -59,15 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=None, help="timed repeats of prefill/backward (default 5; --quick: 3)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--decode-tokens", type=int, default=None, help="timed decode tokens per context (default 256 = one chunk, one fold; --quick: 32)")
     p.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's current setting)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke test: smaller defaults for contexts, repeats and decode tokens")
+    p.add_argument("--quick", action="store_true", help="smoke test: smaller defaults for contexts and repeats")
     p.add_argument("--name", default=None, help="results name (default kvm_speed, or kvm_speed_quick with --quick)")
     args = p.parse_args(argv)
-    quick, full = ("1024,2048", 3, 32), ("1024,2048,4096,8192,16384,32768", 5, 256)
-    for name, default in zip(("contexts", "repeats", "decode_tokens"), quick if args.quick else full):
+    quick, full = ("1024,2048", 3), ("1024,2048,4096,8192,16384,32768", 5)
+    for name, default in zip(("contexts", "repeats"), quick if args.quick else full):
         if getattr(args, name) is None:
             setattr(args, name, default)
     args.contexts = [int(c) for c in args.contexts.split(",") if c]
@@ -75,8 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for op in args.ops:
         if op not in OPS:
             p.error(f"--ops: {op!r} is not one of {', '.join(OPS)}")
-    if any(c < 1 for c in args.contexts) or min(args.heads, args.head_dim, args.batch, args.repeats, args.decode_tokens, args.chunk_size) < 1:
-        p.error("contexts, heads, head-dim, batch, repeats, decode-tokens and chunk-size must be positive")
+    if any(c < 1 for c in args.contexts) or min(args.heads, args.head_dim, args.batch, args.repeats, args.chunk_size) < 1:
+        p.error("contexts, heads, head-dim, batch, repeats and chunk-size must be positive")
     args.name = args.name or ("kvm_speed_quick" if args.quick else "kvm_speed")
     return args
 
@@ -159,75 +158,14 @@ def time_backward(x: dict, args, device, dtype) -> dict[str, dict]:
     return {v: summarise(s) for v, s in samples.items()}
 
 
-class FullDecoder:
-    """Full attention decode: append to a K/V cache (growable buffer, as the ``mha`` layer does) and attend."""
-
-    def __init__(self, x: dict, args, device, dtype) -> None:
-        self.k = GrowableBuffer(args.batch, args.heads, args.head_dim, dtype=dtype, device=device, capacity=x["k"].shape[2] + args.decode_tokens + 64)
-        self.v = GrowableBuffer(args.batch, args.heads, args.head_dim, dtype=dtype, device=device, capacity=x["k"].shape[2] + args.decode_tokens + 64)
-        self.k.append(x["k"])
-        self.v.append(x["v"])
-
-    def step(self, t: dict) -> torch.Tensor:
-        return attend(t["q"], self.k.append(t["k"]), self.v.append(t["v"]))
-
-    def bytes_read(self) -> int:
-        return self.k.nbytes() + self.v.nbytes()
-
-    def state_bytes(self) -> int:
-        return self.bytes_read()
-
-
-class KVMDecoder:
-    """KVM decode: a ``KVMState`` filled by ``kvm_step`` over the context, then one token per call."""
-
-    def __init__(self, variant: str, x: dict, args, device, dtype) -> None:
-        self.settings = kvm_settings(variant, args)
-        self.params = kvm_params(args, device, dtype)
-        self.state = KVMState(args.batch, args.heads, args.head_dim, dtype=dtype, device=device, gated=True)
-        kvm_step(x["q"], x["k"], x["v"], x["gate"], self.params, self.settings, self.state)
-
-    def step(self, t: dict) -> torch.Tensor:
-        return kvm_step(t["q"], t["k"], t["v"], t["gate"], self.params, self.settings, self.state)
-
-    def bytes_read(self) -> int:
-        """What a decode token reads: the cached row readouts and the window keys/values."""
-        rows = self.state.rows
-        return sum(t.numel() * t.element_size() for t in (rows.read_k, rows.read_v)) + self.state.window_k.nbytes() + self.state.window_v.nbytes()
-
-    def state_bytes(self) -> int:
-        return self.state.nbytes()
-
-
-def time_decode(x: dict, args, device, dtype) -> tuple[dict[str, dict], dict[str, dict]]:
-    """Per-token latency, token by token round robin; also the state/bytes-read of each variant."""
-    with torch.no_grad():
-        decoders = {"full": FullDecoder(x, args, device, dtype)}
-        for variant in VARIANTS[1:]:
-            decoders[variant] = KVMDecoder(variant, x, args, device, dtype)
-        memory = {
-            v: {"state_bytes": d.state_bytes(), "decode_bytes_read": d.bytes_read(), "state_rows": getattr(getattr(d, "state", None), "state_rows", None)}
-            for v, d in decoders.items()
-        }
-        tokens = [make_inputs(1, args, device, dtype) for _ in range(4)]
-        samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        warmup = max(args.warmup, 2)
-        for i in range(warmup + args.decode_tokens):
-            t = tokens[i % len(tokens)]
-            for variant, dec in decoders.items():
-                s = one_sample(lambda dec=dec, t=t: dec.step(t), device)
-                if i >= warmup:
-                    samples[variant].append(s)
-    return {v: summarise(s) for v, s in samples.items()}, memory
-
-
 def ratios(stats: dict[str, dict]) -> dict[str, float]:
     """Full-attention median over each KVM variant's median (> 1: KVM is faster)."""
     return {v: stats["full"]["median_s"] / stats[v]["median_s"] for v in VARIANTS[1:]}
 
 
 def plot(results: list[dict], args) -> object:
-    fig, axes = new_figure(1, len(args.ops) + 1, figsize=(4.6 * (len(args.ops) + 1), 4.0))
+    fig, axes = new_figure(1, len(args.ops), figsize=(4.6 * len(args.ops), 4.0), squeeze=False)
+    axes = list(axes[0])
     ctx = [r["context"] for r in results]
     for ax, op in zip(axes, args.ops):
         for variant in VARIANTS:
@@ -238,16 +176,9 @@ def plot(results: list[dict], args) -> object:
             ax.fill_between(ctx, lo, hi, alpha=0.2)
         last = results[-1]
         note = ", ".join(f"{v.split('-')[1]} {last[op + '_speedup'][v]:.1f}x" for v in VARIANTS[1:])
-        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms" + (" per token" if op == "decode" else ""), title=f"{op} ({note} at {ctx[-1]})")
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms", title=f"{op} ({note} at {ctx[-1]})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    ax = axes[-1]
-    if all("memory" in r for r in results):
-        for variant in VARIANTS:
-            ax.plot(ctx, [r["memory"][variant]["state_bytes"] / 2**20 for r in results], marker="o", label=variant)
-        ax.legend()
-    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="MiB", title="decode state bytes (measured)")
-    ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(f"KVM vs full attention, {args.heads} heads x {args.head_dim}, batch {args.batch}, {args.dtype}, {args.device}, {torch.get_num_threads()} threads")
     fig.tight_layout()
     return fig
@@ -261,18 +192,6 @@ def print_table(results: list[dict], args) -> None:
             print(
                 f"{r['context']:>8} {op:>9} {s['full']['median_s'] * 1e3:>11.3f} {s['kvm-fixed']['median_s'] * 1e3:>11.3f} "
                 f"{x['kvm-fixed']:>6.1f}x {s['kvm-sqrt']['median_s'] * 1e3:>11.3f} {x['kvm-sqrt']:>6.1f}x"
-            )
-        if "decode_amortised_speedup" in r:
-            s, x = r["decode"], r["decode_amortised_speedup"]
-            print(
-                f"{'':>8} {'mean/tok':>9} {s['full']['mean_s'] * 1e3:>11.3f} {s['kvm-fixed']['mean_s'] * 1e3:>11.3f} "
-                f"{x['kvm-fixed']:>6.1f}x {s['kvm-sqrt']['mean_s'] * 1e3:>11.3f} {x['kvm-sqrt']:>6.1f}x   (decode amortised over folds)"
-            )
-        if "memory" in r:
-            m = r["memory"]
-            print(
-                f"{'':>8} {'state':>9} {m['full']['state_bytes'] / 2**20:>9.2f}MB {m['kvm-fixed']['state_bytes'] / 2**20:>9.2f}MB "
-                f"{m['kvm-fixed']['state_rows']:>5}r  {m['kvm-sqrt']['state_bytes'] / 2**20:>9.2f}MB {m['kvm-sqrt']['state_rows']:>5}r"
             )
 
 
@@ -288,10 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         row: dict = {"context": n}
         for op in args.ops:
             progress.set_postfix(context=n, op=op)
-            if op == "decode":
-                row["decode"], row["memory"] = time_decode(x, args, device, dtype)
-                row["decode_amortised_speedup"] = {v: row["decode"]["full"]["mean_s"] / row["decode"][v]["mean_s"] for v in VARIANTS[1:]}
-            elif op == "prefill":
+            if op == "prefill":
                 row["prefill"] = time_prefill(x, args, device, dtype)
             else:
                 row["backward"] = time_backward(x, args, device, dtype)
@@ -303,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {k: v for k, v in vars(args).items() if k != "quick"}
     payload = {
         "settings": {**settings, "quick": args.quick, "threads_used": torch.get_num_threads()},
-        "variants": {"full": "slimkv.ops.attention.attend: causal scaled_dot_product_attention (decode: growable K/V cache, one query)", **{v: repr(kvm_settings(v, args)) for v in VARIANTS[1:]}},
-        "copy_bandwidth_bytes_per_s": measure_copy_bandwidth(device=device),
+        "variants": {"full": "slimkv.ops.attention.attend: causal scaled_dot_product_attention", **{v: repr(kvm_settings(v, args)) for v in VARIANTS[1:]}},
         "results": results,
     }
     path = write_results(args.name, payload, Path(__file__).resolve().parent / "results", figure=plot(results, args))

@@ -4,9 +4,9 @@ same prompts (docs/evaluation.md, "Long-context retrieval on pretrained models")
     # 1. slimkv's models, one after another (resumable per cell; the first run also exports the prompts)
     .venv/bin/python benchmarks/niah_smollm2.py run smollm2 runs/smollm2-mla50 runs/smollm2-mla25 --threads 1
     # 2. the presses, in kvpress's own environment, on the exported prompts
-    make bench-kvpress PROMPTS=runs/niah/smollm2/niah_prompts.json OUT=runs/kvpress
+    make bench-kvpress PROMPTS=runs/niah/smollm2/niah_prompts.json OUT=runs/kvpress/all
     # 3. the comparison: benchmarks/results/niah_smollm2.{json,md,png}
-    .venv/bin/python benchmarks/niah_smollm2.py report --runs runs/niah --kvpress runs/kvpress
+    .venv/bin/python benchmarks/niah_smollm2.py report --runs runs/niah --kvpress runs/kvpress/*
 
 The grid (``GRID``) is sized for the 2-core development box: 2 tasks x 3 depths x 1 sample = 6
 prompts per length and model. ``report`` renders the markdown from the JSON only
@@ -94,10 +94,16 @@ def report(args: argparse.Namespace) -> None:
     if args.kvpress:
         prompt_files = [path.parent / retrieval.PROMPTS_FILE for path, _ in reports if (path.parent / retrieval.PROMPTS_FILE).is_file()]
         prompts = {p["id"]: p for p in read_json(prompt_files[0], expect=dict)["prompts"]}
-        for path in sorted(Path(args.kvpress).glob("*.json")):
+        merged: dict[str, dict] = {}  # one row per label: a press at a budget, over every prompt subset it ran on
+        for path in sorted(p for folder in args.kvpress for p in Path(folder).glob("*.json")):
             generations = read_json(path, expect=dict)
-            if generations.get("format") == "slimkv-niah-generations/1":
-                rows.append(generations_row(generations, prompts, path.name))
+            if generations.get("format") != "slimkv-niah-generations/1":
+                continue
+            row = merged.setdefault(generations["label"], {**generations, "generations": [], "seconds": 0.0, "sources": []})
+            row["generations"] += generations["generations"]
+            row["seconds"] += generations.get("seconds", 0.0)
+            row["sources"].append(f"{path.parent.name}/{path.name}")
+        rows += [generations_row(g, prompts, ", ".join(g["sources"])) for g in merged.values()]
     data = comparison(rows, GRID, NOTES)
     out = Path(args.out)
     write_json(out.with_suffix(".json"), data)
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     q.set_defaults(func=ppl)
     s = sub.add_parser("report", help="merge the runs and the kvpress generations into the comparison")
     s.add_argument("--runs", default="runs/niah", help="folder of */niah.json (default runs/niah)")
-    s.add_argument("--kvpress", default=None, help="folder of kvpress generation files (benchmarks/kvpress_niah.py --out)")
+    s.add_argument("--kvpress", nargs="*", default=[], help="folders of kvpress generation files (benchmarks/kvpress_niah.py --out)")
     s.add_argument("--out", default=str(RESULTS / NAME), help="output path without suffix (default benchmarks/results/niah_smollm2)")
     s.set_defaults(func=report)
     c = sub.add_parser("check", help="the committed markdown matches what its JSON renders")

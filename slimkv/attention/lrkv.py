@@ -74,7 +74,8 @@ class LRKVEntries(NamedTuple):
     """What LRKV caches per token; used for the new tokens of a call and for views of the whole
     cache alike. The latents are time-last ("channel-major"): for one head the r x L block is
     contiguous along time, so the decode products q_lat Z^T and a Z are plain streaming GEMMs
-    (about twice the throughput of the (L, r) layout on CPU in benchmarks/decode_lrkv.py).
+    (faster on CPU than the (L, r) layout when the layout was chosen; benchmarks/decode_all.py
+    times the whole decode step, ``lrkv`` and ``lrkv-expanded``).
 
     shared_k:  (batch, 1, time, head_dim)  shared key; in ``decoupled`` mode its rotary channels are
                already scaled by the qk-norm gain (if any) and rotated

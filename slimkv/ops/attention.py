@@ -187,9 +187,10 @@ def matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     query heads: the logits as keys x queries^T, (k_len, dim) x (dim, groups), with the cache as the
     large row-major operand (the form BLAS streams fastest for a few query rows), made contiguous
     before the softmax (a strided softmax output sends the next matmul to a slow path), then
-    probabilities x values. Measured on one CPU thread at 32K keys, 8 query rows over one 64-wide
-    head: 2 ms vs 6 ms for the strided form; 8 heads of MHA: 7.3 ms vs 8.2 ms for the fused kernel.
-    Other dtypes run the fused kernel on the folded rows. Shapes as ``decode_attention``."""
+    probabilities x values. Other dtypes run SDPA (torch's fused kernel) on the folded rows. ``decode_attention``
+    comes here for every call the native kernel does not take; benchmarks/decode_native.py times
+    this path against the kernel (benchmarks/results/decode_native_*thread.json). Shapes as
+    ``decode_attention``."""
     b, q_heads, _, dim = q.shape
     rows = fold_groups(q, k.shape[1])
     if q.dtype in (torch.float32, torch.float64):

@@ -1,0 +1,118 @@
+"""What the repository publishes matches its data: benchmarks/results/claims.md is what
+benchmarks/claims.py renders from the committed JSON, every results file is referred to by a
+document, every benchmark script is documented, and no document points outside the repository."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+RESULTS = BENCHMARKS / "results"
+SKIP_DIRS = {".git", ".venv", ".venv-kvpress", "node_modules", "runs", "demo_runs", "slimkv.egg-info", ".pytest_cache", ".ruff_cache"}
+
+
+def documents() -> list[Path]:
+    """Every Markdown file of the repository (not virtualenvs, run folders or caches)."""
+    return sorted(p for p in ROOT.rglob("*.md") if not SKIP_DIRS.intersection(p.relative_to(ROOT).parts[:-1]))
+
+
+@pytest.fixture(scope="module")
+def claims():
+    spec = importlib.util.spec_from_file_location("claims_under_test", BENCHMARKS / "claims.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_claims_md_is_what_the_script_renders_from_the_committed_json(claims):
+    committed = (RESULTS / "claims.md").read_text(encoding="utf-8")
+    assert committed == claims.render(), "benchmarks/results/claims.md differs from its JSON: run .venv/bin/python benchmarks/claims.py"
+
+
+def test_the_check_option_reports_a_difference(claims, tmp_path, monkeypatch):
+    lines = []
+    assert claims.main(["--check"], out=lines.append) == 0
+    stale = tmp_path / "claims.md"
+    stale.write_text(claims.render().replace("supported", "proven", 1), encoding="utf-8")
+    monkeypatch.setattr(claims, "OUTPUT", stale)
+    assert claims.main(["--check"], out=lines.append) == 1
+    assert "proven" in lines[-2] and "differs" in lines[-1]
+
+
+def test_the_rules_decide_as_documented(claims):
+    def stat(values):
+        mean = sum(values) / len(values)
+        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+        return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values)}
+
+    assert claims.seed_verdict(stat([0.9, 0.91, 0.92]), stat([0.5, 0.52, 0.51])) == 1
+    assert claims.seed_verdict(stat([0.5, 0.52, 0.51]), stat([0.9, 0.91, 0.92])) == -1
+    assert claims.seed_verdict(stat([0.5, 0.95, 0.9]), stat([0.6, 0.62, 0.61])) == 0  # ranges overlap
+    assert claims.seed_verdict(stat([0.9, 0.91]), stat([0.5, 0.52])) == 0  # two seeds never support a claim
+    assert claims.ppl_verdict({"a": 80.0, "b": 40.0}, {"a": 100.0, "b": 50.0}) == -1
+    assert claims.ppl_verdict({"a": 80.0, "b": 48.0}, {"a": 100.0, "b": 50.0}) == 0  # inside the margin on one text
+    assert claims.ppl_verdict({"a": 120.0, "b": 60.0}, {"a": 100.0, "b": 50.0}) == 1
+
+
+def test_claims_md_quotes_the_figures_the_json_holds(claims):
+    """A few figures read straight from the JSON, so a wrong reading cannot hide behind a self-consistent render."""
+    text = (RESULTS / "claims.md").read_text(encoding="utf-8")
+    decode = claims.load("decode_all_1thread.json")
+    fixed = next(t for t in decode["targets"] if t["label"] == "kvm-fixed")
+    assert f"{fixed['value']:.1f}x" in text
+    sweep = claims.load("compress_sweep_smollm2.json")
+    for row in sweep["rows"]:
+        if row["method"] in ("rootcov", "latentllm") and row["ratio"] == 0.4:
+            assert f"{row['ppl_by_text']['shakespeare-val']:.2f}" in text
+    recall = claims.load("recall_frontier.json")
+    rank2 = next(a for a in recall["aggregate"] if a["label"] == "lrkv:rank=2")
+    assert f"{rank2['lengths']['1x']['accuracy']['mean']:.3f}" in text
+
+
+def test_no_document_points_outside_the_repository():
+    for doc in documents():
+        text = doc.read_text(encoding="utf-8")
+        assert "../shared" not in text and "/work/shared" not in text, f"{doc.relative_to(ROOT)} points outside the repository"
+
+
+def test_relative_links_of_the_documents_resolve():
+    link = re.compile(r"\]\(([^)\s]+)\)")
+    for doc in documents():
+        for target in link.findall(doc.read_text(encoding="utf-8")):
+            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (doc.parent / target.split("#")[0]).resolve()
+            assert path.exists(), f"{doc.relative_to(ROOT)} links to {target}, which does not exist"
+
+
+def test_every_results_file_is_referred_to_by_a_document():
+    """A results file is referred to when a Markdown file outside its own family (``x.json``,
+    ``x.md``, ``x.png``) names it, or names its stem with one of those extensions (a link to
+    ``x.md`` covers the ``x.json`` it was rendered from and the ``x.png`` beside it)."""
+    texts = {doc: doc.read_text(encoding="utf-8") for doc in documents()}
+    unreferenced = []
+    for path in sorted(RESULTS.iterdir()):
+        if path.name.startswith(".") or path.is_dir():
+            continue
+        named = re.compile(rf"(?<![\w.]){re.escape(path.stem)}\.(json|md|png)\b")
+        if not any(named.search(text) for doc, text in texts.items() if not (doc.parent == RESULTS and doc.stem == path.stem)):
+            unreferenced.append(path.name)
+    assert not unreferenced, f"no document refers to these results files (refer to them or delete them): {unreferenced}"
+
+
+def test_every_benchmark_script_is_documented():
+    """Each script in benchmarks/ is named in the README, in docs/ or in the Makefile (its make target)."""
+    texts = [(ROOT / "README.md").read_text(encoding="utf-8"), (ROOT / "Makefile").read_text(encoding="utf-8")]
+    texts += [doc.read_text(encoding="utf-8") for doc in sorted((ROOT / "docs").glob("*.md"))]
+    missing = [p.name for p in sorted(BENCHMARKS.glob("*.py")) if not any(p.name in text for text in texts)]
+    assert not missing, f"benchmark scripts no document names (document them or delete them): {missing}"
