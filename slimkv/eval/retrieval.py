@@ -116,8 +116,14 @@ def generate(loaded: LoadedModel, prompts: list[RetrievalPrompt], batch_size: in
     return texts, measured
 
 
+GRID_KEYS = ("tasks", "lengths", "depths")  # may change between runs into one --out: cells accumulate
+
+
 def fingerprint(settings: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    """What a cell's content depends on (the model, samples, seed, haystack, dtype), not which
+    cells are asked for: a later run into the same --out may add lengths, depths or tasks."""
+    fixed = {k: v for k, v in settings.items() if k not in GRID_KEYS}
+    return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def evaluate(
@@ -155,8 +161,9 @@ def evaluate(
     if path.is_file():
         previous = read_json(path, expect=dict)
         if previous.get("fingerprint") != report["fingerprint"]:
-            raise ValueError(f"{path} holds results of another model or other options (its settings: {json.dumps(previous.get('settings', {}).get('tasks'))}, "
-                             f"lengths {previous.get('settings', {}).get('lengths')}); give another --out, or move that file away to start over")
+            old = {k: v for k, v in previous.get("settings", {}).items() if k not in GRID_KEYS and k != "identity"}
+            raise ValueError(f"{path} holds results of another model or other options ({json.dumps(old)}); give another --out, or move that file "
+                             "away to start over (more tasks, lengths or depths with the same model and options are added to it)")
         report["cells"], report["cache"] = previous.get("cells", {}), previous.get("cache", {})
     out_dir.mkdir(parents=True, exist_ok=True)
     if export_prompts:
@@ -191,7 +198,8 @@ def cell_id(task: str, length: int, depth: float) -> str:
 
 def summarize(report: dict[str, Any]) -> None:
     """Per task and length: the mean score over depths, prompts fully answered / prompts, and the
-    Wilson interval of that proportion; and the overall mean per length. In place."""
+    Wilson interval of that proportion; and the overall mean per length; over this run's grid
+    (``settings``), while ``cells`` may hold more from earlier runs into the same folder. In place."""
     settings = report["settings"]
     summary: dict[str, Any] = {}
     for task in settings["tasks"]:

@@ -116,6 +116,10 @@ def test_evaluate_writes_resumes_and_refuses_other_settings(tiny_folder, tmp_pat
     assert retrieval.evaluate(str(tiny_folder), **options)["cells"] == report["cells"]  # resumed: nothing to run
     with pytest.raises(ValueError, match="another model or other options"):
         retrieval.evaluate(str(tiny_folder), **{**options, "samples": 3})
+    monkeypatch.undo()
+    grown = retrieval.evaluate(str(tiny_folder), **{**options, "lengths": [400, 500]})  # one more length: only its cells run
+    assert {k: grown["cells"][k] for k in report["cells"]} == report["cells"] and "passkey/500/0.00" in grown["cells"]
+    assert list(grown["summary"]["passkey"]) == ["400", "500"]
 
 
 def test_lengths_past_the_positions_are_refused_before_any_work(tiny_folder, tmp_path, monkeypatch):
