@@ -27,6 +27,7 @@ import json
 from pathlib import Path
 
 import torch
+from decode_targets import all_targets  # benchmarks/decode_targets.py, beside this script
 
 from slimkv.attention import ATTENTION_KINDS
 from slimkv.bench.decode import matched_width_variants, run_decode_benchmark
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace, kinds: list[str]) -> list[dict]:
         torch.set_num_threads(threads)
         name = f"{args.name}{'_demo_width' if args.width == 'demo' else ''}_{threads}thread"
         payloads.append(run_decode_benchmark(
-            name, variants, contexts, out_dir=args.out_dir, check_overhead=args.width == "demo",
+            name, variants, contexts, out_dir=args.out_dir, targets=lambda payload, bandwidth: all_targets(payload, bandwidth, check_overhead=args.width == "demo"),
             d_model=args.d_model or heads * head_dim, n_heads=heads, head_dim=head_dim,
             batch=args.batch, dtype=DTYPES[args.dtype], device=args.device,
             warmup=warmup, repeats=repeats, rounds=rounds, seed=args.seed,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -204,12 +205,6 @@ def decode_sweep(
     }
 
 
-TARGET_CONTEXT = 32768  # the decode targets are stated for 32K cached tokens
-READ_BOUND = ("mha", "gqa", "mqa", "swa")  # kinds whose decode should stream their cache at near copy bandwidth
-COMPUTE_BOUND = ("mla", "lrkv")  # kinds whose decode does extra arithmetic per cached byte
-KVM_SPEEDUP = {"kvm-fixed": 30.0, "kvm-sqrt": 8.0}  # times faster than MHA at 32K
-
-
 def add_roofline(payload: dict[str, Any], copy_bandwidth: float, matmul_rate: float) -> None:
     """Give every row its roofline: the least time one step can take on this machine, the larger
     of (cache + parameter bytes) / copy bandwidth and counted FLOPs / the large-matmul FLOP rate,
@@ -220,84 +215,6 @@ def add_roofline(payload: dict[str, Any], copy_bandwidth: float, matmul_rate: fl
         row["roofline_s"] = max(memory_s, compute_s)
         row["roofline_bound"] = "memory" if memory_s >= compute_s else "compute"
         row["of_roofline"] = row["roofline_s"] / row["median_s"]
-
-
-def decode_targets(payload: dict[str, Any], copy_bandwidth: float) -> list[dict[str, Any]]:
-    """The targets of docs/evaluation.md ("Speed benchmarks") at the largest context, if >= 32K:
-
-    * MHA, GQA, MQA, SWA read their live cache at >= 0.8 x the measured copy bandwidth (bytes/s
-      of a large copy, read + write counted, as ``measure_copy_bandwidth`` reports it);
-    * MLA and LRKV (their default decode path): time / MHA's time <= 1.2 x cache bytes / MHA's
-      (``reachable`` says whether their roofline, from ``add_roofline``, allows it on this machine);
-    * KVM: fixed >= 30x and sqrt >= 8x faster than MHA.
-    Where the rows allow it, each target says whether this machine can reach it (``reachable``):
-    the read-bound kinds also read their weights each step, so at most cache / (cache + parameter
-    bytes) of the copy bandwidth goes to the cache (``ceiling``); MLA and LRKV compare their
-    roofline with the bound. KVM gets no such flag: its byte count is its whole state, more than
-    a step reads, so its roofline is overstated.
-    Rows are matched by label: the kind's name (or ``kvm-fixed`` / ``kvm-sqrt``).
-    """
-    top = max(payload["settings"]["contexts"])
-    if top < TARGET_CONTEXT:
-        return []
-    at_top = {r["label"]: r for r in payload["rows"] if r["context"] == top}
-    targets = []
-    for label in READ_BOUND:
-        if label in at_top:
-            row = at_top[label]
-            fraction = row["gb_per_s"] * 1e9 / copy_bandwidth
-            target = {"target": "cache read >= 0.8 x copy bandwidth", "label": label, "context": top, "value": fraction, "met": fraction >= 0.8}
-            if "parameter_bytes" in row:  # the step reads its weights too: at copy bandwidth the cache gets this share of it
-                target["ceiling"] = row["cache_bytes"] / (row["cache_bytes"] + row["parameter_bytes"])
-                target["reachable"] = target["ceiling"] >= 0.8
-            targets.append(target)
-    mha = at_top.get("mha")
-    if mha is None:
-        return targets
-    for label in COMPUTE_BOUND:
-        if label in at_top:
-            time_ratio = at_top[label]["median_s"] / mha["median_s"]
-            bytes_ratio = at_top[label]["cache_bytes"] / mha["cache_bytes"]
-            target = {"target": "time vs mha <= 1.2 x cache-bytes ratio", "label": label, "context": top, "value": time_ratio / bytes_ratio,
-                      "time_ratio": time_ratio, "bytes_ratio": bytes_ratio, "met": time_ratio <= 1.2 * bytes_ratio}
-            if "roofline_s" in at_top[label]:
-                target["roofline_time_ratio"] = at_top[label]["roofline_s"] / mha["median_s"]
-                target["reachable"] = target["roofline_time_ratio"] <= 1.2 * bytes_ratio
-            targets.append(target)
-    for label, wanted in KVM_SPEEDUP.items():
-        if label in at_top:
-            speedup = mha["median_s"] / at_top[label]["median_s"]
-            targets.append({"target": f"speedup over mha >= {wanted:g}x", "label": label, "context": top, "value": speedup, "met": speedup >= wanted})
-    return targets
-
-
-def reach_basis(target: dict[str, Any]) -> str:
-    """What a target's ``reachable`` was decided on, in words."""
-    if "ceiling" in target:
-        return f"cache share of the bytes read {target['ceiling']:.3f}"
-    return f"roofline time vs mha {target['roofline_time_ratio']:.3f}"
-
-
-def overhead_targets(payload: dict[str, Any], *, from_context: int = 2048, tolerance: float = 0.05) -> list[dict[str, Any]]:
-    """Per-step overhead checks (the demo width): at every context >= ``from_context`` no kind is
-    slower than MHA (the primary label of each kind), and no label's time falls by more than
-    ``tolerance`` as the context grows (a thread-overhead floor would make small contexts slow)."""
-    rows = payload["rows"]
-    mha = {r["context"]: r["median_s"] for r in rows if r["label"] == "mha"}
-    primary = sorted({r["label"] for r in rows if r["label"] == r["kind"] or r["label"] in KVM_SPEEDUP} - {"mha"})
-    targets = []
-    for label in primary:
-        mine = {r["context"]: r["median_s"] for r in rows if r["label"] == label}
-        slower = [c for c in sorted(mine) if c >= from_context and c in mha and mine[c] > mha[c]]
-        worst = max((mine[c] / mha[c] for c in mine if c >= from_context and c in mha), default=None)
-        if worst is not None:
-            targets.append({"target": f"not slower than mha at >= {from_context} tokens", "label": label, "value": worst, "slower_at": slower, "met": not slower})
-    for label in sorted({r["label"] for r in rows}):
-        times = [t for _, t in sorted((r["context"], r["median_s"]) for r in rows if r["label"] == label)]
-        drops = [round(b / a, 3) for a, b in zip(times, times[1:]) if b < a * (1 - tolerance)]
-        targets.append({"target": "time never falls as context grows", "label": label, "value": min((b / a for a, b in zip(times, times[1:])), default=1.0),
-                        "drops": drops, "met": not drops})
-    return targets
 
 
 def decode_table(payload: dict[str, Any], copy_bandwidth: float) -> str:
@@ -344,11 +261,13 @@ def decode_figure(payload: dict[str, Any], copy_bandwidth: float):
     return fig
 
 
-def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: list[int], *, out_dir: str | Path, check_overhead: bool = False,
-                         **sweep_options: Any) -> dict[str, Any]:
-    """Measure the copy bandwidth, run ``decode_sweep``, print the table and the targets, write
-    ``<name>.json`` and ``<name>.png`` (``write_results``); returns the JSON payload.
-    ``check_overhead``: also the per-step overhead targets (``overhead_targets``)."""
+def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: list[int], *, out_dir: str | Path,
+                         targets: Callable[[dict[str, Any], float], list[dict[str, Any]]] | None = None, **sweep_options: Any) -> dict[str, Any]:
+    """Measure the copy bandwidth, run ``decode_sweep``, print the table, write ``<name>.json`` and
+    ``<name>.png`` (``write_results``); returns the JSON payload. ``targets(payload, copy
+    bandwidth)`` (the benchmark's acceptance targets, which live with the benchmark script, not in
+    the package) gives dicts with ``target``, ``label``, ``value``, ``met`` and optionally
+    ``context``, ``reachable`` and ``basis``; they are printed and stored in the payload."""
     device = sweep_options.get("device", "cpu")
     print(f"threads: {torch.get_num_threads()}; variants: " + ", ".join(f"{v.label} {v.options or ''}".strip() for v in variants))
     dtype = sweep_options.get("dtype", torch.float32)
@@ -367,7 +286,7 @@ def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: lis
         "definition": "2 n^3 / time of an n x n by n x n matmul (n 1024) in the sweep's dtype, best of before/after the sweep",
     }
     add_roofline(payload, copy_bandwidth, matmul_rate)
-    payload["targets"] = decode_targets(payload, copy_bandwidth) + (overhead_targets(payload) if check_overhead else [])
+    payload["targets"] = targets(payload, copy_bandwidth) if targets is not None else []
     payload["threads"] = torch.get_num_threads()
     payload["native_kernel"] = kernel_path()
     print(decode_table(payload, copy_bandwidth))
@@ -380,11 +299,9 @@ def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: lis
     print(f"kinds run: {', '.join(ran)}")
     for skip in payload["skipped"]:
         print(f"skipped {skip['label']} ({skip['kind']} {skip['options']}): {skip['reason']}")
-    if max(contexts) < TARGET_CONTEXT:
-        print(f"bandwidth targets: stated for >= {TARGET_CONTEXT} cached tokens; not evaluated (largest context {max(contexts)})")
     for t in payload["targets"]:
         where = f" at {t['context']}" if "context" in t else ""
-        reach = "" if "reachable" not in t else f" ({reach_basis(t)}: {'reachable' if t['reachable'] else 'not reachable on this machine'})"
+        reach = "" if "reachable" not in t else f" ({t.get('basis', '')}: {'reachable' if t['reachable'] else 'not reachable on this machine'})"
         print(f"target [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['label']}{where}: {t['value']:.3f}{reach}")
     path = write_results(name, payload, out_dir, figure=decode_figure(payload, copy_bandwidth))
     print(f"wrote {path} and {path.with_suffix('.png')}")
