@@ -12,11 +12,11 @@ are constants. A call that raises leaves the cache as it was before the call.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from slimkv.common.buffer import GrowableBuffer
+from slimkv.common.buffer import GrowableBuffer, TimeLastBuffer
 
 
 class AttentionCache:
@@ -69,3 +69,67 @@ class AttentionCache:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(seq_len={self.seq_len}, batch_size={self.batch_size}, dtype={self.dtype}, nbytes={self.nbytes()})"
+
+
+class LRKVEntries(NamedTuple):
+    """What LRKV caches per token; used for the new tokens of a call and for views of the whole
+    cache alike. The latents are time-last ("channel-major"): for one head the r x L block is
+    contiguous along time, so the decode products q_lat Z^T and a Z are plain streaming GEMMs
+    (faster on CPU than the (L, r) layout when the layout was chosen; benchmarks/decode_all.py
+    times the whole decode step, ``lrkv`` and ``lrkv-expanded``).
+
+    shared_k:  (batch, 1, time, head_dim)  shared key; in ``decoupled`` mode its rotary channels are
+               already scaled by the qk-norm gain (if any) and rotated
+    shared_v:  (batch, 1, time, head_dim)  shared value
+    latent_k:  (batch, heads, rank_k, time)  z^K_h = x U^K_h
+    latent_v:  (batch, heads, rank_v, time)  z^V_h = x U^V_h
+    key_scale: (batch, heads, time, 1)  s = 1 / rms(k_h) with ``qk_norm``, else None
+    """
+
+    shared_k: torch.Tensor
+    shared_v: torch.Tensor
+    latent_k: torch.Tensor
+    latent_v: torch.Tensor
+    key_scale: torch.Tensor | None
+
+    def tokens(self, start: int, stop: int) -> LRKVEntries:
+        """The entries of tokens start..stop-1 (views)."""
+        return LRKVEntries(
+            self.shared_k[:, :, start:stop],
+            self.shared_v[:, :, start:stop],
+            self.latent_k[..., start:stop],
+            self.latent_v[..., start:stop],
+            None if self.key_scale is None else self.key_scale[:, :, start:stop],
+        )
+
+
+class LRKVCache(AttentionCache):
+    """Shared keys/values, per-head latents and (with qk_norm) per-head key scales of every past token."""
+
+    def __init__(self, owner_spec: tuple, batch_size: int, n_heads: int, head_dim: int, rank_k: int, rank_v: int, key_scale: bool, *, dtype, device) -> None:
+        super().__init__(owner_spec, batch_size, dtype, device)
+        kw = {"dtype": dtype, "device": device}
+        self.shared_k = GrowableBuffer(batch_size, 1, head_dim, **kw)
+        self.shared_v = GrowableBuffer(batch_size, 1, head_dim, **kw)
+        self.latent_k = TimeLastBuffer(batch_size, n_heads, rank_k, **kw)
+        self.latent_v = TimeLastBuffer(batch_size, n_heads, rank_v, **kw)
+        self.key_scale = GrowableBuffer(batch_size, n_heads, 1, **kw) if key_scale else None
+
+    def tensors(self):
+        buffers = (self.shared_k, self.shared_v, self.latent_k.buffer, self.latent_v.buffer, self.key_scale)
+        return iter(b for b in buffers if b is not None)
+
+    def extend(self, new: LRKVEntries) -> LRKVEntries:
+        """Append the new tokens' entries; return views of every cached entry (past and new). With
+        autograd recording, the returned entries are a fresh copy (differentiable in the new
+        tokens) and the buffers store the new entries detached."""
+        buffers = (self.shared_k, self.shared_v, self.latent_k, self.latent_v, self.key_scale)
+        self.seq_len += new.shared_k.shape[2]
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in new):
+            dims = (2, 2, -1, -1, 2)  # the time dimension of each entry
+            entries = LRKVEntries(*(None if buf is None else torch.cat((buf.view(), t), dim=d) for buf, t, d in zip(buffers, new, dims)))
+            for buf, t in zip(buffers, new):
+                if buf is not None:
+                    buf.append(t.detach())
+            return entries
+        return LRKVEntries(*(None if buf is None else buf.append(t) for buf, t in zip(buffers, new)))

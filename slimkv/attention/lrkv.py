@@ -1,63 +1,31 @@
-"""Low-rank key-value attention (LRKV): one shared K/V projection plus per-head low-rank residuals.
+"""Low-rank key-value attention (LRKV): one shared K/V projection plus per-head low-rank residuals
+(docs/lrkv.md has the design, the cache layout, the RoPE placements and the decode paths).
 
-docs/lrkv.md explains the design. Head h uses the effective maps
+Head (or residual group) h uses W^K_h = W^K_shared + U^K_h (B^K_h)^T and likewise for values;
+queries are full. The cache holds, per token, the shared key and value (d_h each) and every
+group's latents z^K_h = x U^K_h (r_k) and z^V_h = x U^V_h (r_v), plus one key scale per group with
+``qk_norm``: 2 d_h + G (r_k + r_v) [+ G] elements per token per layer (MHA: 2 H d_h).
 
-    W^K_h = W^K_shared + U^K_h (B^K_h)^T        W^V_h = W^V_shared + U^V_h (B^V_h)^T
-
-With ``n_kv_heads`` = G < H the residuals belong to G groups of H/G query heads (as GQA shares a
-K/V head): query head h reads group h // (H/G), so "head" below means "residual group" and the
-cache holds G latents per token instead of H. The default G = H is the paper's LRKV; a GQA
-model converted to LRKV keeps its G K/V heads as G residual groups.
-
-with W_shared: d -> d_h, U_h: d -> r (the "latent" projection) and B_h: r -> d_h (the "up"
-factor, a weight). Queries are full and independent per head. The cache stores, per token, the
-shared key and value (d_h each) and every head's latents z^K_h = x U^K_h (r_k) and z^V_h = x U^V_h
-(r_v), plus one key scale per head with ``qk_norm``:
-
-    elements per token per layer = 2 d_h + G (r_k + r_v) [+ G]        (MHA: 2 H d_h)
-
-so with r_k = r_v = r and G = H the cache is 1/H + r/d_h of MHA's; a configuration whose cache
-exceeds MHA's (r > d_h (1 - 1/H)) works but warns. Residual factors start at ``residual_init`` (default 0.1) of
-the shared map's Frobenius norm; ``from_mha`` loads an MHA/GQA/MQA layer exactly (B_h = I).
-
-Positions (``rope_mode``), and how it combines with the common ``rope``/``rope_fraction``:
-
-* ``decoupled`` (default): the first ``rope_fraction`` of each head's channels (rounded down to an
-  even count; half by default, also when ``rope="full"``, since rotating every channel would leave
-  the residual nothing to write) are rotary channels. They come from the shared key alone, are
-  rotated once when written to the cache, and the key residual B^K_h writes only the remaining
-  channels. Decode is the exact factored path. Values are never rotated; B^V_h spans all channels.
-* ``full``: RoPE (``rope="full"`` or ``"partial"``, exactly as MHA applies it) on the materialised
-  per-head key. Decode keeps the compact cache and rebuilds keys in bounded blocks (exact,
-  more arithmetic).
-* ``none``, or ``rope="none"`` with any ``rope_mode``: no rotation; factored decode.
-
-``qk_norm``: RMSNorm of the rebuilt per-head key is not linear, so the cache also stores
-s = 1 / rms(k_h) per token and head, and q . (g * s k_h) = s ((q * g) . k_s + ((q * g) B_h) . z_h).
-
-Paths: without a cache (training), and for a call into an empty cache (a prompt), the per-head
-K/V of the call's own tokens are materialised with batched tensor ops and fed to the fused SDPA
-kernel. Calls with cached context (decode, any number of tokens) follow ``decode_path`` (per
-the option): ``"factored"`` (default; factored logits and values, or the block rebuild for
-``full``), never forming a past token's per-head key or value, or ``"expanded"`` (rebuild every
-cached per-head K/V and use SDPA), which the tests and the decode benchmark compare against.
-Shapes: activations (batch, time, heads, dim); kernels and caches (batch, heads, time, dim), the
-shared key/value with one head, the latents time-last (see ``LRKVEntries``).
+Positions (``rope_mode``): ``decoupled`` (default; the rotary channels come from the shared key,
+rotated once when cached; exact factored decode), ``full`` (RoPE on the rebuilt per-head key;
+decode rebuilds keys in bounded blocks) or ``none``. Calls without cached context materialise
+the call's per-head K/V for SDPA; calls with cached context take ``decode_path``: ``factored``
+(never forming a past token's per-head key or value) or ``expanded`` (the reference: rebuild
+every cached K/V and use SDPA). Shapes: activations (batch, time, heads, dim); kernels and caches
+(batch, heads, time, dim), the shared key/value with one head, the latents time-last.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from slimkv.attention.base import Attention, LayerShape, Presets, register_attention
-from slimkv.attention.cache import AttentionCache
-from slimkv.attention.mha import MultiHeadAttention
-from slimkv.common.buffer import GrowableBuffer, dtype_bytes
+from slimkv.attention.cache import LRKVCache, LRKVEntries
+from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import Checked, check_choice, check_float, check_int
 from slimkv.ops.attention import attend, fold_groups, visibility_mask
 from slimkv.ops.norm import compute_dtype
@@ -68,90 +36,6 @@ DECODE_PATHS = ("factored", "expanded")
 # Largest logits tile (batch x heads x queries x keys elements) a cached call materialises at once
 # (8 MiB in float32: small enough to stay in cache, large enough for efficient GEMMs).
 LOGITS_BLOCK_ELEMENTS = 2**21
-
-
-class LRKVEntries(NamedTuple):
-    """What LRKV caches per token; used for the new tokens of a call and for views of the whole
-    cache alike. The latents are time-last ("channel-major"): for one head the r x L block is
-    contiguous along time, so the decode products q_lat Z^T and a Z are plain streaming GEMMs
-    (faster on CPU than the (L, r) layout when the layout was chosen; benchmarks/decode_all.py
-    times the whole decode step, ``lrkv`` and ``lrkv-expanded``).
-
-    shared_k:  (batch, 1, time, head_dim)  shared key; in ``decoupled`` mode its rotary channels are
-               already scaled by the qk-norm gain (if any) and rotated
-    shared_v:  (batch, 1, time, head_dim)  shared value
-    latent_k:  (batch, heads, rank_k, time)  z^K_h = x U^K_h
-    latent_v:  (batch, heads, rank_v, time)  z^V_h = x U^V_h
-    key_scale: (batch, heads, time, 1)  s = 1 / rms(k_h) with ``qk_norm``, else None
-    """
-
-    shared_k: torch.Tensor
-    shared_v: torch.Tensor
-    latent_k: torch.Tensor
-    latent_v: torch.Tensor
-    key_scale: torch.Tensor | None
-
-    def tokens(self, start: int, stop: int) -> LRKVEntries:
-        """The entries of tokens start..stop-1 (views)."""
-        return LRKVEntries(
-            self.shared_k[:, :, start:stop],
-            self.shared_v[:, :, start:stop],
-            self.latent_k[..., start:stop],
-            self.latent_v[..., start:stop],
-            None if self.key_scale is None else self.key_scale[:, :, start:stop],
-        )
-
-
-class TimeLastBuffer:
-    """Growable (batch, heads, dim, time) storage: a ``GrowableBuffer`` of (batch, heads * dim,
-    time, 1), so appending never copies the past and each (head, channel) row is contiguous."""
-
-    def __init__(self, batch: int, heads: int, dim: int, *, dtype, device) -> None:
-        self.heads, self.dim = heads, dim
-        self.buffer = GrowableBuffer(batch, heads * dim, 1, dtype=dtype, device=device)
-
-    def append(self, x: torch.Tensor) -> torch.Tensor:
-        """Append x (batch, heads, dim, n); return the live (batch, heads, dim, time) view."""
-        b, _, _, n = x.shape
-        live = self.buffer.append(x.reshape(b, self.heads * self.dim, n, 1))
-        return live.view(b, self.heads, self.dim, live.shape[2])
-
-    def view(self) -> torch.Tensor:
-        """The live (batch, heads, dim, time) entries."""
-        live = self.buffer.view()
-        return live.view(live.shape[0], self.heads, self.dim, live.shape[2])
-
-
-class LRKVCache(AttentionCache):
-    """Shared keys/values, per-head latents and (with qk_norm) per-head key scales of every past token."""
-
-    def __init__(self, owner_spec: tuple, batch_size: int, n_heads: int, head_dim: int, rank_k: int, rank_v: int, key_scale: bool, *, dtype, device) -> None:
-        super().__init__(owner_spec, batch_size, dtype, device)
-        kw = {"dtype": dtype, "device": device}
-        self.shared_k = GrowableBuffer(batch_size, 1, head_dim, **kw)
-        self.shared_v = GrowableBuffer(batch_size, 1, head_dim, **kw)
-        self.latent_k = TimeLastBuffer(batch_size, n_heads, rank_k, **kw)
-        self.latent_v = TimeLastBuffer(batch_size, n_heads, rank_v, **kw)
-        self.key_scale = GrowableBuffer(batch_size, n_heads, 1, **kw) if key_scale else None
-
-    def tensors(self):
-        buffers = (self.shared_k, self.shared_v, self.latent_k.buffer, self.latent_v.buffer, self.key_scale)
-        return iter(b for b in buffers if b is not None)
-
-    def extend(self, new: LRKVEntries) -> LRKVEntries:
-        """Append the new tokens' entries; return views of every cached entry (past and new). With
-        autograd recording, the returned entries are a fresh copy (differentiable in the new
-        tokens) and the buffers store the new entries detached."""
-        buffers = (self.shared_k, self.shared_v, self.latent_k, self.latent_v, self.key_scale)
-        self.seq_len += new.shared_k.shape[2]
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in new):
-            dims = (2, 2, -1, -1, 2)  # the time dimension of each entry
-            entries = LRKVEntries(*(None if buf is None else torch.cat((buf.view(), t), dim=d) for buf, t, d in zip(buffers, new, dims)))
-            for buf, t in zip(buffers, new):
-                if buf is not None:
-                    buf.append(t.detach())
-            return entries
-        return LRKVEntries(*(None if buf is None else buf.append(t) for buf, t in zip(buffers, new)))
 
 
 def resolve_ranks(rank: int | None, rank_k: int | None, rank_v: int | None) -> tuple[int, int]:
@@ -288,48 +172,6 @@ class LowRankKVAttention(Attention):
         ``residual_init`` of the shared map's norm."""
         super().reset_parameters(std, out_std)
         self._init_residual_factors()
-
-    @classmethod
-    def from_mha(cls, mha: MultiHeadAttention, *, rope_mode: str = "full") -> LowRankKVAttention:
-        """An lrkv layer that computes exactly what ``mha`` (or gqa/mqa) computes.
-
-        One residual group per K/V head of ``mha``: W_shared = the mean of the K/V heads' maps,
-        U_g = W_g - W_shared, B_g = I, so the ranks are the channel counts the residuals write
-        (head_dim; for keys in ``decoupled`` mode the non-rotary channels, which needs the rotary
-        key channels of every head to be equal). The cache is then larger than the original's (the
-        constructor warns): exact, for testing the algebra and as the start of a conversion.
-        """
-        if mha.window is not None:
-            raise ValueError("from_mha needs a layer without a sliding window")
-        common = {"rope": mha.rope_mode, "rope_fraction": mha.rope_fraction, "rope_theta": mha.rope_theta, "qk_norm": mha.use_qk_norm, "bias": mha.use_bias}
-        hd, heads = mha.head_dim, mha.n_heads
-        rotary, placement = resolve_positions(hd, rope_mode, mha.rope_mode, mha.rope_fraction, mha.rope_theta)
-        if rotary.rot_dim != mha.rotary.rot_dim:
-            raise ValueError(
-                f"rope_mode={rope_mode!r} rotates {rotary.rot_dim} channels per head, the mha layer {mha.rotary.rot_dim}; "
-                "they cannot compute the same function"
-            )
-        writable = hd - (rotary.rot_dim if placement == "decoupled" else 0)
-        lrkv = cls(mha.d_model, heads, hd, rank_k=writable, rank_v=hd, rope_mode=rope_mode, n_kv_heads=mha.n_kv_heads, **common)
-        lrkv.to(dtype=mha.q_proj.weight.dtype, device=mha.q_proj.weight.device)
-        state = {k: v for k, v in mha.state_dict().items() if k.split(".")[0] in ("q_proj", "o_proj", "q_norm", "k_norm")}
-        for name in ("k", "v"):
-            proj = getattr(mha, f"{name}_proj")
-            start = lrkv.key_residual_start if name == "k" else 0
-            weights = [proj.weight.view(mha.n_kv_heads, hd, -1)]  # (G, hd, d)
-            if mha.use_bias:
-                weights.append(proj.bias.view(mha.n_kv_heads, hd, 1))
-            for suffix, w in zip(("weight", "bias"), weights):
-                if start and not torch.equal(w[:, :start], w[:1, :start].expand_as(w[:, :start])):
-                    raise ValueError("rope_mode='decoupled' shares the rotary key channels; the mha heads' rotary key maps differ")
-                shared = torch.cat((w[0, :start], w[:, start:].mean(0)))
-                state[f"{name}_shared.{suffix}"] = shared if suffix == "weight" else shared[:, 0]
-                residual = (w - shared)[:, start:]  # (G, writable, d) = U_g^T with B_g = I
-                state[f"{name}_latent.{suffix}"] = residual.reshape(-1, residual.shape[-1]) if suffix == "weight" else residual.reshape(-1)
-            eye = torch.eye(hd - start, dtype=proj.weight.dtype, device=proj.weight.device)
-            state[f"{name}_up"] = eye.expand(mha.n_kv_heads, -1, -1).clone()
-        lrkv.load_state_dict(state)
-        return lrkv
 
     # -- the contract ------------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from slimkv.attention.lrkv import LowRankKVAttention, resolve_positions
+from slimkv.attention.mha import MultiHeadAttention
 from slimkv.convert.context import AffineLayer, LayerContext, LayerFit, layer_budget, linear_state, output_state
 from slimkv.convert.lowrank import damped_sqrt, weighted_factors
 from slimkv.convert.pairs import from_complex, mix_pairs, pair_energy, to_complex
@@ -140,3 +142,45 @@ def shared_plus_residual(targets: list[torch.Tensor], weights: list[torch.Tensor
         left = [r @ (t - shared - up @ down) for r, t, (down, up) in zip(roots, targets, fits)]
         history.append(sum(float(torch.trace(e @ cov @ e.T)) for e in left) / max(scale, 1e-300))
     return shared, [down for down, _ in fits], [up for _, up in fits], history
+
+
+def lrkv_from_mha(mha: MultiHeadAttention, *, rope_mode: str = "full") -> LowRankKVAttention:
+    """An lrkv layer that computes exactly what ``mha`` (or gqa/mqa) computes.
+
+    One residual group per K/V head of ``mha``: W_shared = the mean of the K/V heads' maps,
+    U_g = W_g - W_shared, B_g = I, so the ranks are the channel counts the residuals write
+    (head_dim; for keys in ``decoupled`` mode the non-rotary channels, which needs the rotary
+    key channels of every head to be equal). The cache is then larger than the original's (the
+    constructor warns): exact, for testing the algebra and as the start of a conversion.
+    """
+    if mha.window is not None:
+        raise ValueError("lrkv_from_mha needs a layer without a sliding window")
+    common = {"rope": mha.rope_mode, "rope_fraction": mha.rope_fraction, "rope_theta": mha.rope_theta, "qk_norm": mha.use_qk_norm, "bias": mha.use_bias}
+    hd, heads = mha.head_dim, mha.n_heads
+    rotary, placement = resolve_positions(hd, rope_mode, mha.rope_mode, mha.rope_fraction, mha.rope_theta)
+    if rotary.rot_dim != mha.rotary.rot_dim:
+        raise ValueError(
+            f"rope_mode={rope_mode!r} rotates {rotary.rot_dim} channels per head, the mha layer {mha.rotary.rot_dim}; "
+            "they cannot compute the same function"
+        )
+    writable = hd - (rotary.rot_dim if placement == "decoupled" else 0)
+    lrkv = LowRankKVAttention(mha.d_model, heads, hd, rank_k=writable, rank_v=hd, rope_mode=rope_mode, n_kv_heads=mha.n_kv_heads, **common)
+    lrkv.to(dtype=mha.q_proj.weight.dtype, device=mha.q_proj.weight.device)
+    state = {k: v for k, v in mha.state_dict().items() if k.split(".")[0] in ("q_proj", "o_proj", "q_norm", "k_norm")}
+    for name in ("k", "v"):
+        proj = getattr(mha, f"{name}_proj")
+        start = lrkv.key_residual_start if name == "k" else 0
+        weights = [proj.weight.view(mha.n_kv_heads, hd, -1)]  # (G, hd, d)
+        if mha.use_bias:
+            weights.append(proj.bias.view(mha.n_kv_heads, hd, 1))
+        for suffix, w in zip(("weight", "bias"), weights):
+            if start and not torch.equal(w[:, :start], w[:1, :start].expand_as(w[:, :start])):
+                raise ValueError("rope_mode='decoupled' shares the rotary key channels; the mha heads' rotary key maps differ")
+            shared = torch.cat((w[0, :start], w[:, start:].mean(0)))
+            state[f"{name}_shared.{suffix}"] = shared if suffix == "weight" else shared[:, 0]
+            residual = (w - shared)[:, start:]  # (G, writable, d) = U_g^T with B_g = I
+            state[f"{name}_latent.{suffix}"] = residual.reshape(-1, residual.shape[-1]) if suffix == "weight" else residual.reshape(-1)
+        eye = torch.eye(hd - start, dtype=proj.weight.dtype, device=proj.weight.device)
+        state[f"{name}_up"] = eye.expand(mha.n_kv_heads, -1, -1).clone()
+    lrkv.load_state_dict(state)
+    return lrkv

@@ -14,6 +14,7 @@ import slimkv.attention.lrkv as lrkv_module
 from slimkv import ModelConfig, SlimKVForCausalLM
 from slimkv.attention import build_attention
 from slimkv.attention.lrkv import LowRankKVAttention
+from slimkv.convert.lrkv import lrkv_from_mha
 from slimkv.ops.attention import reference_attention
 from tests.helpers import D_MODEL, HEAD_DIM, N_HEADS, SEQ_LEN, rel_rmse, run_in_calls
 
@@ -196,13 +197,13 @@ def test_full_rank_with_mha_weights_is_mha(rope_mode, rope, common):
     * ``none``: no rotation on either side.
     * ``decoupled`` takes the rotary key channels from the shared key alone, so it equals only
       MHA layers whose heads share their rotary key channels (same rot_dim, i.e. MHA with partial
-      rope); ``from_mha`` refuses the others (tested below).
+      rope); ``lrkv_from_mha`` refuses the others (tested below).
     Checked through the full forward and the factored cached path."""
     rot = HEAD_DIM // 2 if rope == "partial" else 0
     mha = mha_with_shared_rotary_keys(rot, rope=rope, **common)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # full rank: the cache is at least MHA's (tested elsewhere)
-        attn = LowRankKVAttention.from_mha(mha, rope_mode=rope_mode)
+        attn = lrkv_from_mha(mha, rope_mode=rope_mode)
     assert attn.rank_v == HEAD_DIM and attn.rank_k == HEAD_DIM - attn.key_residual_start
     x = inputs()
     with torch.no_grad():
@@ -215,7 +216,7 @@ def test_full_rank_reproduces_gqa():
     torch.manual_seed(0)
     gqa = build_attention("gqa", D_MODEL, N_HEADS, HEAD_DIM, n_kv_heads=2, qk_norm=True).double()
     with pytest.warns(UserWarning):
-        attn = LowRankKVAttention.from_mha(gqa, rope_mode="full")
+        attn = lrkv_from_mha(gqa, rope_mode="full")
     x = inputs()
     with torch.no_grad():
         assert rel_rmse(run_in_calls(attn, x, SPLITS), gqa(x)) < 1e-10
@@ -226,9 +227,9 @@ def test_from_mha_refuses_what_it_cannot_represent():
     mha = build_attention("mha", D_MODEL, N_HEADS, HEAD_DIM, rope="partial").double()
     with pytest.raises(ValueError, match="rotary key"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        LowRankKVAttention.from_mha(mha, rope_mode="decoupled")  # its heads' rotary channels differ
+        lrkv_from_mha(mha, rope_mode="decoupled")  # its heads' rotary channels differ
     with pytest.raises(ValueError, match="rotates"):
-        LowRankKVAttention.from_mha(mha, rope_mode="none")
+        lrkv_from_mha(mha, rope_mode="none")
 
 
 # ---------------------------------------------------------------- cache size
