@@ -21,13 +21,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from slimkv.attention import ATTENTION_KINDS, kind_spec
 from slimkv.bench.entries import Entry, recipe_shape, run_slug
 from slimkv.bench.statistics import summarize
-from slimkv.common.files import FolderBusyError, check_folder_target, read_json, save_figure, write_json, write_text
+from slimkv.common.files import (
+    FolderBusyError,
+    check_folder_target,
+    check_writable,
+    read_json,
+    save_figure,
+    write_json,
+    write_text,
+)
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import machine_info
 from slimkv.eval.recall import RecallRecipe, model_config, train_recall
+from slimkv.model import SlimKVForCausalLM
 
 REPORT_FORMAT = 1
 REPORT_KIND = "recall"
@@ -35,6 +46,8 @@ PLOT_FILE = "recall_frontier.png"
 HYBRID = ("swa", "kvm")
 SOLVED = 0.9  # a seed "solved" the task when its accuracy at the training length reaches this
 HEAD_SHARING = {"mha", "gqa", "mqa"}  # one curve on the plot: the same mechanism at n_kv_heads = H, H/g, 1
+MAX_PARAMETERS = 100_000_000  # a recall model is small (the defaults: about 100K); more is a typo that would exhaust memory
+MAX_SEEDS = 1000  # seeds of one recall report (each is a training run per entry)
 
 
 def frontier_entries(recipe: RecallRecipe) -> list[Entry]:
@@ -62,13 +75,27 @@ def family(entry: dict[str, Any]) -> str:
 
 
 def check_entries(entries: list[Entry], recipe: RecallRecipe) -> None:
-    """Every entry builds with the recipe (before any training)."""
+    """Every entry builds with the recipe and has at most ``MAX_PARAMETERS`` parameters (counted on
+    the meta device: nothing is allocated), before any training."""
     recipe.validate()
     for entry in entries:
         try:
-            model_config(entry.spec(), recipe)
+            config = model_config(entry.spec(), recipe)
         except ValueError as err:
             raise ValueError(f"entry {entry.label!r}: {err}") from None
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in SlimKVForCausalLM(config).parameters())
+        if parameters > MAX_PARAMETERS:
+            raise ValueError(f"entry {entry.label!r}: d_model={recipe.d_model}, n_layers={recipe.n_layers} (--d-model, --n-layers) give a model of "
+                             f"{parameters:,} parameters, more than the {MAX_PARAMETERS:,} a recall run may have; lower them")
+
+
+def check_seeds(seeds: list[int]) -> None:
+    """At most ``MAX_SEEDS`` seeds, each one torch can take."""
+    if len(seeds) > MAX_SEEDS:
+        raise ValueError(f"--seeds asks for {len(seeds):,} seeds (a training run each per entry); at most {MAX_SEEDS} are allowed")
+    if max(seeds) >= 2**63:
+        raise ValueError(f"--seeds must be below 2**63, got {max(seeds)}")
 
 
 def run_recall(entries: list[Entry], recipe: RecallRecipe, seeds: list[int], out_dir: str | Path, *, title: str = "Recall frontier",
@@ -76,8 +103,10 @@ def run_recall(entries: list[Entry], recipe: RecallRecipe, seeds: list[int], out
     """Train and evaluate every entry x seed (reusing finished runs), aggregate, write
     ``report.json``, ``report.md`` and the plot into ``out_dir``; returns the report."""
     check_entries(entries, recipe)
+    check_seeds(seeds)
     out_dir = Path(out_dir)
     check_folder_target(out_dir)
+    check_writable(out_dir)
     started = time.perf_counter()
     runs, busy = [], []
     total = len(entries) * len(seeds)

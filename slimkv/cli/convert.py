@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from slimkv.common.checks import check_int
-from slimkv.convert.heal import PARAMETER_SETS, HealConfig
+from slimkv.convert.heal import HEAL_DIR, PARAMETER_SETS, HealConfig, check_resumable
 from slimkv.convert.methods import CONVERSIONS
 from slimkv.convert.pipeline import (
-    CONVERTED_FOLDER,
     EXPORTS,
     ConvertOptions,
     check_before_work,
+    conversion_fingerprint,
     convert_pretrained,
     heal_converted,
+    read_manifest,
 )
 
 
@@ -37,7 +39,7 @@ def add_commands(subparsers) -> None:
             "  slimkv convert --model smollm2 --to mla --cache-ratio 0.5 --out runs/smollm2-mla50\n"
             "  slimkv convert --model smollm2 --to mla --cache-ratio 0.25 --heal-tokens 500000 --out runs/smollm2-mla25\n"
             "  slimkv convert --model smollm2 --to mla-prefix --cache-ratio 0.5 --export deepseek --out runs/smollm2-ds50\n"
-            "  slimkv convert --out runs/smollm2-mla25 --resume        # continue an interrupted healing\n"
+            "  slimkv convert --out runs/smollm2-mla25 --resume        # continue an interrupted healing (with its options)\n"
             "  slimkv eval cache --model runs/smollm2-mla50 --context 4096\n"
             "  slimkv eval ppl --model runs/smollm2-mla50"
         ),
@@ -47,49 +49,86 @@ def add_commands(subparsers) -> None:
     p.add_argument("--to", dest="method", choices=list(CONVERSIONS), help="the conversion method (see below)")
     p.add_argument("--cache-ratio", type=float, help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5")
     p.add_argument("--out", required=True, help="output folder (must be empty, new, or an earlier conversion)")
-    p.add_argument("--calib", default="shakespeare", help="calibration text: `shakespeare` (the training plays) or a text file/folder")
-    p.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens (default 8192)")
-    p.add_argument("--calib-seq-len", type=int, default=1024, help="calibration window length (default 1024)")
-    p.add_argument("--seed", type=int, default=0, help="seed of calibration sampling and healing (default 0)")
+    p.add_argument("--calib", default=None, help="calibration text: `shakespeare` (the training plays, default) or a text file/folder")
+    p.add_argument("--calib-tokens", type=int, default=None, help=f"calibration tokens (default {ConvertOptions.calib_tokens}; at most what the text holds)")
+    p.add_argument("--calib-seq-len", type=int, default=None, help=f"calibration window length (default {ConvertOptions.calib_seq_len})")
+    p.add_argument("--seed", type=int, default=None, help="seed of calibration sampling and healing (default 0)")
     p.add_argument("--export", choices=EXPORTS, default=None,
                    help="also write OUT/deepseek_v3: the model as transformers' DeepseekV3ForCausalLM (needs --to mla-prefix and a source without query biases)")
     heal = p.add_argument_group("healing (distillation from the original; off unless --heal-tokens)")
-    heal.add_argument("--heal-tokens", type=int, default=0, help="training tokens of healing (0 = no healing)")
-    heal.add_argument("--heal-text", default="shakespeare", help="healing text (default: the training plays); never the evaluation text")
-    heal.add_argument("--heal-params", choices=PARAMETER_SETS, default="changed", help="what healing trains (default: what the conversion changed)")
-    heal.add_argument("--heal-lr", type=float, default=HealConfig.lr, help=f"peak learning rate (default {HealConfig.lr:g})")
-    heal.add_argument("--heal-seq-len", type=int, default=HealConfig.seq_len, help=f"healing window length (default {HealConfig.seq_len})")
-    heal.add_argument("--heal-batch-size", type=int, default=HealConfig.batch_size, help=f"windows per step (default {HealConfig.batch_size})")
-    heal.add_argument("--resume", action="store_true", help="continue the interrupted healing of the conversion in --out (same options)")
+    heal.add_argument("--heal-tokens", type=int, default=None, help="training tokens of healing (default 0: no healing)")
+    heal.add_argument("--heal-text", default=None, help="healing text (default: the training plays); never the evaluation text")
+    heal.add_argument("--heal-params", choices=PARAMETER_SETS, default=None, help="what healing trains (default: what the conversion changed)")
+    heal.add_argument("--heal-lr", type=float, default=None, help=f"peak learning rate (default {HealConfig.lr:g})")
+    heal.add_argument("--heal-seq-len", type=int, default=None, help=f"healing window length (default {HealConfig.seq_len})")
+    heal.add_argument("--heal-batch-size", type=int, default=None, help=f"windows per step (default {HealConfig.batch_size})")
+    heal.add_argument("--resume", action="store_true",
+                      help="continue the interrupted healing of the conversion in --out, with the options it was started with (any given must match)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_convert)
 
 
+# --heal-* option -> HealConfig field
+HEAL_FLAGS = {"heal_tokens": "tokens", "heal_text": "text", "heal_params": "params", "heal_lr": "lr", "heal_seq_len": "seq_len",
+              "heal_batch_size": "batch_size", "seed": "seed"}
+# conversion option -> ConvertOptions field (checked against the manifest on --resume)
+CONVERT_FLAGS = {"method": "method", "cache_ratio": "cache_ratio", "calib": "calib", "calib_tokens": "calib_tokens", "calib_seq_len": "calib_seq_len",
+                 "seed": "seed", "export": "export"}
+
+
+def _flag(name: str) -> str:
+    return "--to" if name == "method" else f"--{name.replace('_', '-')}"
+
+
+def _given(args: argparse.Namespace, names) -> dict[str, object]:
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def _heal_config(args: argparse.Namespace) -> HealConfig | None:
-    if not args.heal_tokens:
+    given = _given(args, HEAL_FLAGS)
+    if not given.get("heal_tokens"):
+        extra = sorted(_flag(name) for name in given if name not in ("heal_tokens", "seed"))
+        if extra:
+            raise ValueError(f"{', '.join(extra)} set(s) up healing, which runs only with --heal-tokens N (N > 0)")
         return None
-    return HealConfig(tokens=args.heal_tokens, text=args.heal_text, params=args.heal_params, lr=args.heal_lr, seq_len=args.heal_seq_len,
-                      batch_size=args.heal_batch_size, seed=args.seed)
+    cfg = HealConfig(**{HEAL_FLAGS[name]: value for name, value in given.items()})
+    cfg.validate()
+    return cfg
+
+
+def _resume(args: argparse.Namespace) -> dict:
+    """``--resume``: the options given must be those of the conversion and healing in --out."""
+    out = Path(args.out).expanduser()
+    manifest = read_manifest(out)
+    stored = manifest.get("options") or {}
+    differences = [f"{_flag(name)}: {out} has {stored[CONVERT_FLAGS[name]]!r}, given {value!r}" for name, value in _given(args, CONVERT_FLAGS).items()
+                   if CONVERT_FLAGS[name] in stored and stored[CONVERT_FLAGS[name]] != value]
+    base = (manifest.get("base_model") or {}).get("name")
+    if args.model is not None and args.model != base and str(Path(args.model).expanduser().resolve()) != base:
+        differences.insert(0, f"--model: {out} was converted from {base!r}, given {args.model!r}")
+    if differences:
+        raise ValueError(f"--resume continues the healing of the conversion in {out}, which was made with other options ({'; '.join(differences)}); "
+                         "give the same options or none")
+    requested = None
+    if _given(args, HEAL_FLAGS):
+        stored_cfg = check_resumable(out / HEAL_DIR, None, conversion_fingerprint(out, manifest))
+        requested = replace(stored_cfg, **{HEAL_FLAGS[name]: value for name, value in _given(args, HEAL_FLAGS).items()})
+    return heal_converted(out, requested, resume=True, progress=not args.no_progress)
 
 
 def _convert(args: argparse.Namespace) -> int:
     if args.threads is not None:
         check_int("--threads", args.threads, 1)
         torch.set_num_threads(args.threads)
-    heal_cfg = _heal_config(args)
-    if heal_cfg is not None:
-        heal_cfg.validate()
     if args.resume:
-        if heal_cfg is None:
-            raise ValueError("--resume continues a healing: give the same --heal-tokens (and other --heal-* options) as the interrupted run")
-        CONVERTED_FOLDER.check(args.out)
-        manifest = heal_converted(Path(args.out), heal_cfg, resume=True, progress=not args.no_progress)
+        manifest = _resume(args)
     else:
+        heal_cfg = _heal_config(args)
         missing = [flag for flag, value in (("--model", args.model), ("--to", args.method), ("--cache-ratio", args.cache_ratio)) if value is None]
         if missing:
             raise ValueError(f"{', '.join(missing)} required (or --resume to continue a healing)")
-        options = ConvertOptions(args.method, args.cache_ratio, args.calib, args.calib_tokens, args.calib_seq_len, args.seed, args.export)
+        options = ConvertOptions(**{CONVERT_FLAGS[name]: value for name, value in _given(args, CONVERT_FLAGS).items()})
         check_before_work(args.model, options, args.out, heal_cfg)
         _, manifest = convert_pretrained(args.model, options, args.out, heal_cfg=heal_cfg, progress=not args.no_progress)
     before, after = (sum(manifest["cache_elements_per_token_per_layer"][k]) for k in ("before", "after"))

@@ -5,9 +5,11 @@
 * ``read_json`` names the file in every error (a corrupt file says which file is corrupt).
 * ``atomic_directory`` stages a whole folder and swaps it in; ``existing_directory`` finds the
   complete copy even if a swap was interrupted.
-* ``check_output_folder`` / ``output_folder`` publish a whole output folder (a compressed or
-  converted model): the destination is checked before any work, the new folder is written
-  beside it and swapped in, and nothing slimkv did not write is ever deleted.
+* ``OutputFolder`` publishes a whole output folder (a compressed or converted model): the
+  destination is checked before any work (what is there, and that it can be written), the new
+  folder is written beside it and swapped in, and nothing slimkv did not write is ever deleted:
+  the temporary folders of a swap are created fresh by this process (``fresh_sibling``), never
+  taken over from a name that happens to exist.
 * ``folder_lock`` holds an exclusive advisory lock on a folder (the folder itself, no lock file)
   for the life of a run, so a second process writing into the same folder gets a clear error
   instead of interleaved files.
@@ -20,9 +22,10 @@ import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +98,50 @@ def check_folder_target(path: str | Path, option: str = "--out") -> None:
         raise ValueError(f"{option} {path} is a file; give a folder")
 
 
+def check_file_target(path: str | Path, option: str) -> None:
+    """A file slimkv will write (``write_json``) must not be a folder and its folder must be
+    writable: ValueError naming ``option``, checked before any work."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a folder; give a file path to write to")
+    check_writable(path, option)
+
+
 def _retired(target: Path) -> Path:
     return target.with_name(f".{target.name}.old")
+
+
+def fresh_sibling(target: str | Path, tag: str) -> Path:
+    """A new empty folder beside ``target`` (``.NAME.TAG-PID-RANDOM``), created by this call: an
+    existing folder is never reused, so cleaning it up can delete nothing but what we put there."""
+    target = Path(target)
+    for _attempt in range(100):
+        path = target.with_name(f".{target.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a new temporary folder beside {target}")
+
+
+def check_writable(target: str | Path, option: str = "--out") -> None:
+    """Before any work: slimkv can create ``target`` (or folders beside it, as a publish does) and
+    change it if it exists; ValueError naming ``option`` and the folder otherwise (a read-only
+    filesystem, /proc, no permission). The probe folder it creates is removed at once."""
+    target = Path(target).expanduser().absolute()
+    ancestor = target.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{option} {target} cannot be created: {ancestor} is a file, not a folder")
+    try:
+        fresh_sibling(ancestor / target.name, "probe").rmdir()
+    except OSError as err:
+        raise ValueError(f"{option} {target} cannot be written: creating a folder in {ancestor} failed ({err.strerror or err}); "
+                         "choose a folder you can write to") from None
+    if target.is_dir() and not os.access(target, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {target} cannot be written (no write permission on the folder); choose a folder you can write to")
 
 
 @contextmanager
@@ -105,9 +150,8 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     aside first and deleted last, so ``existing_directory`` always finds a complete one). Only
     for folders slimkv owns entirely (a checkpoint, a saved model): the old folder is deleted."""
     target = Path(target)
-    staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = fresh_sibling(target, "tmp")
     try:
         yield staging
     except BaseException:
@@ -151,51 +195,98 @@ def folder_lock(folder: str | Path, what: str = "run") -> Iterator[None]:
 
 class OutputFolder:
     """Rules for one kind of output folder slimkv publishes: its manifest (``marker``) lists the
-    files slimkv wrote there, so a later run may replace those and must keep everything else."""
+    files slimkv wrote there, so a later run may replace those and must keep everything else.
+    ``runs`` names the folders a slimkv run creates inside a published folder afterwards (the
+    healing run of a conversion), each with the file that marks it as slimkv's: a new output
+    replaces them with the rest of the earlier output unless ``publish`` is told to keep them."""
 
-    def __init__(self, marker: str, what: str) -> None:
+    def __init__(self, marker: str, what: str, runs: dict[str, str] | None = None) -> None:
         self.marker, self.what = marker, what
+        self.runs = dict(runs or {})
 
-    def check(self, target: str | Path) -> None:
-        """Before any work: ``target`` is absent, an empty folder, or an earlier output of this kind."""
-        target = Path(target)
+    def check(self, target: str | Path, names: tuple[str, ...] | list[str] = ()) -> None:
+        """Before any work: ``target`` is absent, an empty folder, or an earlier output of this
+        kind, can be written, and holds nothing slimkv did not write under the ``names`` the new
+        output will have."""
+        target = Path(target).expanduser()
         check_folder_target(target)
         if target.is_dir() and any(target.iterdir()) and not (target / self.marker).is_file():
             raise ValueError(f"--out {target} is not empty and is not an earlier {self.what} (no {self.marker}); choose an empty or new folder")
+        check_writable(target)
+        if target.is_dir():
+            self._refuse_clashes(target, [p.name for p in self.foreign(target) if p.name in names])
+            with self._runs_held(target):  # FolderBusyError now, not after the work, if a run there is still going
+                pass
+
+    @contextmanager
+    def _runs_held(self, target: Path, keep: tuple[str, ...] = ()) -> Iterator[None]:
+        """Hold the lock of every run folder in ``target`` a new output would replace."""
+        runs = [target / name for name in sorted(self.written_by_slimkv(target) & set(self.runs)) if name not in keep]
+        with ExitStack() as stack:
+            for run in runs:
+                stack.enter_context(folder_lock(run, "run (a new output would replace it)"))
+            yield
 
     def written_by_slimkv(self, target: Path) -> set[str]:
-        """Names of the files an earlier output in ``target`` wrote (from its manifest)."""
+        """Names of what an earlier output in ``target`` wrote: its manifest's files, and the run
+        folders of ``runs`` that hold their marker."""
         if not (target / self.marker).is_file():
             return set()
         manifest = read_json(target / self.marker, expect=dict)
-        return {*manifest.get("files", []), self.marker}
+        runs = {name for name, marker in self.runs.items() if (target / name / marker).is_file()}
+        return {*manifest.get("files", []), self.marker, *runs}
+
+    def foreign(self, target: Path, keep: tuple[str, ...] = ()) -> list[Path]:
+        """What in ``target`` a new output must carry over: what slimkv did not write, and ``keep``."""
+        if not target.is_dir():
+            return []
+        ours = self.written_by_slimkv(target) - set(keep)
+        return [p for p in target.iterdir() if p.name not in ours]
+
+    def _refuse_clashes(self, target: Path, clash: list[str]) -> None:
+        if clash:
+            raise ValueError(f"--out {target} holds files slimkv did not write with the names of new output files ({', '.join(sorted(clash))}); "
+                             "move them away first")
 
     @contextmanager
-    def publish(self, target: str | Path) -> Iterator[Path]:
+    def publish(self, target: str | Path, keep: tuple[str, ...] = ()) -> Iterator[Path]:
         """Yield an empty staging folder beside ``target``; on success it becomes ``target``. An
-        earlier output of this kind is replaced, but files slimkv did not write there are moved
-        into the new folder (or the swap is refused if a new file has the same name)."""
+        earlier output of this kind is replaced, but files slimkv did not write there (and the
+        ``keep`` names) are moved into the new folder (or the swap is refused if a new file has
+        the same name). Only folders this call created are ever deleted; if the swap fails, the
+        earlier folder is left as it was."""
         target = Path(target).expanduser()
         self.check(target)
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+        staging = fresh_sibling(target, "tmp")
+        moved: list[str] = []
         try:
             yield staging
-            if target.is_dir():
-                foreign = [p for p in target.iterdir() if p.name not in self.written_by_slimkv(target)]
-                clash = [p.name for p in foreign if (staging / p.name).exists()]
-                if clash:
-                    raise ValueError(f"--out {target} holds files slimkv did not write with the names of new output files ({', '.join(clash)}); move them away first")
-                for path in foreign:
-                    os.replace(path, staging / path.name)
-                retired = _retired(target)
-                shutil.rmtree(retired, ignore_errors=True)
-                os.replace(target, retired)
+            if not target.is_dir():
                 os.replace(staging, target)
-                shutil.rmtree(retired, ignore_errors=True)
-            else:
+                return
+            carried = self.foreign(target, keep)
+            self._refuse_clashes(target, [p.name for p in carried if (staging / p.name).exists()])
+            for path in carried:
+                os.replace(path, staging / path.name)
+                moved.append(path.name)
+            holder = fresh_sibling(target, "old")
+            try:
+                with self._runs_held(target, keep):
+                    os.replace(target, holder / target.name)
+            except BaseException:
+                holder.rmdir()
+                raise
+            try:
                 os.replace(staging, target)
+            except BaseException:
+                os.replace(holder / target.name, target)
+                holder.rmdir()
+                raise
+            moved.clear()
+            shutil.rmtree(holder, ignore_errors=True)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging.exists():
+                for name in moved:  # a failed swap gives back what it carried over
+                    os.replace(staging / name, target / name)
+                shutil.rmtree(staging, ignore_errors=True)

@@ -6,6 +6,10 @@ It reuses the training loop (``slimkv.train.trainer``): AdamW with warmup and co
 progress bar, NaN stop, atomic checkpoints and exact resume, in the run folder ``OUT/healing``
 (``heal_config.json``, ``checkpoint/``, ``model/``, ``metrics.jsonl``, ``summary.json``). The
 last 5% of the healing text's tokens are held out: the loop reports KL and the student's CE there.
+
+A healing run belongs to one conversion: ``heal_config.json`` and every checkpoint record the
+conversion's fingerprint (the sha256 of its one-shot weights, ``conversion_sha256`` in the
+manifest), and ``--resume`` refuses a run of another conversion before anything is loaded.
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import folder_lock, read_json, write_json
 from slimkv.data.texts import DOC_SEPARATOR, calibration_sources, text_sha256, tokenize
 from slimkv.train.batches import BatchSampler
-from slimkv.train.checkpoint import existing_directory
+from slimkv.train.checkpoint import METRICS_FILE, SUMMARY_FILE, existing_directory
 from slimkv.train.config import check_optimizer_settings
 from slimkv.train.trainer import Trainer, make_optimizer, run_loop
 
 HEAL_CONFIG = "heal_config.json"
 HEAL_DIR = "healing"
+CONVERSION_KEY = "conversion_sha256"  # the fingerprint of the conversion a healing run belongs to
 PARAMETER_SETS = ("changed", "attention", "all")
 HELD_OUT_FRACTION = 0.05
 
@@ -59,14 +64,15 @@ class HealConfig:
     grad_accum: int = 1
 
     def validate(self) -> None:
-        check_int("heal_tokens", self.tokens, 1)
-        check_choice("heal_params", self.params, PARAMETER_SETS)
+        """ValueError naming the command-line option (``--heal-*``, ``--seed``) of a bad field."""
+        check_int("--heal-tokens", self.tokens, 1)
+        check_choice("--heal-params", self.params, PARAMETER_SETS)
         for name in ("seq_len", "batch_size", "log_every", "eval_windows", "grad_accum"):
-            check_int(name, getattr(self, name), 1)
+            check_int(f"--heal-{name.replace('_', '-')}" if name in ("seq_len", "batch_size") else f"heal {name}", getattr(self, name), 1)
         for name in ("seed", "eval_every", "checkpoint_every"):
-            check_int(name, getattr(self, name), 0)
-        check_float("warmup_fraction", self.warmup_fraction, 0.0, 1.0)
-        check_optimizer_settings(self, prefix="heal_")
+            check_int("--seed" if name == "seed" else f"heal {name}", getattr(self, name), 0)
+        check_float("heal warmup_fraction", self.warmup_fraction, 0.0, 1.0)
+        check_optimizer_settings(self, prefix="--heal-")
 
     @property
     def steps(self) -> int:
@@ -78,6 +84,83 @@ class HealConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "betas": list(self.betas)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str | Path = HEAL_CONFIG) -> HealConfig:
+        """The config ``to_dict`` wrote (other keys, as the conversion's fingerprint, are ignored);
+        ValueError naming ``source`` when it does not hold one."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        try:
+            cfg = cls(**{**values, "betas": tuple(values.get("betas", cls.betas))})
+            cfg.validate()
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{source} does not hold a valid healing configuration ({err}); the file was edited or damaged") from None
+        return cfg
+
+
+def heal_documents(text: str) -> list[str]:
+    """The documents of a healing text, a mix's sources interleaved document by document, so the
+    held-out tail holds every source, not only the last one."""
+    sources = [documents for _name, documents in calibration_sources(text, option="--heal-text")]
+    return [doc for group in itertools.zip_longest(*sources) for doc in group if doc is not None]
+
+
+def split_heal_ids(tokenizer: Any, documents: list[str], cfg: HealConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(training ids, held-out ids) of the healing text: the last 5% (at least one window) held out;
+    ValueError naming --heal-text and --heal-seq-len when the text is too short for both."""
+    ids = np.asarray(tokenize(tokenizer, DOC_SEPARATOR.join(documents)), dtype=np.int64)
+    held = max(cfg.seq_len + 2, int(len(ids) * HELD_OUT_FRACTION))
+    if len(ids) - held < cfg.seq_len + 2:
+        raise ValueError(f"--heal-text {cfg.text!r} has {len(ids)} tokens, too few for --heal-seq-len {cfg.seq_len} with a held-out part "
+                         f"(it needs at least {2 * (cfg.seq_len + 2)})")
+    return ids[:-held], ids[-held:]
+
+
+def check_heal_text(tokenizer: Any, cfg: HealConfig) -> None:
+    """Before any work: the healing text holds enough tokens for ``cfg`` (``split_heal_ids``).
+    Documents are counted one by one until there are clearly enough, so a long text is not
+    tokenized whole; a short one is split exactly as healing will split it."""
+    documents = heal_documents(cfg.text)
+    count = 0
+    for document in documents:
+        count += len(tokenize(tokenizer, document))
+        if count >= 4 * (cfg.seq_len + 2):
+            return
+    split_heal_ids(tokenizer, documents, cfg)
+
+
+def stored_heal_config(run_dir: Path) -> tuple[HealConfig, str | None]:
+    """(the config, the conversion fingerprint) a healing run folder recorded."""
+    data = read_json(Path(run_dir) / HEAL_CONFIG, expect=dict)
+    return HealConfig.from_dict(data, Path(run_dir) / HEAL_CONFIG), data.get(CONVERSION_KEY)
+
+
+def check_resumable(run_dir: Path, cfg: HealConfig | None, conversion: str) -> HealConfig:
+    """Before anything is loaded (and again under the run's lock): ``run_dir`` holds a healing
+    checkpoint of the conversion ``conversion`` made with ``cfg`` (None: whatever it was made
+    with); returns the run's config. ValueError saying what is wrong and what to do; nothing is
+    created or changed."""
+    run_dir = Path(run_dir)
+    out = run_dir.parent
+    restart = f"heal this conversion from the start with `slimkv convert --model ... --heal-tokens N --out {out}` (without --resume)"
+    checkpoint = existing_directory(run_dir / "checkpoint")
+    if not (run_dir / HEAL_CONFIG).is_file() or checkpoint is None:
+        raise ValueError(f"nothing to resume: {run_dir} holds no healing checkpoint; {restart}")
+    stored, recorded = stored_heal_config(run_dir)
+    saved = read_json(checkpoint / "state.json", expect=dict).get(CONVERSION_KEY) if (checkpoint / "state.json").is_file() else None
+    if recorded is None or saved is None:
+        raise ValueError(f"--resume: {run_dir} does not record which conversion it heals (it was written by an older slimkv), so it cannot be "
+                         f"resumed safely; {restart}")
+    if recorded != conversion or saved != conversion:
+        raise ValueError(f"--resume: the healing run in {run_dir} belongs to another conversion than the one published in {out} "
+                         f"(it started from one-shot weights with sha256 {saved[:12]}..., {out} holds a conversion with {conversion[:12]}...): "
+                         f"it was left by an earlier conversion into this folder and cannot continue this one; {restart}")
+    if cfg is not None and stored != cfg:
+        requested, kept = cfg.to_dict(), stored.to_dict()
+        differences = ", ".join(f"{k}: stored {kept.get(k)!r}, requested {v!r}" for k, v in requested.items() if kept.get(k) != v)
+        raise ValueError(f"--resume: {run_dir} was healed with other options ({differences}); resume with the same options, or with none")
+    return stored
 
 
 class TextBatches:
@@ -137,36 +220,33 @@ def held_out_metrics(student: torch.nn.Module, teacher: torch.nn.Module, windows
 
 
 def heal(student: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cfg: HealConfig, out_dir: str | Path, changed: list[str], *,
-         resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
+         conversion: str, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
     """Distil ``teacher`` into ``student`` per ``cfg`` in the run folder ``out_dir/healing``; the
-    summary (plus what was trained and on which text). The student's weights end healed."""
+    summary (plus what was trained and on which text). The student's weights end healed.
+    ``conversion`` is the fingerprint of the conversion being healed (recorded with the run)."""
     cfg.validate()
     run_dir = Path(out_dir) / HEAL_DIR
-    # a mix's documents interleaved source by source, so the held-out tail holds every source, not only the last one
-    sources = [documents for _name, documents in calibration_sources(cfg.text)]
-    documents = [doc for group in itertools.zip_longest(*sources) for doc in group if doc is not None]
-    ids = np.asarray(tokenize(tokenizer, DOC_SEPARATOR.join(documents)), dtype=np.int64)
-    held = max(cfg.seq_len + 2, int(len(ids) * HELD_OUT_FRACTION))
-    if len(ids) - held < cfg.seq_len + 2:
-        raise ValueError(f"--heal-text {cfg.text!r} has {len(ids)} tokens, too few for --heal-seq-len {cfg.seq_len} with a held-out part")
-    train_ids, eval_ids = ids[:-held], ids[-held:]
+    if resume:
+        check_resumable(run_dir, cfg, conversion)  # before the lock creates the folder
+    documents = heal_documents(cfg.text)
+    train_ids, eval_ids = split_heal_ids(tokenizer, documents, cfg)
     eval_windows = torch.from_numpy(eval_ids[: (len(eval_ids) - 1) // (cfg.seq_len + 1) * (cfg.seq_len + 1)].reshape(-1, cfg.seq_len + 1))[: cfg.eval_windows]
     with folder_lock(run_dir, "healing run"):
         if resume:
-            stored = read_json(run_dir / HEAL_CONFIG, expect=dict) if (run_dir / HEAL_CONFIG).is_file() else None
-            if stored is None or existing_directory(run_dir / "checkpoint") is None:
-                raise ValueError(f"nothing to resume: {run_dir} holds no healing checkpoint; run the conversion again with --heal-tokens")
-            if stored != cfg.to_dict():
-                differences = ", ".join(f"{k}: stored {stored.get(k)!r}, requested {v!r}" for k, v in cfg.to_dict().items() if stored.get(k) != v)
-                raise ValueError(f"--resume: {run_dir} was healed with other options ({differences})")
+            check_resumable(run_dir, cfg, conversion)
         else:
-            write_json(run_dir / HEAL_CONFIG, cfg.to_dict())
+            if existing_directory(run_dir / "checkpoint") is not None:
+                raise ValueError(f"{run_dir} holds a healing checkpoint: continue it with `slimkv convert --out {Path(out_dir)} --resume`, "
+                                 "or convert again to start over")
+            for name in (METRICS_FILE, SUMMARY_FILE):  # left by a run of this conversion that stopped before its first checkpoint
+                (run_dir / name).unlink(missing_ok=True)
+            write_json(run_dir / HEAL_CONFIG, {**cfg.to_dict(), CONVERSION_KEY: conversion})
         trainable = select_parameters(student, cfg.params, changed)
         teacher.eval().requires_grad_(False)
         torch.manual_seed(cfg.seed)
         trainer = Trainer(cfg, run_dir, student, make_optimizer(student, cfg), TextBatches(train_ids, cfg.seq_len, cfg.seed),
                           lambda: held_out_metrics(student, teacher, eval_windows), student.save_pretrained,
-                          {"heal_config": cfg.to_dict()}, objective=distillation_loss(teacher), label="heal")
+                          {"heal_config": cfg.to_dict(), CONVERSION_KEY: conversion}, objective=distillation_loss(teacher), label="heal")
         if resume:
             trainer.restore()
         summary = run_loop(trainer, progress=progress, stop_after=stop_after)

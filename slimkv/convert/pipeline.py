@@ -6,7 +6,9 @@ represent, the destination, the calibration text, the architecture); load the so
 calibration pass of the original model (``slimkv.convert.calibrate``); the method plans per-layer
 sizes that meet the cache ratio and fits every layer; the non-attention weights are copied
 exactly; the cache each layer will hold is measured from a live cache; the folder is published
-(``slimkv.common.files.OutputFolder``: nothing the user wrote there is deleted).
+(``slimkv.common.files.OutputFolder``: nothing the user wrote there is deleted; a new conversion
+replaces an earlier one there, its healing run included, so no healing of another conversion can
+be resumed on it).
 
 ``cache_ratio`` R is the kept fraction of the original model's KV-cache elements per token
 (summed over layers): 0.5 keeps half.
@@ -29,20 +31,22 @@ from slimkv.common.quiet import quiet_transformers
 from slimkv.common.version import VERSION
 from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
-from slimkv.convert.heal import HealConfig, heal
+from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfig, check_heal_text, check_resumable, heal
 from slimkv.convert.methods import Conversion, LayerContext, get_conversion
 from slimkv.convert.source import Source, check_convertible, copy_shared_weights, slimkv_config
 from slimkv.data.texts import (
-    calibration_documents,
     calibration_ids,
     calibration_sources,
     calibration_text_sha256,
+    check_calibration_size,
 )
 from slimkv.model import SlimKVForCausalLM, load_model_folder
 from slimkv.pretrained import load_pretrained, resolve_model_path, weights_fingerprint
-from slimkv.pretrained.loading import CONVERTED_MANIFEST
+from slimkv.pretrained.loading import CONVERTED_MANIFEST, resolve_original
 
-CONVERTED_FOLDER = OutputFolder(CONVERTED_MANIFEST, "slimkv conversion folder")
+CONVERTED_FOLDER = OutputFolder(CONVERTED_MANIFEST, "slimkv conversion folder", runs={HEAL_DIR: HEAL_CONFIG})
+# names a conversion folder always gets (the tokenizer's files vary with the tokenizer)
+OUTPUT_NAMES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json", CONVERTED_MANIFEST)
 FORMAT = "slimkv-converted"
 FORMAT_VERSION = 1
 EXPORTS = ("deepseek",)
@@ -61,26 +65,30 @@ class ConvertOptions:
     export: str | None = None  # "deepseek": also write the model as transformers' DeepseekV3ForCausalLM (mla-prefix only)
 
     def validate(self) -> None:
+        """ValueError naming the command-line option of a bad field."""
         get_conversion(self.method)
-        check_float("cache_ratio", self.cache_ratio, 0.0, 1.0, open_low=True, open_high=True)
-        check_int("calib_tokens", self.calib_tokens, 1)
-        check_int("calib_seq_len", self.calib_seq_len, 2)
+        check_float("--cache-ratio", self.cache_ratio, 0.0, 1.0, open_low=True, open_high=True)
+        check_int("--calib-tokens", self.calib_tokens, 1)
+        check_int("--calib-seq-len", self.calib_seq_len, 2)
         if self.export is not None:
-            check_choice("export", self.export, EXPORTS)
+            check_choice("--export", self.export, EXPORTS)
             if self.method != "mla-prefix":
                 raise ValueError(f"--export deepseek needs --to mla-prefix (one RoPE ladder in every layer), not --to {self.method}")
-        check_int("seed", self.seed, 0)
+        check_int("--seed", self.seed, 0)
 
 
 def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path | None, heal_cfg: HealConfig | None = None) -> None:
-    """Every check that needs no weights: ValueError naming the problem, before anything is loaded."""
+    """Every check that needs no weights: ValueError naming the problem, before anything is loaded
+    (the options, the destination and the names it will get, the architecture, and that the
+    calibration and healing texts hold enough tokens of the model's tokenizer)."""
     options.validate()
     if heal_cfg is not None:
         heal_cfg.validate()
-        calibration_documents(heal_cfg.text)
     if out_dir is not None:
-        CONVERTED_FOLDER.check(out_dir)
-    shape = check_convertible(AutoConfig.from_pretrained(resolve_model_path(model), trust_remote_code=False))
+        names = OUTPUT_NAMES + ((EXPORT_FOLDER,) if options.export else ()) + ((HEAL_DIR,) if heal_cfg is not None else ())
+        CONVERTED_FOLDER.check(out_dir, names)
+    path = resolve_model_path(model)
+    shape = check_convertible(AutoConfig.from_pretrained(path, trust_remote_code=False))
     if options.export == "deepseek" and shape.qkv_bias:
         raise ValueError("--export deepseek cannot express this model: DeepSeek-V3's q_proj has no bias, and its queries have one (Qwen2)")
     method = get_conversion(options.method)
@@ -88,17 +96,11 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
     if options.cache_ratio < minimum:
         raise ValueError(f"--cache-ratio {options.cache_ratio} is below what --to {options.method} can represent for this model: "
                          f"the minimum is {minimum:.4f} ({method.description})")
-    calibration_documents(options.calib)
-
-
-def cache_elements(model: SlimKVForCausalLM, tokens: int = 64) -> list[float]:
-    """Cache elements per token of each layer, measured from a live cache after ``tokens`` tokens."""
-    dtype = next(model.parameters()).dtype
-    cache = model.new_cache(1)
-    with torch.no_grad():
-        model(torch.zeros(1, tokens, dtype=torch.long, device=next(model.parameters()).device), cache=cache)
-    size = torch.empty((), dtype=dtype).element_size()
-    return [layer.nbytes() / tokens / size for layer in cache.layers]
+    with quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    check_calibration_size(tokenizer, calibration_sources(options.calib), options.calib_tokens, options.calib_seq_len)
+    if heal_cfg is not None:
+        check_heal_text(tokenizer, heal_cfg)
 
 
 def build_converted(source: Source, method: Conversion, layers: list[LayerContext], plan: list[dict[str, Any]]
@@ -135,7 +137,7 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     model, layer_info, changed = build_converted(source, method, layers, plan)
     fitted = time.perf_counter()
     before = [float(shape.cache_elements)] * shape.n_layers
-    after = cache_elements(model)
+    after = model.cache_elements_per_token()
     manifest = {
         "method": options.method,
         "kind": method.kind,
@@ -163,13 +165,18 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     return model, manifest
 
 
-def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
+def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str, Any], out_dir: str | Path, *, keep: tuple[str, ...] = ()
+                   ) -> dict[str, Any]:
     """Publish ``out_dir``: the slimkv model (config + safetensors), the tokenizer, the manifest,
     and the DeepSeek-V3 form of the model in ``deepseek_v3/`` when the options ask for it; returns
-    the manifest as published (with the export's facts)."""
+    the manifest as published (with the export's facts). A one-shot conversion gets its
+    fingerprint, ``conversion_sha256`` (the sha256 of its weights), which a healed one keeps;
+    ``keep``: names of the earlier folder to carry over (the healing run of this conversion)."""
     out_dir = Path(out_dir).expanduser()
-    with CONVERTED_FOLDER.publish(out_dir) as folder, quiet_transformers():
+    with CONVERTED_FOLDER.publish(out_dir, keep=keep) as folder, quiet_transformers():
         model.save_pretrained(folder)
+        if not manifest.get(CONVERSION_KEY):
+            manifest = {**manifest, CONVERSION_KEY: weights_fingerprint(folder)}
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         if manifest["options"].get("export") == "deepseek":
@@ -201,18 +208,45 @@ def convert_pretrained(model: str, options: ConvertOptions, out_dir: str | Path 
     return converted, manifest
 
 
-def heal_converted(out_dir: str | Path, cfg: HealConfig, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
+def read_manifest(out_dir: str | Path) -> dict[str, Any]:
+    """The manifest of the conversion in ``out_dir``; ValueError when the folder is not one."""
+    out_dir = Path(out_dir).expanduser()
+    if not (out_dir / CONVERTED_MANIFEST).is_file():
+        raise ValueError(f"--out {out_dir} holds no conversion ({CONVERTED_MANIFEST} is missing); convert a model there first")
+    return read_json(out_dir / CONVERTED_MANIFEST, expect=dict)
+
+
+def conversion_fingerprint(out_dir: Path, manifest: dict[str, Any]) -> str:
+    """The fingerprint of the conversion in ``out_dir``: the manifest's, or (a manifest written before
+    fingerprints, not healed yet) the sha256 of the one-shot weights there."""
+    return manifest.get(CONVERSION_KEY) or weights_fingerprint(out_dir)
+
+
+def heal_converted(out_dir: str | Path, cfg: HealConfig | None, *, resume: bool = False, progress: bool = True, stop_after: int | None = None
+                   ) -> dict[str, Any]:
     """Heal the converted model in ``out_dir`` by distillation from its original
     (``slimkv.convert.heal``) and publish the healed weights there; returns the updated manifest.
+    ``resume``: continue the healing run there, which must belong to this conversion (``cfg``
+    None: with the options it was started with). Everything is checked before a model is loaded.
     ``stop_after``: stop after this many steps, as a killed run would (tests)."""
-    out_dir = Path(out_dir)
-    manifest = read_json(out_dir / CONVERTED_MANIFEST, expect=dict)
-    student = load_model_folder(out_dir)
+    out_dir = Path(out_dir).expanduser()
+    CONVERTED_FOLDER.check(out_dir)
+    manifest = read_manifest(out_dir)
+    conversion = conversion_fingerprint(out_dir, manifest)
+    if resume:
+        cfg = check_resumable(out_dir / HEAL_DIR, cfg, conversion)
+    elif cfg is None:
+        raise ValueError("healing needs its options (--heal-tokens and the other --heal-* options)")
+    base = resolve_original(manifest, out_dir / CONVERTED_MANIFEST)
     tokenizer = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=False)
-    teacher = load_pretrained(manifest["base_model"]["name"]).model
-    summary = heal(student, teacher, tokenizer, cfg, out_dir, manifest["changed_parameters"], resume=resume, progress=progress, stop_after=stop_after)
+    check_heal_text(tokenizer, cfg)
+    student = load_model_folder(out_dir)
+    teacher = load_pretrained(base).model
+    summary = heal(student, teacher, tokenizer, cfg, out_dir, manifest["changed_parameters"], conversion=conversion, resume=resume,
+                   progress=progress, stop_after=stop_after)
     body = {k: v for k, v in manifest.items() if k not in ("format", "format_version", "files")}
+    body[CONVERSION_KEY] = conversion
     body["healing"] = summary
     if summary.get("status") == "finished":  # a stopped run leaves its checkpoint in OUT/healing, the published model unhealed
-        body = save_converted(student, tokenizer, body, out_dir)
+        body = save_converted(student, tokenizer, body, out_dir, keep=(HEAL_DIR,))
     return body

@@ -42,6 +42,7 @@ FIRST_KEY = 2
 IGNORE = -100
 GAP_KINDS = ("power", "uniform")
 EVAL_STREAM = 7_919  # keeps test sets apart from every training stream (those are keyed by (seed, step))
+MAX_MODEL_VOCAB = 65_536  # token ids of a recall model (vocab_size + haystack_tokens): each is an embedding row and a logit
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,10 @@ class RecallTask:
         check_choice("gap", self.gap, GAP_KINDS)
         check_float("power_a", self.power_a, 0.0, 1.0)
         check_int("haystack_tokens", self.haystack_tokens, 0)
+        if self.model_vocab_size > MAX_MODEL_VOCAB:
+            raise ValueError(f"vocab_size={self.vocab_size} + haystack_tokens={self.haystack_tokens} (--vocab-size, --haystack-tokens) make "
+                             f"{self.model_vocab_size} token ids, more than the {MAX_MODEL_VOCAB} a recall model may have (each is an embedding "
+                             f"row and a logit); use haystack_tokens <= {max(0, MAX_MODEL_VOCAB - self.vocab_size)} and vocab_size <= {MAX_MODEL_VOCAB}")
         if self.n_keys < self.n_pairs:
             raise ValueError(f"n_pairs={self.n_pairs} needs at least {self.n_pairs} key ids; vocab_size={self.vocab_size} has {self.n_keys} "
                              f"(raise vocab_size to >= {FIRST_KEY + 2 * self.n_pairs})")

@@ -79,14 +79,14 @@ def _looks_like_path(item: str) -> bool:
     return item.startswith(("~", ".")) or "/" in item or "\\" in item or Path(item).suffix != ""
 
 
-def calibration_sources(spec: str) -> list[tuple[str, list[str]]]:
+def calibration_sources(spec: str, option: str = "--calib") -> list[tuple[str, list[str]]]:
     """The sources of ``--calib SPEC`` as (name, documents), in the order given.
 
     SPEC is a named source (``shakespeare``, ``kjv``, ``devil``, ``pydoc``), a comma-separated mix
     of them (``shakespeare,kjv``: each gets an equal share of the windows, see
     ``calibration_ids``) or a local PATH (a file or a folder of ``*.txt``; a path holding a
     comma is a path if it exists, a name wins over a file of that name: write ``./kjv``).
-    Evaluation texts are refused, naming them.
+    Evaluation texts are refused, naming them (and ``option``, the flag that gave SPEC).
     """
     if spec in CALIBRATION_SOURCES:
         return [(spec, _named_documents(spec))]
@@ -95,18 +95,18 @@ def calibration_sources(spec: str) -> list[tuple[str, list[str]]]:
     names = [item.strip() for item in spec.split(",")]
     refused = [name for name in names if name in EVALUATION_ONLY]
     if refused:
-        raise ValueError(f"--calib {spec!r} names evaluation text {', '.join(refused)}, which calibration never uses; "
+        raise ValueError(f"{option} {spec!r} names evaluation text {', '.join(refused)}, which calibration never uses; "
                          f"allowed values: {', '.join(CALIBRATION_SOURCES)} (or a mix like {MIXED_CALIBRATION}), or a PATH")
     if len(names) == 1 and _looks_like_path(spec):
         return [(spec, _local_documents(spec))]  # FileNotFoundError naming the path
     for name in names:
         if name not in CALIBRATION_SOURCES:
-            raise ValueError(f"--calib {spec!r}: {name!r} is not a calibration source{close_matches(name, CALIBRATION_SOURCES)}; "
+            raise ValueError(f"{option} {spec!r}: {name!r} is not a calibration source{close_matches(name, CALIBRATION_SOURCES)}; "
                              f"allowed values: {', '.join(CALIBRATION_SOURCES)}, a comma-separated mix of them "
                              f"(like {MIXED_CALIBRATION}), or an existing PATH")
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
-        raise ValueError(f"--calib {spec!r} names {', '.join(repeated)} more than once; each source gets an equal share, name it once")
+        raise ValueError(f"{option} {spec!r} names {', '.join(repeated)} more than once; each source gets an equal share, name it once")
     return [(name, _named_documents(name)) for name in names]
 
 
@@ -160,6 +160,47 @@ def _window(rng: random.Random, tokenizer, documents: list[str], cache: dict[int
     return None
 
 
+def _groups(sources: list[str] | list[tuple[str, list[str]]]) -> tuple[list[tuple[str, list[str]]], bool]:
+    """(name, documents) groups of ``calibration_ids``' ``sources``, and whether they were named."""
+    named = bool(sources) and not isinstance(sources[0], str)
+    groups = list(sources) if named else [("", sources)]
+    for name, documents in groups:
+        if not documents:
+            raise ValueError(f"calibration source {name!r} has no documents" if named else "calibration text has no documents")
+    return groups, named
+
+
+def check_calibration_size(tokenizer, sources: list[str] | list[tuple[str, list[str]]], tokens: int, seq_len: int,
+                           caches: list[dict[int, list[int]]] | None = None) -> None:
+    """The calibration text holds the tokens asked for: each source (its share of the windows,
+    as ``calibration_ids`` deals them) at least as many tokens, in documents of at least
+    ``seq_len`` tokens, as its windows take; otherwise windows would repeat the same text.
+    ValueError naming --calib-tokens, --calib-seq-len and how many tokens the text has. Documents
+    are tokenized in order until there are enough (into ``caches``, one dict per source, if given)."""
+    if tokens < 1 or seq_len < 2:
+        raise ValueError(f"calibration needs tokens >= 1 and seq_len >= 2; got tokens={tokens}, seq_len={seq_len}")
+    groups, named = _groups(sources)
+    caches = [{} for _ in groups] if caches is None else caches
+    windows = math.ceil(tokens / seq_len)
+    for i, (name, documents) in enumerate(groups):
+        share = len(range(i, windows, len(groups)))
+        needed, have = share * seq_len, 0
+        for index, document in enumerate(documents):
+            if have >= needed:
+                break
+            if index not in caches[i]:
+                caches[i][index] = tokenize(tokenizer, document)
+            have += len(caches[i][index]) if len(caches[i][index]) >= seq_len else 0
+        text = f"calibration source {name!r}" if named else "the calibration text"
+        if have == 0:
+            raise ValueError(f"{text} has no document of at least {seq_len} tokens; lower --calib-seq-len")
+        if have < needed:
+            share_text = f"its share, {share} of the {windows} windows" if len(groups) > 1 else f"{windows} windows"
+            raise ValueError(f"--calib-tokens {tokens} in windows of --calib-seq-len {seq_len} takes {needed} tokens from {text} ({share_text}), "
+                             f"which holds only {have} tokens in documents of at least {seq_len} tokens: the windows would repeat the same text; "
+                             f"lower --calib-tokens or give a longer text")
+
+
 def calibration_ids(tokenizer, sources: list[str] | list[tuple[str, list[str]]], tokens: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     """(ceil(tokens / seq_len), seq_len) LongTensor of calibration windows.
 
@@ -169,17 +210,12 @@ def calibration_ids(tokenizer, sources: list[str] | list[tuple[str, list[str]]],
     a random document of that source; one seeded rng draws them all in order, so one source gives
     the same windows either way. Documents are tokenized once each, lazily, so a small calibration
     set does not tokenize a whole corpus. ValueError naming the source when it has no document of
-    ``seq_len`` tokens.
+    ``seq_len`` tokens, or fewer tokens than its windows take (``check_calibration_size``).
     """
-    if tokens < 1 or seq_len < 2:
-        raise ValueError(f"calibration needs tokens >= 1 and seq_len >= 2; got tokens={tokens}, seq_len={seq_len}")
-    named = bool(sources) and not isinstance(sources[0], str)
-    groups = list(sources) if named else [("", sources)]
-    for name, documents in groups:
-        if not documents:
-            raise ValueError(f"calibration source {name!r} has no documents" if named else "calibration text has no documents")
-    rng = random.Random(seed)
+    groups, named = _groups(sources)
     caches: list[dict[int, list[int]]] = [{} for _ in groups]
+    check_calibration_size(tokenizer, groups if named else groups[0][1], tokens, seq_len, caches)
+    rng = random.Random(seed)
     windows = []
     for i in range(math.ceil(tokens / seq_len)):
         name, documents = groups[i % len(groups)]

@@ -12,7 +12,7 @@ import torch
 
 from slimkv.common.checks import check_int
 from slimkv.data.texts import evaluation_text, tokenize
-from slimkv.eval.models import load_language_model
+from slimkv.eval.models import check_positions, load_language_model, load_original
 from slimkv.model import SlimKVCache
 from slimkv.pretrained import LoadedModel
 
@@ -57,9 +57,13 @@ def cache_report(model: str, context: int, *, new_tokens: int = 16, text: str = 
     """The live cache of ``model`` after ``generate()`` to ``context`` tokens (a prompt of
     ``context - new_tokens`` tokens of ``text``, then ``new_tokens`` greedy ones), and of its
     original (for a converted or compressed model) at the same context."""
-    check_int("context", context, 2)
-    check_int("new_tokens", new_tokens, 1, context - 1)
+    check_int("--context", context, 2)
+    check_int("--new-tokens", new_tokens, 1)
+    if new_tokens >= context:
+        raise ValueError(f"--context {context} leaves no room for a prompt before --new-tokens {new_tokens} generated tokens "
+                         f"(default 16): give a --context above {new_tokens} or fewer --new-tokens")
     loaded = load_language_model(model)
+    check_positions(loaded.model, context, "--context")
     ids = tokenize(loaded.tokenizer, evaluation_text(text))
     if not ids:
         raise ValueError(f"text {text!r} has no tokens")
@@ -67,7 +71,8 @@ def cache_report(model: str, context: int, *, new_tokens: int = 16, text: str = 
     prompt = torch.tensor([ids], dtype=torch.long, device=next(loaded.model.parameters()).device)
     rows = {"model": {"name": model, **live_cache(loaded, prompt, new_tokens)}}
     if loaded.identity.get("base"):
-        base = load_language_model(loaded.identity["base"])
+        base = load_original(loaded)
+        check_positions(base.model, context, "--context")
         rows["original"] = {"name": loaded.identity["base"], **live_cache(base, prompt, new_tokens)}
         rows["ratio_to_original"] = rows["model"]["bytes_per_token"] / rows["original"]["bytes_per_token"]
     return {"context": context, "new_tokens": new_tokens, "text": text, **rows}

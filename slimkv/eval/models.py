@@ -4,6 +4,7 @@ training run's ``model/``) - each with the tokenizer saved beside it and where i
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -11,9 +12,9 @@ from transformers import AutoConfig, AutoTokenizer
 
 from slimkv.common.files import read_json
 from slimkv.compress.persist import load as load_compressed
-from slimkv.model import ModelConfig, load_model_folder
+from slimkv.model import ModelConfig, SlimKVForCausalLM, load_model_folder
 from slimkv.pretrained import LoadedModel, load_pretrained, resolve_model_path
-from slimkv.pretrained.loading import COMPRESSED_MANIFEST, CONVERTED_MANIFEST
+from slimkv.pretrained.loading import COMPRESSED_MANIFEST, CONVERTED_MANIFEST, resolve_original
 
 
 def load_language_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
@@ -36,7 +37,62 @@ def load_language_model(name_or_path: str, *, dtype: torch.dtype = torch.float32
         identity = {"name": str(Path(path).resolve()), "path": str(Path(path).resolve()), "model_type": ModelConfig.model_type}
         if (path / CONVERTED_MANIFEST).is_file():
             manifest = read_json(path / CONVERTED_MANIFEST, expect=dict)
+            check_conversion_manifest(model, manifest, path / CONVERTED_MANIFEST)
             identity["converted"] = {k: manifest.get(k) for k in ("method", "cache_ratio", "achieved_cache_ratio", "calibration", "healing")}
+            identity["converted"]["kind"] = model.config.layer_kinds()[0]
             identity["base"] = manifest.get("base_model", {}).get("name")
+            identity["manifest"] = str(path / CONVERTED_MANIFEST)
         return LoadedModel(model, tokenizer, identity)
     return load_pretrained(name_or_path, dtype=dtype, device=device)
+
+
+def check_positions(model: torch.nn.Module, length: int, option: str) -> None:
+    """``length`` tokens in one sequence must be within the model's position limit
+    (``max_position_embeddings``, when it has one); ValueError naming ``option``, before any work."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and length > limit:
+        raise ValueError(f"{option} {length} is past this model's position limit (max_position_embeddings={limit}); use {option} <= {limit}")
+
+
+def load_original(loaded: LoadedModel, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+    """The original of a converted or compressed model (``identity["base"]``), with a clear error
+    naming the manifest when it was moved or deleted (``resolve_original``)."""
+    identity = loaded.identity
+    manifest = Path(identity.get("manifest") or Path((identity.get("compressed") or {}).get("path", "")) / COMPRESSED_MANIFEST)
+    resolve_original({"base_model": {"name": identity["base"]}}, manifest)
+    return load_language_model(identity["base"], dtype=dtype, device=device)
+
+
+def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Path) -> None:
+    """``slimkv_conversion.json`` must describe the model beside it (reports label the model from
+    it): its kind is the layers' kind, its method and ratio are those of its recorded options,
+    each layer's options and the cache it measurably holds are those recorded, and the achieved
+    ratio follows from them and does not exceed the ratio asked. ValueError listing every
+    difference. Beyond these checks the manifest's word is trusted: the ratio asked, which method
+    of the kind it was (``mla``/``mla-prefix``, ``gqa``/``gqa-mean``), calibration and healing."""
+    problems = []
+    method, kind, ratio = manifest.get("method"), manifest.get("kind"), manifest.get("cache_ratio")
+    kinds = sorted(set(model.config.layer_kinds()))
+    if kinds != [kind]:
+        problems.append(f"kind {kind!r} but config.json has {', '.join(kinds)} layers")
+    options = manifest.get("options") or {}
+    for key, value in (("method", method), ("cache_ratio", ratio)):
+        if options.get(key) != value:
+            problems.append(f"{key} is {value!r} but the conversion's options say {options.get(key)!r}")
+    recorded = [layer.get("options") for layer in manifest.get("layers") or []]
+    per_layer = model.config.per_layer_options or [{} for _ in range(model.config.n_layers)]
+    if json.loads(json.dumps(recorded)) != json.loads(json.dumps(per_layer)):
+        problems.append("the per-layer options differ from config.json's per_layer_options")
+    elements = manifest.get("cache_elements_per_token_per_layer") or {}
+    before, after = elements.get("before") or [], elements.get("after") or []
+    measured = model.cache_elements_per_token(tokens=8)
+    if len(after) != len(measured) or any(abs(a - m) > 1e-6 * max(1.0, m) for a, m in zip(after, measured)):
+        problems.append(f"the cache elements per token per layer after conversion are recorded as {after}, the model holds {measured}")
+    achieved = manifest.get("achieved_cache_ratio")
+    if before and isinstance(achieved, (int, float)) and abs(achieved - sum(after) / sum(before)) > 1e-9:
+        problems.append(f"achieved_cache_ratio {achieved} is not the recorded cache after / before ({sum(after) / sum(before):.6f})")
+    if isinstance(ratio, (int, float)) and isinstance(achieved, (int, float)) and achieved > ratio + 1e-9:
+        problems.append(f"the achieved cache ratio {achieved:.4f} is above the ratio asked, {ratio}: a conversion always meets the ratio it was asked for")
+    if problems:
+        raise ValueError(f"{path} does not describe the model beside it ({'; '.join(problems)}); it was edited or belongs to another conversion: "
+                         "convert again rather than trust its labels")

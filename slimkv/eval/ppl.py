@@ -16,7 +16,7 @@ from torch import nn
 
 from slimkv.common.checks import check_int
 from slimkv.data.texts import evaluation_text, text_sha256, tokenize
-from slimkv.eval.models import load_language_model
+from slimkv.eval.models import check_positions, load_language_model, load_original
 from slimkv.scoring import perplexity_of_ids
 
 
@@ -34,12 +34,12 @@ def perplexity_report(model: str, text: str = "shakespeare-val", seq_len: int = 
     """Perplexity of ``model`` (anything ``load_language_model`` reads) on ``text``; for a compressed or
     converted model its original is evaluated in the same run and listed first. Refuses the text a
     model was calibrated on."""
-    check_int("seq_len", seq_len, 2)
+    check_int("--seq-len", seq_len, 2)
     if max_tokens is not None:
-        check_int("max_tokens", max_tokens, 2)
+        check_int("--max-tokens", max_tokens, 2)
     eval_text = evaluation_text(text)
     loaded = load_language_model(model)
-    _check_positions(loaded.model, seq_len)
+    check_positions(loaded.model, seq_len, "--seq-len")
     rows = []
     calibrated_on = (loaded.identity.get("compressed") or {}).get("calibration_text_sha256") or ((loaded.identity.get("converted") or {}).get("calibration") or {}).get("text_sha256")
     if calibrated_on is not None and calibrated_on == text_sha256(eval_text):
@@ -50,7 +50,7 @@ def perplexity_report(model: str, text: str = "shakespeare-val", seq_len: int = 
         raise ValueError(f"text {text!r} is one of the calibration sources of this model ({', '.join(sorted(s for s in sources if s))}); "
                          "evaluate on a text it was not calibrated on")
     if loaded.identity.get("base"):
-        base = load_language_model(loaded.identity["base"])
+        base = load_original(loaded)
         what = "dense" if loaded.identity.get("compressed") else "original"
         rows.append({"model": f"{what} ({loaded.identity['base']})", **perplexity(base.model, base.tokenizer, eval_text, seq_len, max_tokens, progress=progress)})
         del base
@@ -59,22 +59,16 @@ def perplexity_report(model: str, text: str = "shakespeare-val", seq_len: int = 
 
 
 def describe(identity: dict[str, Any], spec: str) -> str:
-    """A row label: the method and ratio of a compressed or converted model, else its name."""
+    """A row label: the method and ratio of a compressed or converted model (for a converted one
+    also the kind of its layers, from config.json), else its name."""
     if identity.get("compressed"):
         c = identity["compressed"]
         return f"{c['method']} ratio {c['ratio']} (achieved {c['achieved_ratio']:.4f})"
     if identity.get("converted"):
         c = identity["converted"]
         healed = " healed" if c.get("healing") else ""
-        return f"convert {c['method']} cache ratio {c['cache_ratio']} (achieved {c['achieved_cache_ratio']:.4f}){healed}"
+        return f"convert {c['method']} ({c['kind']} layers) cache ratio {c['cache_ratio']} (achieved {c['achieved_cache_ratio']:.4f}){healed}"
     return spec
-
-
-def _check_positions(model: nn.Module, seq_len: int) -> None:
-    """A window longer than the model's position limit is refused before any work."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and seq_len > limit:
-        raise ValueError(f"seq_len={seq_len} is past this model's position limit (max_position_embeddings={limit}); use seq_len <= {limit}")
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -44,6 +44,11 @@ RUN_CONFIG = "recall_config.json"
 GAP_EDGES = (0, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 PROGRESS_SEQUENCES = 128  # the test sequences scored at each periodic evaluation
 TASKS = {task.name: task for task in (RecallTask, NeedleTask)}  # what ``--task`` may name
+# Sizes a recall run may have (recall models are small; these keep a typo from asking for tens of GB):
+MAX_SEQUENCE_TOKENS = 65_536  # one test sequence: seq_len x the largest length factor
+MAX_BATCH_TOKENS = 1 << 20  # one training step: batch_size x grad_accum x seq_len
+MAX_EVAL_TOKENS = 1 << 24  # one test set: eval_sequences x seq_len
+MAX_LAYERS = 256  # layers of a recall model (its parameters are bounded by slimkv.bench.recall.MAX_PARAMETERS once built on the meta device)
 
 
 def task_from_dict(data: dict[str, Any]) -> Any:
@@ -108,10 +113,31 @@ class RecallRecipe:
         check_optimizer_settings(self)
         if not self.lengths or len(set(self.lengths)) != len(self.lengths) or 1 not in self.lengths:
             raise ValueError(f"lengths must be distinct factors including 1 (e.g. 1,2,4), got {list(self.lengths)}")
+        self.check_sizes()
         for factor in self.lengths:
             self.task.scaled(factor)
         RecallBatches(self.task, 0, self.train_pairs)
         return self
+
+    def check_sizes(self) -> None:
+        """The tensors a run builds stay within ``MAX_*`` (ValueError naming the options and the limit)."""
+        seq_len = self.task.seq_len
+        check_int("seq_len", seq_len, 1)
+        for factor in self.lengths:
+            check_int("length factor", factor, 1)
+        limits = [
+            (seq_len * max(self.lengths), MAX_SEQUENCE_TOKENS, f"seq_len={seq_len} x the largest length factor {max(self.lengths)} (--seq-len, --lengths)",
+             "tokens in one test sequence"),
+            (self.batch_size * self.grad_accum * seq_len, MAX_BATCH_TOKENS,
+             f"batch_size={self.batch_size} x grad_accum={self.grad_accum} x seq_len={seq_len} (--batch-size, --seq-len)", "tokens in one training step"),
+            (self.eval_sequences * seq_len, MAX_EVAL_TOKENS, f"eval_sequences={self.eval_sequences} x seq_len={seq_len} (--eval-sequences, --seq-len)",
+             "tokens in the test set"),
+        ]
+        if self.n_layers > MAX_LAYERS:
+            raise ValueError(f"n_layers={self.n_layers} (--n-layers) is more than the {MAX_LAYERS} layers a recall model may have; lower it")
+        for value, limit, what, unit in limits:
+            if value > limit:
+                raise ValueError(f"{what} = {value:,} {unit}, more than the {limit:,} a recall run may have; lower them")
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

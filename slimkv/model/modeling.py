@@ -154,6 +154,9 @@ class SlimKVModel(SlimKVPreTrainedModel):
         if input_ids is not None:
             _check_ids(input_ids, self.config.vocab_size)
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if h.dim() != 3 or h.shape[1] == 0:
+            raise ValueError(f"expected at least one token per sequence, (batch, time >= 1) ids or (batch, time >= 1, d_model) embeddings; got shape "
+                             f"{tuple((input_ids if inputs_embeds is None else inputs_embeds).shape)}")
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, the model has {len(self.layers)}")
         for i, block in enumerate(self.layers):
@@ -196,6 +199,15 @@ class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
     def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> SlimKVCache:
         """An empty cache for every layer (dtype/device follow the model unless given)."""
         return SlimKVCache([attn.new_cache(batch_size, dtype=dtype, device=device) for attn in self.attention_layers])
+
+    @torch.no_grad()
+    def cache_elements_per_token(self, tokens: int = 64) -> list[float]:
+        """Cache elements per token of each layer, measured from a live cache after ``tokens`` tokens."""
+        weight = next(self.parameters())
+        cache = self.new_cache(1)
+        self(torch.zeros(1, tokens, dtype=torch.long, device=weight.device), cache=cache)
+        size = torch.empty((), dtype=weight.dtype).element_size()
+        return [layer.nbytes() / tokens / size for layer in cache.layers]
 
     def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
         """Analytic cache bytes of the whole model after ``seq_len`` tokens (each layer checks the arguments)."""
@@ -259,7 +271,13 @@ class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
         model_kwargs["cache"] = self.new_cache(batch_size * max(1, generation_config.num_return_sequences or 1))
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, cache: SlimKVCache | None = None, **kwargs: Any) -> dict:
+        """The tokens the cache has not seen yet: ``generate()`` passes the whole sequence, whose
+        first ``cache.seq_len`` tokens must be the ones the cache holds."""
         if cache is not None and cache.seq_len > 0:
+            if cache.seq_len >= input_ids.shape[1]:
+                raise ValueError(f"the cache passed to generate() (past_key_values/cache) already holds {cache.seq_len} tokens, and input_ids has "
+                                 f"{input_ids.shape[1]}: input_ids must be the cached sequence followed by at least one new token. "
+                                 "A cache holds one sequence; for another one pass a new cache (model.new_cache(batch_size)) or none")
             input_ids = input_ids[:, cache.seq_len :]
         kwargs.pop("position_ids", None)
         return super().prepare_inputs_for_generation(input_ids, cache=cache, **kwargs)

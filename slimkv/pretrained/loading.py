@@ -42,6 +42,24 @@ def resolve_model_path(name_or_path: str) -> Path:
     return path
 
 
+def resolve_original(manifest: dict, manifest_path: Path) -> str:
+    """The original model a converted or compressed model was made from (its manifest's
+    ``base_model.name``), checked to exist; FileNotFoundError naming the manifest, the recorded
+    place and what to do when it is gone (moved or deleted)."""
+    base = (manifest.get("base_model") or {}).get("name")
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"{manifest_path} records no original model (base_model.name); the file was edited or damaged")
+    try:
+        resolve_model_path(base)
+    except FileNotFoundError:
+        if base == SMOLLM2:
+            problem, how = f"{SMOLLM2} is not in {smollm2_dir()}", FETCH_HINT
+        else:
+            problem, how = f"{base} holds no config.json: it was moved or deleted", f"put it back at {base}"
+        raise FileNotFoundError(f"the original model recorded in {manifest_path} is missing ({problem}); {how}, then run this again") from None
+    return base
+
+
 def weights_fingerprint(path: Path) -> str:
     """sha256 over the folder's safetensors files (the base model's identity in manifests)."""
     digest = hashlib.sha256()

@@ -77,7 +77,7 @@ def test_healing_lowers_the_distance_to_the_original_and_resumes_exactly(tiny_fo
 def test_bad_input_is_refused_before_any_work(tiny_folder, tmp_path, capsys):
     base = ["convert", "--model", str(tiny_folder), "--to", "gqa", "--calib", str(tmp_path / "calib.txt"), "--calib-tokens", "64", "--calib-seq-len", "32"]
     cases = [
-        (["--cache-ratio", "1.5", "--out", str(tmp_path / "a")], "cache_ratio must be a finite number > 0.0 and < 1.0"),
+        (["--cache-ratio", "1.5", "--out", str(tmp_path / "a")], "--cache-ratio must be a finite number > 0.0 and < 1.0"),
         (["--cache-ratio", "0.2", "--out", str(tmp_path / "a")], "below what --to gqa can represent for this model: the minimum is 0.5000"),
         (["--cache-ratio", "0.5", "--out", str(tmp_path / "held.txt")], "is a file"),
     ]
@@ -99,4 +99,5 @@ def test_bad_input_is_refused_before_any_work(tiny_folder, tmp_path, capsys):
     assert main(argv) == 2
     assert "no document of at least 32 tokens" in capsys.readouterr().err
     assert main(["convert", "--out", str(tmp_path / "d"), "--resume"]) == 2
-    assert "--resume continues a healing" in capsys.readouterr().err
+    assert "holds no conversion (slimkv_conversion.json is missing)" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

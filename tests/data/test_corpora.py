@@ -35,6 +35,7 @@ from slimkv.data.texts import (
     calibration_documents,
     calibration_ids,
     calibration_sources,
+    check_calibration_size,
     evaluation_text,
 )
 
@@ -437,6 +438,19 @@ def test_a_source_too_short_for_the_window_is_named(fake_sources):
         calibration_ids(WordTokenizer(), calibration_documents("kjv"), 64, 64)
     with pytest.raises(ValueError, match="source 'devil' has no documents"):
         calibration_ids(WordTokenizer(), [("kjv", ["1 2 3"]), ("devil", [])], 64, 2)
+
+
+def test_calibration_tokens_beyond_the_text_are_refused_not_resampled(fake_sources):
+    sources = calibration_sources("shakespeare,devil")  # 3 x 40 and 2 x 50 tokens
+    assert calibration_ids(WordTokenizer(), sources, 13 * 16, 16).shape == (13, 16)  # 7 and 6 windows: 112 of 120 and 96 of 100 tokens
+    with pytest.raises(ValueError, match=r"--calib-tokens 224 in windows of --calib-seq-len 16 takes 112 tokens from calibration source 'devil' "
+                                         r"\(its share, 7 of the 14 windows\), which holds only 100 tokens"):
+        calibration_ids(WordTokenizer(), sources, 14 * 16, 16)
+    with pytest.raises(ValueError, match="which holds only 120 tokens in documents of at least 16 tokens"):
+        check_calibration_size(WordTokenizer(), calibration_documents("kjv"), 121, 16)
+    check_calibration_size(WordTokenizer(), calibration_documents("kjv"), 120, 30)
+    with pytest.raises(ValueError, match="--heal-text 'austen' names evaluation text austen"):
+        calibration_sources("austen", option="--heal-text")
 
 
 def test_evaluation_text_takes_the_new_sources(fake_sources):

@@ -110,6 +110,8 @@ def test_batches_are_a_function_of_seed_and_step():
         ({"power_a": -1.0}, "power_a"),
         ({"vocab_size": 3}, "vocab_size"),
         ({"haystack_tokens": -1}, "haystack_tokens"),
+        ({"haystack_tokens": 10**8}, "make 100000130 token ids, more than the 65536 a recall model may have"),
+        ({"vocab_size": 10**8}, "vocab_size <= 65536"),
     ],
 )
 def test_invalid_tasks_name_the_option(change, message):

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slimkv.cli import main
 from slimkv.common.spec import AttentionSpec
 from slimkv.data.recall import IGNORE, RecallBatches, RecallTask, unpack
 from slimkv.eval.recall import RUN_FILE, RecallRecipe, evaluate_recall, model_config, recall_loss, train_recall
@@ -87,3 +88,19 @@ def test_invalid_recipes_name_the_option(change, message):
 def test_the_model_has_room_for_a_diverse_haystack():
     recipe = RecallRecipe(task=RecallTask(haystack_tokens=70))
     assert model_config(AttentionSpec.parse("mha"), recipe).vocab_size == RecallTask().vocab_size + 70
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--haystack-tokens", "100000000"], "vocab_size=130 + haystack_tokens=100000000 (--vocab-size, --haystack-tokens) make 100000130 token ids, "
+                                         "more than the 65536"),
+    (["--seq-len", "1000000"], "= 4,000,000 tokens in one test sequence, more than the 65,536"),
+    (["--batch-size", "100000000"], "tokens in one training step, more than the 1,048,576"),
+    (["--kinds", "mha", "--d-model", "100000"], "(--d-model, --n-layers) give a model of 240,026,400,000 parameters, more than the 100,000,000"),
+    (["--n-layers", "100000"], "n_layers=100000 (--n-layers) is more than the 256"),
+    (["--kinds", "mha", "--seeds", "1000000000000"], "--seeds 1000000000000: at most 1000 seeds"),
+    (["--kinds", "mha", "--seeds", "0,99999999999999999999"], "--seeds must be below 2**63"),
+])
+def test_sizes_that_would_exhaust_memory_are_refused_before_any_work(tmp_path, capsys, argv, message):
+    assert main(["eval", "recall", *argv, "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
