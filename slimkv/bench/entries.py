@@ -128,18 +128,29 @@ def config_for(entry: Entry, recipe: TrainConfig, seed: int) -> TrainConfig:
         raise ValueError(f"entry {entry.label!r}: {err}") from None
 
 
+MAX_SEEDS = 1000  # seeds of one report (each is a training run per entry)
+
+
 def parse_seeds(text: str | int, base: int = 0) -> list[int]:
-    """``3`` -> [base, base+1, base+2]; ``0,5,7`` -> [0, 5, 7]."""
+    """``3`` -> [base, base+1, base+2]; ``0,5,7`` -> [0, 5, 7]. At most ``MAX_SEEDS`` seeds, each
+    below 2**63 (what torch takes), checked before a list of that many is built."""
     text = str(text).strip()
     try:
         if "," in text:
             seeds = [int(s) for s in text.split(",") if s.strip()]
         else:
-            seeds = list(range(base, base + int(text)))
+            count = int(text)
+            if count > MAX_SEEDS:
+                raise OverflowError
+            seeds = list(range(base, base + count))
     except ValueError:
         raise ValueError(f"--seeds must be a count (e.g. 3) or a comma-separated list of seeds (e.g. 0,1,2), got {text!r}") from None
+    except OverflowError:
+        raise ValueError(f"--seeds {text}: at most {MAX_SEEDS} seeds are allowed (a training run each per entry)") from None
     if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds must give at least one distinct non-negative seed, got {text!r}")
+    if len(seeds) > MAX_SEEDS or max(seeds) >= 2**63:
+        raise ValueError(f"--seeds must give at most {MAX_SEEDS} seeds, each below 2**63, got {text if len(text) < 80 else text[:77] + '...'}")
     return seeds
 
 

@@ -80,6 +80,8 @@ def test_bad_kind_options_and_seeds_are_refused():
     assert parse_seeds("3", base=5) == [5, 6, 7] and parse_seeds("0,4") == [0, 4]
     with pytest.raises(ValueError, match=r"--seeds"):
         parse_seeds("three")
+    with pytest.raises(ValueError, match=r"--seeds 1000000000000: at most 1000 seeds"):  # compare too, before building the list
+        parse_seeds("1000000000000")
 
 
 def test_default_table_puts_tunable_kinds_at_half_of_mha():

@@ -98,7 +98,7 @@ def test_the_model_has_room_for_a_diverse_haystack():
     (["--kinds", "mha", "--d-model", "100000"], "(--d-model, --n-layers) give a model of 240,026,400,000 parameters, more than the 100,000,000"),
     (["--n-layers", "100000"], "n_layers=100000 (--n-layers) is more than the 256"),
     (["--kinds", "mha", "--seeds", "1000000000000"], "--seeds 1000000000000: at most 1000 seeds"),
-    (["--kinds", "mha", "--seeds", "0,99999999999999999999"], "--seeds must be below 2**63"),
+    (["--kinds", "mha", "--seeds", "0,99999999999999999999"], "each below 2**63"),
 ])
 def test_sizes_that_would_exhaust_memory_are_refused_before_any_work(tmp_path, capsys, argv, message):
     assert main(["eval", "recall", *argv, "--out", str(tmp_path / "out"), "--no-progress"]) == 2
