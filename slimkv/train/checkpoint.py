@@ -124,7 +124,11 @@ def read_safetensors(path: Path, read: Callable[[str], Any]) -> Any:
         raise ValueError(f"{path} is missing; the checkpoint is incomplete")
     try:
         return read(str(path))
-    except (SafetensorError, OSError, RuntimeError) as err:
+    except RuntimeError as err:
+        if "size mismatch" in str(err):  # a readable file whose tensors have other shapes than the model's
+            raise ValueError(f"{path}: the weights do not fit the model they are loaded into ({str(err).strip()[:300]})") from None
+        raise ValueError(f"{path} cannot be read as safetensors ({err}); the file is truncated or damaged") from None
+    except (SafetensorError, OSError) as err:
         raise ValueError(f"{path} cannot be read as safetensors ({err}); the file is truncated or damaged") from None
 
 

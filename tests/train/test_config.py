@@ -106,3 +106,19 @@ def test_example_configs_load(path):
 
 def test_small_yaml_spells_out_the_defaults():
     assert load_config(Path(__file__).parents[2] / "configs" / "small.yaml", {}) == TrainConfig()
+
+
+def test_a_checkpoint_of_other_shapes_is_not_called_damaged(tmp_path):
+    """A readable safetensors file whose tensors do not fit the model says so (not "truncated")."""
+    import torch
+    from safetensors.torch import load_model, save_model
+
+    from slimkv.train.checkpoint import read_safetensors
+
+    save_model(torch.nn.Linear(2, 2), str(tmp_path / "w.safetensors"))
+    with pytest.raises(ValueError, match="do not fit the model") as err:
+        read_safetensors(tmp_path / "w.safetensors", lambda path: load_model(torch.nn.Linear(3, 3), path))
+    assert "damaged" not in str(err.value)
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 5)
+    with pytest.raises(ValueError, match="truncated or damaged"):
+        read_safetensors(tmp_path / "bad.safetensors", lambda path: load_model(torch.nn.Linear(3, 3), path))
