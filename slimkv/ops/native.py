@@ -35,6 +35,7 @@ ARCH_FLAGS = (("-march=native",), ())  # tried in order: this CPU's vector units
 MAX_SEGMENTS = 4  # MAX_SEGMENTS in the C source
 PARALLEL_MIN_BYTES = 32 << 20  # a step reading less runs on one thread: threads start per call (~0.2-0.3 ms measured here), which only pays off above this
 ENV_SWITCH = "SLIMKV_NATIVE"
+SWITCH_VALUES = {"1": True, "0": False}  # SLIMKV_NATIVE: 1 (default) uses the kernel where it can, 0 the torch path
 
 
 def compiler() -> str | None:
@@ -81,15 +82,24 @@ def build(cc: str, folder: Path) -> Path:
 
 @functools.lru_cache(maxsize=1)
 def decode_kernel() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (one warning says why) when it cannot be had."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    """The loaded kernel library, or None (one warning says why) when it cannot be had. A cached
+    build that cannot be loaded (a damaged file in slimkv's own cache) is built again once."""
+    switch = os.environ.get(ENV_SWITCH, "1").strip()
+    if switch not in SWITCH_VALUES:
+        raise ValueError(f"{ENV_SWITCH}={switch!r} is not allowed; allowed values: 1 (the native kernel where it applies, the default), 0 (the torch path)")
+    if not SWITCH_VALUES[switch]:
         return None
     cc = compiler()
     if cc is None:
         warnings.warn("slimkv: no C compiler found ($CC, cc, gcc, clang); decode uses the torch path (install gcc for the native kernel)", stacklevel=2)
         return None
     try:
-        library = ctypes.CDLL(str(build(cc, cache_dir() / "kernels")))
+        path = build(cc, cache_dir() / "kernels")
+        try:
+            library = ctypes.CDLL(str(path))
+        except OSError:  # a damaged cached build (ours, keyed by source and flags): build it again
+            path.unlink(missing_ok=True)
+            library = ctypes.CDLL(str(build(cc, cache_dir() / "kernels")))
     except (RuntimeError, OSError) as err:
         warnings.warn(f"slimkv: the native decode kernel could not be built or loaded; decode uses the torch path ({err})", stacklevel=2)
         return None

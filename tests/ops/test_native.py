@@ -134,6 +134,30 @@ def test_the_switch_turns_the_kernel_off(monkeypatch):
         native.decode_kernel.cache_clear()
 
 
+def test_a_switch_value_other_than_0_or_1_is_refused(monkeypatch):
+    """``SLIMKV_NATIVE=off`` must not silently mean "on"."""
+    monkeypatch.setenv(native.ENV_SWITCH, "off")
+    native.decode_kernel.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"SLIMKV_NATIVE='off' is not allowed; allowed values: 1 .*, 0"):
+            native.decode_kernel()
+    finally:
+        native.decode_kernel.cache_clear()
+
+
+@needs_kernel
+def test_a_damaged_cached_build_is_built_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLIMKV_CACHE", str(tmp_path))
+    first = native.build(native.compiler(), tmp_path / "kernels")
+    first.write_bytes(b"not a shared library")
+    native.decode_kernel.cache_clear()
+    try:
+        assert native.decode_kernel() is not None  # rebuilt, no fallback
+        assert first.read_bytes()[:4] == b"\x7fELF"
+    finally:
+        native.decode_kernel.cache_clear()
+
+
 def test_a_failing_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
     bad = tmp_path / "broken.c"
     bad.write_text("this is not C\n")
