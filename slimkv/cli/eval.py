@@ -97,7 +97,10 @@ def _niah_pretrained(args: argparse.Namespace) -> int:
     tasks = retrieval_tasks.parse_tasks(args.tasks or "passkey,needle-number")
     lengths = retrieval.parse_lengths(args.lengths) if args.lengths else None
     depths = retrieval.parse_depths(args.depths)
-    evaluation_text(args.haystack)  # a bad haystack fails before the model loads
+    try:
+        evaluation_text(args.haystack)  # a bad haystack fails before the model loads
+    except (ValueError, FileNotFoundError) as err:
+        raise type(err)(f"--haystack: {err}") from None
     report = retrieval.evaluate(args.model, tasks=tasks, lengths=lengths, depths=depths, samples=2 if args.samples is None else args.samples, seed=args.seed,
                                 haystack=args.haystack, batch_size=1 if args.batch_size is None else args.batch_size, out_dir=args.out,
                                 progress=not args.no_progress, export_prompts=args.export_prompts)
