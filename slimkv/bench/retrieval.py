@@ -133,22 +133,29 @@ def render_markdown(data: dict[str, Any]) -> str:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    """Score against measured cache bytes per token, one panel per length; atomic PNG."""
+    """Score against measured cache bytes per token, one panel per length, the same axes in every
+    panel; bars: the 95% Wilson interval of the prompts fully answered; atomic PNG."""
     rows = data["rows"]
     lengths = sorted({int(n) for r in rows for n in r["per_length"]})
-    fig, axes = new_figure(1, len(lengths), figsize=(3.6 * len(lengths), 3.6), squeeze=False, layout="constrained")
+    fig, axes = new_figure(1, len(lengths), figsize=(3.6 * len(lengths), 3.6), squeeze=False, layout="constrained", sharex=True, sharey=True)
+    widest = max((b for r in rows for b in r["bytes_per_token"].values()), default=1.0)
     markers = {"slimkv": "o", "kvpress": "s"}
     for ax, n in zip(axes[0], lengths):
-        for r in rows:
+        for index, r in enumerate(rows):
             if str(n) not in r["per_length"] or not r["bytes_per_token"]:
                 continue
             x = r["bytes_per_token"].get(str(n)) or r["bytes_per_token"][max(r["bytes_per_token"], key=int)]
-            y = r["per_length"][str(n)]["score"]
-            ax.scatter([x], [y], marker=markers.get(r["tool"], "^"), s=30)
+            stats = r["per_length"][str(n)]
+            y, (low, high) = stats["score"], stats["wilson95"]
+            full = stats["full"] / stats["prompts"]
+            ax.errorbar([x], [y], yerr=[[max(0.0, y - min(low, full))], [max(0.0, max(high, full) - y)]], fmt=markers.get(r["tool"], "^"), ms=5, capsize=2, alpha=0.8,
+                        color=f"C{index % 10}")  # one colour per row in every panel
             ax.annotate(r["label"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.set_title(f"{n} tokens", fontsize=9)
         ax.set_xlabel("live cache bytes per token", fontsize=8)
+        ax.set_xlim(0, widest * 1.15)
         ax.set_ylim(-0.05, 1.05)
+        ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("retrieval score")
     fig.suptitle("retrieval vs cache (o slimkv, s kvpress)", fontsize=9)
     save_figure(fig, path)
