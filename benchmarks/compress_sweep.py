@@ -40,9 +40,10 @@ def rope_diagnostic(base, ratio: float = 0.2, layers: tuple[int, ...] = (0, 7, 1
     """Relative score error sum_i ||S_i - S^_i||^2 / sum_i ||S_i||^2 over causal (query, key) pairs."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+    from slimkv.compress.cost import rank_for_budget
     from slimkv.compress.joint_qk import RopeAverage, joint_qk
     from slimkv.compress.latent import spend_leftover
-    from slimkv.compress.linalg import StatsAccumulator, rank_for_budget, rootcov_factors
+    from slimkv.compress.linalg import StatsAccumulator, rootcov_factors
     from slimkv.compress.workflow import calibration_set
 
     model, config = base.model, base.model.config

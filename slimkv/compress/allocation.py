@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 from slimkv.compress.arch import Architecture
 from slimkv.compress.block import BlockContext, capture_block_inputs, run_block
-from slimkv.compress.linalg import factor_params, rank_for_budget, top_eigh
+from slimkv.compress.cost import factor_params, rank_for_budget
+from slimkv.compress.linalg import top_eigh
 from slimkv.compress.options import CompressOptions
 
 # The spectra are measured on the first SPECTRUM_SEQUENCES calibration windows: their shape (the

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from slimkv.compress.arch import Architecture, Projection
+from slimkv.compress.cost import rank_for_budget
 from slimkv.compress.factored import SharedInputFactor, SplitOutputLinear, build_factored, fill_input_factor, make_input_factor
 from slimkv.compress.linalg import (
     FactorizationError,
@@ -24,7 +25,6 @@ from slimkv.compress.linalg import (
     asvd_factors,
     bias_correction,
     identity_block,
-    rank_for_budget,
     refit_output_factor,
     rootcov_factors,
     svd_factors,

@@ -1,7 +1,9 @@
-"""What a (compressed) model costs: parameters, analytic FLOPs per token, measured prefill latency."""
+"""What a (compressed) model costs: parameters, analytic FLOPs per token, measured prefill latency;
+and what one factorization costs (``factor_params``) and the rank a budget allows (``rank_for_budget``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -87,3 +89,24 @@ def prefill_latency(model: nn.Module, prefill_len: int, *, repeats: int = 7, war
     stats["prefill_len"] = prefill_len
     stats["tokens_per_s"] = prefill_len / stats["median_s"]
     return stats
+
+
+def factor_params(d_in: int, d_out: int, rank: int, identity: bool) -> int:
+    """Stored weights of a rank-``rank`` factorization: r(d_in + d_out), minus r^2 with an identity block."""
+    return rank * (d_in + d_out) - (rank * rank if identity else 0)
+
+
+def rank_for_budget(d_in: int, d_out: int, keep_params: float, identity: bool) -> int:
+    """Largest rank whose factors fit ``keep_params`` weights (at most min(d_in, d_out); >= 0)."""
+    full = min(d_in, d_out)
+    if identity:
+        # r(d_in + d_out) - r^2 <= keep  <=>  r <= smaller root of r^2 - (d_in + d_out) r + keep = 0
+        s = d_in + d_out
+        disc = s * s - 4.0 * keep_params
+        rank = full if disc <= 0 else math.floor((s - math.sqrt(disc)) / 2 + 1e-9)
+    else:
+        rank = math.floor(keep_params / (d_in + d_out) + 1e-9)
+    rank = max(0, min(full, rank))
+    while rank > 0 and factor_params(d_in, d_out, rank, identity) > keep_params:
+        rank -= 1
+    return rank

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from slimkv.compress.block import BlockContext, run_block
+from slimkv.compress.cost import factor_params
 from slimkv.compress.joint_mlp import SensitivityAccumulator, relu_ud, weighted_shared_factors
 from slimkv.compress.joint_qk import RANK_RTOL, RopeAverage, joint_qk
 from slimkv.compress.linalg import (
@@ -19,7 +20,6 @@ from slimkv.compress.linalg import (
     IdentityBlockFactors,
     Stats,
     StatsAccumulator,
-    factor_params,
 )
 
 # The joint MLP's channel weights are averages over tokens: the first few calibration sequences

@@ -1,4 +1,5 @@
-"""Numerics of low-rank compression: activation statistics, factorizations, identity blocks, budgets.
+"""Numerics of low-rank compression: activation statistics, factorizations, identity blocks
+(what a factorization costs, and the rank a budget allows: ``slimkv.compress.cost``).
 
 Conventions: a weight ``W`` is (d_out, d_in) and acts as ``y = W x``; a rank-r factorization is
 ``W ~ B A`` with ``B`` (d_out, r) and ``A`` (r, d_in). Statistics are accumulated and every
@@ -432,24 +433,3 @@ def identity_block(factors: Factors, name: str = "identity block") -> IdentityBl
 # ----------------------------------------------------------------------------------------------
 # Budget accounting
 # ----------------------------------------------------------------------------------------------
-
-
-def factor_params(d_in: int, d_out: int, rank: int, identity: bool) -> int:
-    """Stored weights of a rank-``rank`` factorization: r(d_in + d_out), minus r^2 with an identity block."""
-    return rank * (d_in + d_out) - (rank * rank if identity else 0)
-
-
-def rank_for_budget(d_in: int, d_out: int, keep_params: float, identity: bool) -> int:
-    """Largest rank whose factors fit ``keep_params`` weights (at most min(d_in, d_out); >= 0)."""
-    full = min(d_in, d_out)
-    if identity:
-        # r(d_in + d_out) - r^2 <= keep  <=>  r <= smaller root of r^2 - (d_in + d_out) r + keep = 0
-        s = d_in + d_out
-        disc = s * s - 4.0 * keep_params
-        rank = full if disc <= 0 else math.floor((s - math.sqrt(disc)) / 2 + 1e-9)
-    else:
-        rank = math.floor(keep_params / (d_in + d_out) + 1e-9)
-    rank = max(0, min(full, rank))
-    while rank > 0 and factor_params(d_in, d_out, rank, identity) > keep_params:
-        rank -= 1
-    return rank

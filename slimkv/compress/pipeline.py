@@ -39,7 +39,7 @@ from slimkv.compress.allocation import (
 )
 from slimkv.compress.arch import Architecture
 from slimkv.compress.block import KEEP_DENSE, LOCAL_METHODS, BlockContext, capture_block_inputs, run_block
-from slimkv.compress.linalg import factor_params
+from slimkv.compress.cost import factor_params
 from slimkv.compress.methods import get_method
 from slimkv.compress.options import CompressOptions
 

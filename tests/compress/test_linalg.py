@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from slimkv.compress.cost import factor_params, rank_for_budget
 from slimkv.compress.factored import build_factored
 from slimkv.compress.linalg import (
     FactorizationError,
@@ -14,12 +15,10 @@ from slimkv.compress.linalg import (
     StatsAccumulator,
     asvd_factors,
     explicit_rootcov_product,
-    factor_params,
     identity_block,
     pivoted_qr_columns,
     pivoted_qr_columns_reference,
     psd_sqrt,
-    rank_for_budget,
     rootcov_factors,
     svd_factors,
 )

@@ -8,11 +8,10 @@ import torch
 
 from slimkv.compress import CompressOptions, compress_model
 from slimkv.compress.allocation import allocate, allocate_by_sensitivity
+from slimkv.compress.cost import factor_params, rank_for_budget
 from slimkv.compress.linalg import (
     Factors,
     StatsAccumulator,
-    factor_params,
-    rank_for_budget,
     refit_output_factor,
     rootcov_factors,
     svd_factors,
