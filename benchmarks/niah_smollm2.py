@@ -92,8 +92,10 @@ def report(args: argparse.Namespace) -> None:
         rows.append(row)
     rows.sort(key=lambda row: (-row["cache_budget"], row["label"]))
     if args.kvpress:
-        prompt_files = [path.parent / retrieval.PROMPTS_FILE for path, _ in reports if (path.parent / retrieval.PROMPTS_FILE).is_file()]
-        prompts = {p["id"]: p for p in read_json(prompt_files[0], expect=dict)["prompts"]}
+        prompts = {}  # every exported prompt of every run (the same seed and tokenizer give the same prompt per id)
+        for path, _ in reports:
+            if (path.parent / retrieval.PROMPTS_FILE).is_file():
+                prompts.update({p["id"]: p for p in read_json(path.parent / retrieval.PROMPTS_FILE, expect=dict)["prompts"]})
         merged: dict[str, dict] = {}  # one row per label: a press at a budget, over every prompt subset it ran on
         for path in sorted(p for folder in args.kvpress for p in Path(folder).glob("*.json")):
             generations = read_json(path, expect=dict)
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="evaluate slimkv models on the grid (resumable)")
     r.add_argument("models", nargs="+", help="`smollm2` and/or converted or compressed model folders")
-    r.add_argument("--lengths", default="1k,2k,4k,8k", help="prompt lengths (default 1k,2k,4k,8k)")
+    r.add_argument("--lengths", default="1k,2k,4k,8128", help="prompt lengths (default 1k,2k,4k,8128: the longest that leaves SmolLM2's 8192 positions "
+                   "room for the answer)")
     r.add_argument("--runs", default="runs/niah", help="where each model's niah.json goes (default runs/niah)")
     r.add_argument("--threads", type=int, default=None, help="torch threads")
     r.set_defaults(func=run)

@@ -49,7 +49,8 @@ def _niah_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", default=None, help=f"comma-separated tasks; for RUN_DIR among {', '.join(niah.TASKS)} (default: all); "
                         "for --model among the pretrained-model tasks or `all` (default passkey,needle-number)")
     parser.add_argument("--lengths", default=None, help="prompt lengths in tokens (2048 or 2k); for RUN_DIR also multiples of the training length like 2x "
-                        "(default: 1x,2x,4x for RUN_DIR; 1k,2k,4k,8k capped by the model's max_position_embeddings for --model)")
+                        "(default: 1x,2x,4x for RUN_DIR; for --model 1k,2k,4k,8k where prompt and answer fit the model's max_position_embeddings, "
+                        "else the longest prompt that does, e.g. 8128 for 8192 positions)")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths as fractions of the haystack (default 0,0.25,0.5,0.75,1)")
     parser.add_argument("--samples", type=int, default=None, help="prompts per (length, depth) cell (default 10 for RUN_DIR, 2 for --model)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="RUN_DIR only: greedy new tokens per prompt (default 48); --model generates what each answer needs")

@@ -37,6 +37,7 @@ from slimkv.pretrained import LoadedModel
 RESULT_FILE, TABLE_FILE, PLOT_FILE, PROMPTS_FILE = "niah.json", "niah.md", "niah.png", "niah_prompts.json"
 PROMPTS_FORMAT = "slimkv-niah-prompts/1"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
+ANSWER_ROOM = 64  # positions the default grid leaves for the answer after the longest prompt
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -65,12 +66,34 @@ def parse_depths(text: str) -> list[float]:
     return depths
 
 
-def check_lengths(lengths: list[int], model: Any) -> None:
-    """Refuse lengths past the model's positions (``max_position_embeddings``), naming the option."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    too_long = [n for n in lengths if limit is not None and n > limit]
+def position_limit(model: Any) -> int | None:
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def default_lengths(model: Any) -> list[int]:
+    """1K, 2K, 4K, 8K where a prompt and its answer fit the model's positions; past that, the
+    longest prompt that leaves ``ANSWER_ROOM`` positions (8128 for a model of 8192 positions)."""
+    limit = position_limit(model)
+    if limit is None:
+        return list(DEFAULT_LENGTHS)
+    fitting = [n for n in DEFAULT_LENGTHS if n + ANSWER_ROOM <= limit]
+    if len(fitting) < len(DEFAULT_LENGTHS) and limit - ANSWER_ROOM > max(fitting, default=0):
+        fitting.append(limit - ANSWER_ROOM)
+    return fitting
+
+
+def check_lengths(grid: dict[tuple[str, int, float], list[RetrievalPrompt]], model: Any) -> None:
+    """Refuse prompts whose answer would run past the model's positions (``max_position_embeddings``):
+    a prompt of ``length`` tokens generates ``max_new_tokens`` more, all at positions the model
+    was trained for. The error names --lengths and the longest length that fits."""
+    limit = position_limit(model)
+    if limit is None:
+        return
+    too_long = sorted({p.length for cell in grid.values() for p in cell if p.length + p.max_new_tokens > limit})
     if too_long:
-        raise ValueError(f"--lengths {', '.join(map(str, too_long))} exceed this model's positions (max_position_embeddings={limit}); use lengths <= {limit}")
+        room = max(p.max_new_tokens for cell in grid.values() for p in cell)
+        raise ValueError(f"--lengths {', '.join(map(str, too_long))}: a prompt and its answer (up to {room} new tokens) run past this model's "
+                         f"positions (max_position_embeddings={limit}); use lengths <= {limit - room}")
 
 
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -150,10 +173,10 @@ def evaluate(
     out_dir = Path(out_dir)
     check_folder_target(out_dir)
     loaded = load_language_model(model)
-    lengths = list(lengths or [n for n in DEFAULT_LENGTHS if n <= getattr(loaded.model.config, "max_position_embeddings", n)])
-    check_lengths(lengths, loaded.model)
+    lengths = list(lengths or default_lengths(loaded.model))
     builder = PromptBuilder(loaded.tokenizer, evaluation_text(haystack))
     grid = build_grid(builder, tasks, lengths, depths, samples, seed)
+    check_lengths(grid, loaded.model)
     settings = {"model": model, "identity": loaded.identity, "tasks": [t.name for t in tasks], "lengths": lengths, "depths": depths, "samples": samples,
                 "seed": seed, "haystack": haystack, "dtype": str(next(loaded.model.parameters()).dtype).replace("torch.", "")}
     report = {"settings": settings, "fingerprint": fingerprint(settings), "cells": {}, "cache": {}}

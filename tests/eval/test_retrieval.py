@@ -124,9 +124,22 @@ def test_evaluate_writes_resumes_and_refuses_other_settings(tiny_folder, tmp_pat
 
 def test_lengths_past_the_positions_are_refused_before_any_work(tiny_folder, tmp_path, monkeypatch):
     monkeypatch.setattr(retrieval, "generate", lambda *a, **k: pytest.fail("generated"))
-    with pytest.raises(ValueError, match=r"--lengths 2048 exceed this model's positions \(max_position_embeddings=1024\)"):
-        retrieval.evaluate(str(tiny_folder), tasks=[TASKS["passkey"]], lengths=[512, 2048], depths=[0.5], samples=1, out_dir=tmp_path / "o", progress=False)
+    for lengths, message in (([512, 2048], r"--lengths 2048: a prompt and its answer \(up to \d+ new tokens\) run past this model's positions "
+                                                r"\(max_position_embeddings=1024\); use lengths <= \d+"),
+                             ([1024], r"--lengths 1024: a prompt and its answer")):  # the answer itself must fit too
+        with pytest.raises(ValueError, match=message):
+            retrieval.evaluate(str(tiny_folder), tasks=[TASKS["passkey"]], lengths=lengths, depths=[0.5], samples=1, out_dir=tmp_path / "o", progress=False)
     assert not (tmp_path / "o").exists()
+
+
+def test_default_lengths_leave_room_for_the_answer():
+    class Model:
+        class config:  # noqa: N801 (a stand-in for a transformers config)
+            max_position_embeddings = 8192
+
+    assert retrieval.default_lengths(Model) == [1024, 2048, 4096, 8192 - retrieval.ANSWER_ROOM]
+    Model.config.max_position_embeddings = 32768
+    assert retrieval.default_lengths(Model) == [1024, 2048, 4096, 8192]
 
 
 def test_cli(tiny_folder, tmp_path, capsys):
