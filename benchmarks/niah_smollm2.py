@@ -36,8 +36,9 @@ PPL_TEXTS = ("shakespeare-val", "austen")  # the held-out plays and another auth
 NAME = "niah_smollm2"
 GRID = {"tasks": ["passkey", "needle-number"], "depths": [0.1, 0.5, 0.9], "samples": 1, "seed": 0, "haystack": "shakespeare-val"}
 NOTES = {
-    "slimkv rows": "the model's own generate() over the whole prompt; bytes/token measured from the live cache after the prompt and the answer",
-    "kvpress rows": "the press compresses the prefilled context (keeping the stated fraction of its entries); the question and the answer are "
+    "slimkv rows": "the model's own generate() over the whole prompt; budget = the cache ratio asked of `convert`, cache kept = achieved; "
+                   "bytes/token measured from the live cache after the prompt and the answer",
+    "kvpress rows": "the press compresses the prefilled context (budget = cache kept = the fraction of its entries kept); the question and the answer are "
                     "appended uncompressed at their true positions, so bytes/token is above the budget by that tail",
 }
 

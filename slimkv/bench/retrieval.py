@@ -44,9 +44,10 @@ def slimkv_row(report: dict[str, Any], label: str, source: str) -> dict[str, Any
     identity = report["settings"]["identity"]
     converted = identity.get("converted") or {}
     compressed = identity.get("compressed") or {}
-    budget = converted.get("achieved_cache_ratio", 1.0) if not compressed else 1.0
+    budget = converted.get("cache_ratio", 1.0) if not compressed else 1.0  # the fraction asked: the budget class
+    kept = converted.get("achieved_cache_ratio", 1.0) if not compressed else 1.0
     items = [(c["task"], c["length"], s) for c in report["cells"].values() for s in c["scores"]]
-    return {"label": label, "tool": "slimkv", "source": source, "cache_budget": round(float(budget), 4),
+    return {"label": label, "tool": "slimkv", "source": source, "cache_budget": round(float(budget), 4), "cache_kept": round(float(kept), 4),
             "bytes_per_token": {n: round(c["bytes_per_token"], 1) for n, c in report.get("cache", {}).items()},
             "healed": bool(converted.get("healing")), "seconds": round(sum(c["seconds"] for c in report["cells"].values()), 1), **aggregate(items)}
 
@@ -61,7 +62,7 @@ def generations_row(generations: dict[str, Any], prompts: dict[str, dict[str, An
         if g.get("cache_tokens"):
             cache[str(prompt["length"])].append(g["cache_bytes"] / g["cache_tokens"])
     return {"label": generations["label"], "tool": generations.get("method", "external"), "source": source,
-            "cache_budget": float(generations.get("cache_budget", 1.0)), "bytes_per_token": {n: round(float(np.mean(v)), 1) for n, v in sorted(cache.items())},
+            "cache_budget": float(generations.get("cache_budget", 1.0)), "cache_kept": float(generations.get("cache_budget", 1.0)), "bytes_per_token": {n: round(float(np.mean(v)), 1) for n, v in sorted(cache.items())},
             "healed": False, "seconds": round(float(generations.get("seconds", 0.0)), 1), "budget_note": generations.get("budget_note"), **aggregate(items)}
 
 
@@ -103,15 +104,16 @@ def render_markdown(data: dict[str, Any]) -> str:
              "tasks and depths (1 = every asked value found); in brackets, prompts fully answered / prompts and the 95% Wilson interval.", ""]
     for key, value in data["notes"].items():
         lines.append(f"- {key}: {value}")
-    lines += ["", "| model | tool | cache kept | bytes/token (at the longest length) | " + " | ".join(str(n) for n in lengths) + " |",
-              "| --- | --- | ---: | ---: |" + " --- |" * len(lengths)]
+    lines += ["", "| model | tool | budget | cache kept | bytes/token (at the longest length) | " + " | ".join(str(n) for n in lengths) + " |",
+              "| --- | --- | ---: | ---: | ---: |" + " --- |" * len(lengths)]
     for r in rows:
         measured = r["bytes_per_token"].get(str(max(int(n) for n in r["bytes_per_token"])), None) if r["bytes_per_token"] else None
         cells = []
         for n in lengths:
             s = r["per_length"].get(str(n))
             cells.append("" if s is None else f"{s['score']:.2f} ({s['full']}/{s['prompts']}, {s['wilson95'][0]:.2f}-{s['wilson95'][1]:.2f})")
-        lines.append(f"| {r['label']} | {r['tool']} | {r['cache_budget']:.2f} | {'' if measured is None else f'{measured:.0f}'} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['label']} | {r['tool']} | {r['cache_budget']:.2f} | {r.get('cache_kept', r['cache_budget']):.4f} | "
+                     f"{'' if measured is None else f'{measured:.0f}'} | " + " | ".join(cells) + " |")
     with_ppl = [r for r in rows if r.get("ppl")]
     if with_ppl:
         texts = list(with_ppl[0]["ppl"])
