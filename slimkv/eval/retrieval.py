@@ -184,9 +184,9 @@ def evaluate(
     if path.is_file():
         previous = read_json(path, expect=dict)
         if previous.get("fingerprint") != report["fingerprint"]:
-            old = {k: v for k, v in previous.get("settings", {}).items() if k not in GRID_KEYS and k != "identity"}
-            raise ValueError(f"{path} holds results of another model or other options ({json.dumps(old)}); give another --out, or move that file "
-                             "away to start over (more tasks, lengths or depths with the same model and options are added to it)")
+            differ = sorted(k for k in set(settings) | set(previous.get("settings", {})) if k not in GRID_KEYS and settings.get(k) != previous["settings"].get(k))
+            raise ValueError(f"{path} holds results of another model or other options (they differ in: {', '.join(differ) or 'the fingerprint'}); "
+                             "give another --out, or move that file away to start over (more tasks, lengths or depths with the same model and options are added to it)")
         report["cells"], report["cache"] = previous.get("cells", {}), previous.get("cache", {})
     out_dir.mkdir(parents=True, exist_ok=True)
     if export_prompts:
