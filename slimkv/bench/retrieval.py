@@ -80,10 +80,11 @@ def winners(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             present = [r for r in group if str(length) in r["per_length"]]
             if len(present) < 2:
                 continue
-            best = max(present, key=lambda r: r["per_length"][str(length)]["score"])
-            low = best["per_length"][str(length)]["wilson95"][0]
-            separated = all(low > r["per_length"][str(length)]["wilson95"][1] for r in present if r is not best)
-            out.append({"cache_budget": budget, "length": length, "best": best["label"], "score": best["per_length"][str(length)]["score"],
+            top = max(r["per_length"][str(length)]["score"] for r in present)
+            best = [r for r in present if r["per_length"][str(length)]["score"] == top]  # every row that ties for the best
+            low = min(r["per_length"][str(length)]["wilson95"][0] for r in best)
+            separated = all(low > r["per_length"][str(length)]["wilson95"][1] for r in present if r not in best)
+            out.append({"cache_budget": budget, "length": length, "best": " = ".join(r["label"] for r in best), "score": top,
                         "separated": separated, "rows": len(present)})
     return out
 
