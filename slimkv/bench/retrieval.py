@@ -83,7 +83,8 @@ def winners(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             top = max(r["per_length"][str(length)]["score"] for r in present)
             best = [r for r in present if r["per_length"][str(length)]["score"] == top]  # every row that ties for the best
             low = min(r["per_length"][str(length)]["wilson95"][0] for r in best)
-            separated = all(low > r["per_length"][str(length)]["wilson95"][1] for r in present if r not in best)
+            others = [r for r in present if r not in best]
+            separated = bool(others) and all(low > r["per_length"][str(length)]["wilson95"][1] for r in others)
             out.append({"cache_budget": budget, "length": length, "best": " = ".join(r["label"] for r in best), "score": top,
                         "separated": separated, "rows": len(present)})
     return out
@@ -131,6 +132,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         lines.append("- no budget has two rows to compare yet")
     for w in data["winners"]:
         verdict = "separated by the samples" if w["separated"] else f"not separated from the others at these sample counts ({w['rows']} rows)"
+        if " = " in w["best"] and not w["separated"] and w["best"].count(" = ") + 1 == w["rows"]:
+            verdict = "every row ties"
         lines.append(f"- budget {w['cache_budget']:.2f}, {w['length']} tokens: {w['best']} ({w['score']:.2f}), {verdict}")
     return "\n".join(lines) + "\n"
 

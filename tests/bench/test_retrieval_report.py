@@ -41,6 +41,8 @@ def test_a_winner_is_named_separated_only_when_the_intervals_allow():
     none = slimkv_row(fake_report({("passkey", 1024): [0.0] * 2}, 0.5), "none", "n")
     assert winners([strong, weak])[0] == {"cache_budget": 0.5, "length": 1024, "best": "strong", "score": 1.0, "separated": True, "rows": 2}
     assert winners([few, none])[0]["separated"] is False  # 3/3 against 0/2: the samples cannot tell
+    tie = winners([strong, slimkv_row(fake_report({("passkey", 1024): [1.0] * 40}, 0.5), "twin", "t")])[0]
+    assert tie["best"] == "strong = twin" and tie["separated"] is False  # rows that tie separate from nothing
     text = render_markdown(comparison([few, none], {"tasks": ["passkey"], "depths": [0.5], "samples": 1, "seed": 0}, {"note": "n"}))
     assert "not separated" in text and "| few | slimkv | 0.50 | 0.5000 | 50 | 1.00 (3/3, 0.44-1.00) |" in text
 
