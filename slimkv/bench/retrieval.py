@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import numpy as np
 
 from slimkv.common.files import save_figure
@@ -143,25 +144,28 @@ def plot(data: dict[str, Any], path: Path) -> None:
     panel; bars: the 95% Wilson interval of the prompts fully answered; atomic PNG."""
     rows = data["rows"]
     lengths = sorted({int(n) for r in rows for n in r["per_length"]})
-    fig, axes = new_figure(1, len(lengths), figsize=(3.6 * len(lengths), 3.6), squeeze=False, layout="constrained", sharex=True, sharey=True)
+    fig, axes = new_figure(1, len(lengths), figsize=(3.6 * len(lengths), 5.2), squeeze=False, layout="constrained", sharex=True, sharey=True)
     widest = max((b for r in rows for b in r["bytes_per_token"].values()), default=1.0)
     markers = {"slimkv": "o", "kvpress": "s"}
+    labelled: set[str] = set()
     for ax, n in zip(axes[0], lengths):
         for index, r in enumerate(rows):
             if str(n) not in r["per_length"] or not r["bytes_per_token"]:
                 continue
             x = r["bytes_per_token"].get(str(n)) or r["bytes_per_token"][max(r["bytes_per_token"], key=int)]
+            x *= 1 + 0.0015 * (index - len(rows) / 2)  # at most ~1.5% apart, so rows at one cache size stay visible
             stats = r["per_length"][str(n)]
             y, (low, high) = stats["score"], stats["wilson95"]
             full = stats["full"] / stats["prompts"]
             ax.errorbar([x], [y], yerr=[[max(0.0, y - min(low, full))], [max(0.0, max(high, full) - y)]], fmt=markers.get(r["tool"], "^"), ms=5, capsize=2, alpha=0.8,
-                        color=f"C{index % 10}")  # one colour per row in every panel
-            ax.annotate(r["label"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+                        color=matplotlib.colormaps["tab20"](index % 20), label=None if r["label"] in labelled else r["label"])  # one colour per row in every panel
+            labelled.add(r["label"])
         ax.set_title(f"{n} tokens", fontsize=9)
         ax.set_xlabel("live cache bytes per token", fontsize=8)
         ax.set_xlim(0, widest * 1.15)
         ax.set_ylim(-0.05, 1.05)
         ax.grid(True, alpha=0.3)
+    fig.legend(loc="outside lower center", ncol=4, fontsize=7)
     axes[0][0].set_ylabel("retrieval score")
-    fig.suptitle("retrieval vs cache (o slimkv, s kvpress)", fontsize=9)
+    fig.suptitle("retrieval vs cache (o slimkv, s kvpress; points at one cache size offset by up to 1.5% to stay apart)", fontsize=9)
     save_figure(fig, path)
