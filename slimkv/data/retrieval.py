@@ -18,13 +18,14 @@ same arguments give the same prompts on any machine.
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from slimkv.common.checks import check_float, check_int
+from slimkv.data.needles import NeedleBuilder, line_end_ids
+from slimkv.data.needles import random_value as needle_value
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 PREAMBLE = "Some special magic {noun}s are hidden within the following text. Make sure to memorize them. I will quiz you about the {noun}s afterwards.\n"
@@ -94,7 +95,6 @@ class RetrievalPrompt:
     answers: list[str]
     depth_actual: float  # where the asked needle starts, as a fraction of the haystack
     max_new_tokens: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ids(self) -> list[int]:
@@ -106,33 +106,25 @@ class RetrievalPrompt:
 
 
 def random_value(rng: np.random.Generator, kind: str) -> str:
-    """A value of ``kind``: a 5-digit pass key, a 7-digit number, a word of ``VALUE_WORDS`` or a UUID."""
+    """A value of ``kind``: a 5-digit pass key, a word of ``VALUE_WORDS``, or a 7-digit number or
+    a UUID as the training needles draw them (``slimkv.data.needles.random_value``)."""
     if kind == "passkey":
         return str(int(rng.integers(10_000, 100_000)))
-    if kind == "number":
-        return str(int(rng.integers(1_000_000, 10_000_000)))
     if kind == "word":
         return VALUE_WORDS[int(rng.integers(len(VALUE_WORDS)))]
-    if kind == "uuid":
-        return str(uuid.UUID(bytes=rng.bytes(16), version=4))
-    raise ValueError(f"value kind {kind!r} is not allowed; allowed values: {', '.join(VALUE_KINDS)}")
-
-
-def line_end_ids(tokenizer: Any) -> np.ndarray:
-    """Sorted ids of ``tokenizer`` (transformers) whose text ends with a newline."""
-    ids = [i for i in range(len(tokenizer)) if tokenizer.decode([i]).endswith("\n")]
-    if not ids:
-        raise ValueError("the tokenizer has no token ending with a newline; retrieval prompts need line boundaries")
-    return np.asarray(ids, dtype=np.int64)
+    if kind not in VALUE_KINDS:
+        raise ValueError(f"value kind {kind!r} is not allowed; allowed values: {', '.join(VALUE_KINDS)}")
+    return needle_value(rng, kind)
 
 
 class PromptBuilder:
     """Builds ``RetrievalPrompt``s with one transformers tokenizer over two haystack sources:
-    ``filler`` and ``prose`` (1-D token ids each)."""
+    ``filler`` and ``prose`` (1-D token ids each). Haystack spans and line boundaries are the
+    training needles' (``slimkv.data.needles.NeedleBuilder``)."""
 
-    def __init__(self, tokenizer: Any, prose: str, *, line_ends: np.ndarray | None = None) -> None:
+    def __init__(self, tokenizer: Any, prose: str) -> None:
         self.tokenizer = tokenizer
-        self.line_ends = line_end_ids(tokenizer) if line_ends is None else np.asarray(line_ends, dtype=np.int64)
+        self.lines = NeedleBuilder(self.encode, line_end_ids(tokenizer.backend_tokenizer))
         self.sources = {"filler": np.asarray(self.encode(PASSKEY_FILLER * 64), dtype=np.int64), "prose": np.asarray(self.encode(prose), dtype=np.int64)}
         if len(self.sources["prose"]) < 2:
             raise ValueError("the prose haystack text has no tokens")
@@ -170,9 +162,8 @@ class PromptBuilder:
         budget = length - len(preamble) - sum(map(len, needles)) - len(question)
         if budget < 1:
             raise ValueError(f"--lengths {length} is too short for task {task.name}: its preamble, needles and question alone take {length - budget} tokens")
-        haystack = self.haystack(self.sources[task.haystack], start, budget)
-        boundaries = np.concatenate(([0], np.flatnonzero(np.isin(haystack, self.line_ends)) + 1))
-        cuts = [int(boundaries[np.argmin(np.abs(boundaries - d * budget))]) for d in [depth, *other_depths]]
+        haystack = self.lines.haystack(self.sources[task.haystack], start, budget)
+        cuts = [self.lines.boundary_near(haystack, d) for d in [depth, *other_depths]]
         order = sorted(range(len(needles)), key=lambda i: (cuts[i], i))
         context, last = list(preamble), 0
         for i in order:
@@ -182,14 +173,6 @@ class PromptBuilder:
         new_tokens = len(self.encode(" " + ", ".join(answers))) + 8
         return RetrievalPrompt(f"{task.name}/{length}/{depth:.2f}/{sample}", task.name, length, depth, sample, context, question, answers,
                                depth_actual=cuts[0] / budget, max_new_tokens=new_tokens)
-
-    def haystack(self, source: np.ndarray, start: int, budget: int) -> np.ndarray:
-        """``budget`` tokens of ``source`` from the first line start at or after ``start``, wrapping
-        around the end of ``source``."""
-        start %= len(source)
-        ends = np.flatnonzero(np.isin(source[start:], self.line_ends))
-        first = start + int(ends[0]) + 1 if ends.size and start > 0 else start
-        return source[(first + np.arange(budget)) % len(source)]
 
 
 def parse_tasks(text: str) -> list[RetrievalTask]:
