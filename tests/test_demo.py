@@ -3,6 +3,8 @@ the recipe is short; unknown entries are refused before any work."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -69,4 +71,6 @@ def test_retrieval_demo_asks_the_original_and_the_conversion(tmp_path, monkeypat
     monkeypatch.setattr("slimkv.demo.DEMO_RETRIEVAL", {"tasks": ("passkey",), "lengths": (400, 500), "depths": (0.25,), "samples": 1})
     run_demo(tmp_path / "demo", parts=("retrieval",), progress=False)
     assert (tmp_path / "demo" / "retrieval" / "original" / "niah.json").is_file()
+    timings = json.loads((tmp_path / "demo" / "demo_timings.json").read_text())
+    assert list(timings["parts"]) == ["retrieval"] and timings["total"]["wall_clock_s"] > 0
     assert "original: pass key found (mean over depths) at 400 tokens" in capsys.readouterr().out

@@ -125,7 +125,8 @@ def kernel_for(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.T
 def supports(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether the native kernel takes this call: float32 on the CPU, no autograd, one query per
     head, shapes that agree (the kernel trusts them: a mismatch takes the torch path, which raises),
-    rows of keys and values contiguous, at most ``MAX_SEGMENTS`` segments, and no torch dispatch
+    each row of keys and values contiguous (rows may be any distance apart: values that are a slice
+    of the key rows, as MLA's latent rows, are read in place), at most ``MAX_SEGMENTS`` segments, and no torch dispatch
     mode active (the kernel bypasses torch's dispatcher, so a FLOP counter or a fake-tensor trace
     would not see it: those calls take the torch path)."""
     if not 1 <= len(segments) <= MAX_SEGMENTS or len(queries) != len(segments) or torch._C._len_torch_dispatch_stack() > 0:
@@ -144,7 +145,7 @@ def supports(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Ten
         for x in (k, v):
             if x.dtype != torch.float32 or x.device.type != "cpu" or (grad and x.requires_grad):
                 return False
-            if x.stride(-1) != 1 or (x.shape[2] > 1 and x.stride(2) != x.shape[-1]):
+            if x.stride(-1) != 1 and x.shape[-1] > 1:
                 return False
     return True
 
@@ -160,9 +161,9 @@ def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[
     kv_heads, v_dim = segments[0][0].shape[1], segments[0][1].shape[-1]
     rows = [q.contiguous() for q in queries]
     out = torch.empty(batch, q_heads, 1, v_dim, dtype=torch.float32)
-    fields = []  # per segment, the C struct Segment's order: q, k, v, keys, k strides (batch, head), v strides
+    fields = []  # per segment, the C struct Segment's order: q, k, v, keys, k strides (batch, head, row), v strides
     for q, (k, v) in zip(rows, segments):
-        fields += (q.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+        fields += (q.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], *k.stride()[:3], *v.stride()[:3])
     step_bytes = 4 * batch * kv_heads * sum(k.shape[2] * (dim + v_dim) for k, _ in segments)
     threads = torch.get_num_threads() if step_bytes >= PARALLEL_MIN_BYTES else 1
     status = library.slimkv_decode_attention_f32((ctypes.c_int64 * len(fields))(*fields), len(segments), out.data_ptr(), batch, kv_heads,

@@ -35,6 +35,33 @@ def test_native_matches_the_reference(kv_heads, groups, dim, v_dim, keys):
 
 
 @needs_kernel
+@pytest.mark.parametrize("groups", [1, 3, 8, 9])
+@pytest.mark.parametrize("dim,v_dim", [(192, 160), (288, 256), (100, 36), (17, 5)])
+@pytest.mark.parametrize("keys", [1, 66, 257])
+def test_wide_rows_and_many_query_heads_match_the_reference(groups, dim, v_dim, keys):
+    """Widths other than 32/64/128 (MLA's latent rows, odd widths) and MLA's 8-9 query heads per key head."""
+    k, v = _cache(2, 1, keys, dim, v_dim, spare=3, seed=groups)
+    q = torch.randn(2, groups, 1, dim)
+    assert native.supports([q], [(k, v)])
+    out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(dim), LIBRARY)
+    torch.testing.assert_close(out, reference_attention(q, k, v), rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rope,rank", [(32, 160), (64, 64), (16, 48), (8, 20)])
+def test_values_read_in_place_from_the_key_rows(rope, rank):
+    """MLA's absorbed decode: the cached rows [k_pe | c] are the keys and their c part the values,
+    a strided view of the same memory that the kernel reads without a copy."""
+    gen = torch.Generator().manual_seed(rope)
+    rows = torch.randn(2, 1, 300 + 5, rope + rank, generator=gen)[:, :, :300]
+    q = torch.randn(2, 9, 1, rope + rank, generator=gen)
+    keys, values = rows, rows[..., rope:]
+    assert values.stride(2) == rope + rank and native.supports([q], [(keys, values)])
+    out = native.native_decode_attention([q], [(keys, values)], 0.07, LIBRARY)
+    torch.testing.assert_close(out, reference_attention(q, keys.contiguous(), values.contiguous(), scale=0.07), rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
 def test_decode_attention_takes_the_native_path_and_agrees_with_the_matmul_path(monkeypatch):
     k, v = _cache(1, 2, 500, 64, 64)
     q = torch.randn(1, 8, 1, 64)

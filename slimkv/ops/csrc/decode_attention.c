@@ -14,9 +14,16 @@
  *
  * Layout (what slimkv/ops/native.py passes): every query and out are contiguous
  * (batch, kv_heads, groups, dim) and (batch, kv_heads, groups, v_dim); each segment's keys and
- * values are rows of ``dim`` and ``v_dim`` contiguous floats, with a batch stride and a head
- * stride in elements (a slice of a larger preallocated buffer is fine). The plain reference is
- * slimkv.ops.attention.reference_attention; tests/ops/test_native.py compares the two.
+ * values are rows of ``dim`` and ``v_dim`` contiguous floats, with a batch, a head and a row
+ * stride in elements (a slice of a larger preallocated buffer is fine, and so are values that are
+ * part of the key rows: MLA's absorbed decode reads its latent rows once, as keys and, from an
+ * offset, as values). The plain reference is slimkv.ops.attention.reference_attention;
+ * tests/ops/test_native.py compares the two.
+ *
+ * Paths: with AVX-512, head widths 32/64/128 (MHA, GQA, KVM) take register tiles holding whole
+ * rows (block_rows_avx512); any other widths and group counts (MLA's latent rows, 9 query heads
+ * per key head) take tiles over 16-float chunks of the rows (attend_item_wide). Without AVX-512
+ * every call takes attend_item, written for the compiler to vectorize.
  *
  * Threads: the (batch, kv_head) pairs are split over ``threads`` POSIX threads (1: the caller's).
  */
@@ -33,10 +40,11 @@
 #define PREFETCH_BLOCKS 2 /* software prefetch of the keys and values this many blocks ahead (0: none) */
 #endif
 #define MAX_SEGMENTS 4
+#define FIELDS 10 /* integers per segment in slimkv_decode_attention_f32's ``fields`` */
 
 typedef struct {
     const float *q, *k, *v; /* q: this segment's query rows (a region may have its own temperatures) */
-    int64_t keys, k_stride_b, k_stride_h, v_stride_b, v_stride_h;
+    int64_t keys, k_stride_b, k_stride_h, k_stride_t, v_stride_b, v_stride_h, v_stride_t; /* strides in elements */
 } Segment;
 
 typedef struct {
@@ -86,17 +94,18 @@ static inline __attribute__((always_inline)) void attend_item(int64_t item, floa
         for (int64_t i = 0; i < groups * dim; i++) qs[i] = q[i] * scale;
         const float *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
         const float *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
+        const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int64_t n = seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS;
-            const float *restrict kb = kh + t0 * dim;
-            const float *restrict vb = vh + t0 * v_dim;
+            const float *restrict kb = kh + t0 * k_row;
+            const float *restrict vb = vh + t0 * v_row;
             for (int64_t g = 0; g < groups; g++) {
                 const float *restrict qg = qs + g * dim;
                 float block_max = -INFINITY;
                 for (int64_t t = 0; t < n; t++) {
                     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < dim; d++) dot += qg[d] * kb[t * dim + d];
+                    for (int64_t d = 0; d < dim; d++) dot += qg[d] * kb[t * k_row + d];
                     logits[t] = dot;
                     block_max = dot > block_max ? dot : block_max;
                 }
@@ -119,7 +128,7 @@ static inline __attribute__((always_inline)) void attend_item(int64_t item, floa
                 for (int64_t t = 0; t < n; t++) {
                     const float p = logits[t];
 #pragma omp simd
-                    for (int64_t e = 0; e < v_dim; e++) ag[e] += p * vb[t * v_dim + e];
+                    for (int64_t e = 0; e < v_dim; e++) ag[e] += p * vb[t * v_row + e];
                 }
             }
         }
@@ -172,16 +181,16 @@ static inline __attribute__((always_inline)) void horizontal_sums(const __m512 *
  * dim = 16 * ND and v_dim = 16 * NV: each key and value vector is loaded once for the R rows, the
  * R accumulators stay in registers. Same arithmetic as attend_item. */
 static inline __attribute__((always_inline)) void block_rows_avx512(const float *restrict q, const float *restrict kb, const float *restrict vb,
-                                                                     int n, const int R, const int ND, const int NV, __m512 scale16,
+                                                                     int64_t k_row, int64_t v_row, int n, const int R, const int ND, const int NV, __m512 scale16,
                                                                      float *restrict acc, float *restrict run_max, float *restrict run_sum) {
     float logits[4][BLOCK_KEYS] __attribute__((aligned(64)));
     __m512 qv[4][8];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < ND; j++) qv[i][j] = _mm512_mul_ps(_mm512_loadu_ps(q + i * 16 * ND + 16 * j), scale16);
     for (int t = 0; t < n; t++) {
-        const float *kt = kb + t * 16 * ND;
+        const float *kt = kb + t * k_row;
         if (PREFETCH_BLOCKS > 0)
-            for (int j = 0; j < ND; j++) _mm_prefetch((const char *)(kt + PREFETCH_BLOCKS * BLOCK_KEYS * 16 * ND + 16 * j), _MM_HINT_T0);
+            for (int j = 0; j < ND; j++) _mm_prefetch((const char *)(kt + PREFETCH_BLOCKS * BLOCK_KEYS * k_row + 16 * j), _MM_HINT_T0);
         __m512 kv[8], dots[4];
         for (int j = 0; j < ND; j++) kv[j] = _mm512_loadu_ps(kt + 16 * j);
         for (int i = 0; i < R; i++) {
@@ -215,9 +224,9 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
         run_sum[i] += _mm512_reduce_add_ps(sum16);
     }
     for (int t = 0; t < n; t++) {
-        const float *vt = vb + t * 16 * NV;
+        const float *vt = vb + t * v_row;
         if (PREFETCH_BLOCKS > 0)
-            for (int j = 0; j < NV; j++) _mm_prefetch((const char *)(vt + PREFETCH_BLOCKS * BLOCK_KEYS * 16 * NV + 16 * j), _MM_HINT_T0);
+            for (int j = 0; j < NV; j++) _mm_prefetch((const char *)(vt + PREFETCH_BLOCKS * BLOCK_KEYS * v_row + 16 * j), _MM_HINT_T0);
         __m512 vv[8];
         for (int j = 0; j < NV; j++) vv[j] = _mm512_loadu_ps(vt + 16 * j);
         for (int i = 0; i < R; i++) {
@@ -248,22 +257,167 @@ static inline __attribute__((always_inline)) void attend_item_avx512(int64_t ite
         const float *restrict q = seg.q + item * groups * dim;
         const float *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
         const float *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
+        const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
-            const float *restrict kb = kh + t0 * dim;
-            const float *restrict vb = vh + t0 * v_dim;
+            const float *restrict kb = kh + t0 * k_row;
+            const float *restrict vb = vh + t0 * v_row;
             int64_t g = 0;
             for (; tile == 4 && g + 4 <= groups; g += 4)
-                block_rows_avx512(q + g * dim, kb, vb, n, 4, ND, NV, scale16, acc + g * v_dim, run_max + g, run_sum + g);
+                block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, 4, ND, NV, scale16, acc + g * v_dim, run_max + g, run_sum + g);
             for (; g + 2 <= groups; g += 2)
-                block_rows_avx512(q + g * dim, kb, vb, n, 2, ND, NV, scale16, acc + g * v_dim, run_max + g, run_sum + g);
+                block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, 2, ND, NV, scale16, acc + g * v_dim, run_max + g, run_sum + g);
             for (; g < groups; g++)
-                block_rows_avx512(q + g * dim, kb, vb, n, 1, ND, NV, scale16, acc + g * v_dim, run_max + g, run_sum + g);
+                block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, 1, ND, NV, scale16, acc + g * v_dim, run_max + g, run_sum + g);
         }
     }
     for (int64_t g = 0; g < groups; g++) {
         const float inv = 1.0f / run_sum[g];
         for (int64_t e = 0; e < v_dim; e++) out[g * v_dim + e] = acc[g * v_dim + e] * inv;
+    }
+}
+
+/* The lanes of chunk j (16 floats) of a row of ``width`` floats: all but in the last chunk. */
+static inline __mmask16 chunk_mask(int64_t width, int64_t j) {
+    const int64_t left = width - 16 * j;
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+
+/* Logits of R query rows against KT consecutive keys, over the rows' 16-float chunks: each key
+ * chunk is loaded once for the R rows, each query chunk once for the KT keys (R * KT accumulators).
+ * qs: R scaled query rows, ``d_pad`` floats apart and zero past ``dim``; kt: the first key's row. */
+static inline __attribute__((always_inline)) void logits_tile(const float *restrict qs, int64_t d_pad, const float *restrict kt, int64_t k_row,
+                                                              int64_t dim, const int R, const int KT, float *restrict logits, int t) {
+    __m512 dots[4][4];
+    for (int i = 0; i < R; i++)
+        for (int u = 0; u < KT; u++) dots[i][u] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d_pad / 16; j++) {
+        const __mmask16 mask = chunk_mask(dim, j);
+        __m512 kv[4];
+        for (int u = 0; u < KT; u++) kv[u] = _mm512_maskz_loadu_ps(mask, kt + u * k_row + 16 * j);
+        for (int i = 0; i < R; i++) {
+            const __m512 qv = _mm512_loadu_ps(qs + i * d_pad + 16 * j);
+            for (int u = 0; u < KT; u++) dots[i][u] = _mm512_fmadd_ps(qv, kv[u], dots[i][u]);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        float sums[4];
+        horizontal_sums(dots[i], KT, sums);
+        for (int u = 0; u < KT; u++) logits[i * BLOCK_KEYS + t + u] = sums[u];
+    }
+}
+
+/* acc[R rows][chunks c0 .. c0 + CV - 1] += p . values of a block's n keys (each value chunk loaded
+ * once for the R rows). p: the rows' probabilities, BLOCK_KEYS apart; acc rows ``v_pad`` apart. */
+static inline __attribute__((always_inline)) void values_tile(const float *restrict p, int n, const float *restrict vb, int64_t v_row,
+                                                              int64_t v_dim, int64_t c0, const int R, const int CV, float *restrict acc,
+                                                              int64_t v_pad) {
+    __m512 av[4][4];
+    __mmask16 mask[4];
+    for (int c = 0; c < CV; c++) mask[c] = chunk_mask(v_dim, c0 + c);
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < CV; c++) av[i][c] = _mm512_loadu_ps(acc + i * v_pad + 16 * (c0 + c));
+    for (int t = 0; t < n; t++) {
+        const float *vt = vb + t * v_row + 16 * c0;
+        __m512 vv[4];
+        for (int c = 0; c < CV; c++) vv[c] = _mm512_maskz_loadu_ps(mask[c], vt + 16 * c);
+        for (int i = 0; i < R; i++) {
+            const __m512 pi = _mm512_set1_ps(p[i * BLOCK_KEYS + t]);
+            for (int c = 0; c < CV; c++) av[i][c] = _mm512_fmadd_ps(pi, vv[c], av[i][c]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < CV; c++) _mm512_storeu_ps(acc + i * v_pad + 16 * (c0 + c), av[i][c]);
+}
+
+#define ROWS_SWITCH(R, CALL_R) \
+    switch (R) {               \
+    case 4: CALL_R(4); break;  \
+    case 3: CALL_R(3); break;  \
+    case 2: CALL_R(2); break;  \
+    default: CALL_R(1); break; \
+    }
+
+/* One (batch, kv_head) item for any widths and any number of query rows: per block of keys, the
+ * logits of every row (tiles of 4 rows x 4 keys), the online-softmax update of every row, then the
+ * values (tiles of 4 rows x 4 chunks). Same arithmetic as attend_item, in another order of sums.
+ * Scratch: acc (groups x v_pad), qs (groups x d_pad), logits (groups x BLOCK_KEYS). */
+static void attend_item_wide(int64_t item, float *restrict out, const Segment *segments, int n_segments, int64_t b, int64_t h, int64_t groups,
+                             int64_t dim, int64_t v_dim, float scale, float *restrict acc, float *restrict qs, float *restrict logits,
+                             float *restrict run_max, float *restrict run_sum) {
+    const int64_t d_pad = (dim + 15) / 16 * 16, v_pad = (v_dim + 15) / 16 * 16;
+    for (int64_t g = 0; g < groups; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(groups * v_pad));
+    memset(qs, 0, sizeof(float) * (size_t)(groups * d_pad));
+    for (int s = 0; s < n_segments; s++) {
+        const Segment seg = segments[s];
+        const float *restrict q = seg.q + item * groups * dim;
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t d = 0; d < dim; d++) qs[g * d_pad + d] = q[g * dim + d] * scale;
+        const float *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
+        const float *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
+        const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
+        for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
+            const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
+            const float *restrict kb = kh + t0 * k_row;
+            const float *restrict vb = vh + t0 * v_row;
+            for (int64_t g = 0; g < groups; g += 4) {
+                const int rows = groups - g < 4 ? (int)(groups - g) : 4;
+                int t = 0;
+#define LOGITS4(R) for (; t + 4 <= n; t += 4) logits_tile(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, 4, logits + g * BLOCK_KEYS, t)
+#define LOGITS1(R) for (; t < n; t++) logits_tile(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, 1, logits + g * BLOCK_KEYS, t)
+                ROWS_SWITCH(rows, LOGITS4)
+                ROWS_SWITCH(rows, LOGITS1)
+#undef LOGITS4
+#undef LOGITS1
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                float *restrict lg = logits + g * BLOCK_KEYS;
+                for (int t = n; t < BLOCK_KEYS; t++) lg[t] = -INFINITY;
+                __m512 m16 = _mm512_loadu_ps(lg);
+                for (int t = 16; t < BLOCK_KEYS; t += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(lg + t));
+                const float block_max = _mm512_reduce_max_ps(m16);
+                if (block_max > run_max[g]) {
+                    const float correction = _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(run_max[g] - block_max)));
+                    run_sum[g] *= correction;
+                    const __m512 c16 = _mm512_set1_ps(correction);
+                    for (int64_t e = 0; e < v_pad; e += 16) _mm512_storeu_ps(acc + g * v_pad + e, _mm512_mul_ps(_mm512_loadu_ps(acc + g * v_pad + e), c16));
+                    run_max[g] = block_max;
+                }
+                const __m512 m = _mm512_set1_ps(run_max[g]);
+                __m512 sum16 = _mm512_setzero_ps();
+                for (int t = 0; t < BLOCK_KEYS; t += 16) {
+                    const __m512 p = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(lg + t), m));
+                    _mm512_storeu_ps(lg + t, p);
+                    sum16 = _mm512_add_ps(sum16, p);
+                }
+                run_sum[g] += _mm512_reduce_add_ps(sum16);
+            }
+            for (int64_t c0 = 0; c0 < v_pad / 16; c0 += 4) {
+                const int chunks = v_pad / 16 - c0 < 4 ? (int)(v_pad / 16 - c0) : 4;
+                for (int64_t g = 0; g < groups; g += 4) {
+                    const int rows = groups - g < 4 ? (int)(groups - g) : 4;
+                    const float *pg = logits + g * BLOCK_KEYS;
+                    float *ag = acc + g * v_pad;
+#define VALUES(R)                                                                 \
+    switch (chunks) {                                                             \
+    case 4: values_tile(pg, n, vb, v_row, v_dim, c0, R, 4, ag, v_pad); break;  \
+    case 3: values_tile(pg, n, vb, v_row, v_dim, c0, R, 3, ag, v_pad); break;  \
+    case 2: values_tile(pg, n, vb, v_row, v_dim, c0, R, 2, ag, v_pad); break;  \
+    default: values_tile(pg, n, vb, v_row, v_dim, c0, R, 1, ag, v_pad); break; \
+    }
+                    ROWS_SWITCH(rows, VALUES)
+#undef VALUES
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const float inv = 1.0f / run_sum[g];
+        for (int64_t e = 0; e < v_dim; e++) out[g * v_dim + e] = acc[g * v_pad + e] * inv;
     }
 }
 
@@ -275,8 +429,14 @@ static inline __attribute__((always_inline)) void attend_item_avx512(int64_t ite
                                run_max, run_sum);                                                                             \
         goto done;                                                                                                            \
     }
+#define DISPATCH_WIDE                                                                                                         \
+    for (int64_t i = job->first; i < job->last; i++)                                                                          \
+        attend_item_wide(i, job->out + i * job->groups * job->v_dim, job->segments, job->n_segments, i / job->kv_heads,        \
+                         i % job->kv_heads, job->groups, job->dim, job->v_dim, job->scale, acc, qs, logits, run_max, run_sum); \
+    goto done;
 #else
 #define DISPATCH_AVX512(ND, NV)
+#define DISPATCH_WIDE
 #endif
 
 #define DISPATCH(D, DV)                                                                                                         \
@@ -289,17 +449,21 @@ static inline __attribute__((always_inline)) void attend_item_avx512(int64_t ite
 
 static void *run_job(void *arg) {
     Job *job = (Job *)arg;
-    float *acc = malloc(sizeof(float) * (size_t)(job->groups * (job->v_dim + job->dim + 2)));
+    const int64_t d_pad = (job->dim + 15) / 16 * 16, v_pad = (job->v_dim + 15) / 16 * 16; /* widths rounded up to 16-float chunks */
+    float *acc = malloc(sizeof(float) * (size_t)(job->groups * (v_pad + d_pad + BLOCK_KEYS + 2)));
     if (!acc) {
         job->status = 1;
         return NULL;
     }
-    float *qs = acc + job->groups * job->v_dim;
-    float *run_max = qs + job->groups * job->dim;
+    float *qs = acc + job->groups * v_pad;
+    float *logits = qs + job->groups * d_pad;
+    float *run_max = logits + job->groups * BLOCK_KEYS;
     float *run_sum = run_max + job->groups;
+    (void)logits;
     DISPATCH_AVX512(4, 4)
     DISPATCH_AVX512(2, 2)
     DISPATCH_AVX512(8, 8)
+    DISPATCH_WIDE
     DISPATCH(64, 64)
     DISPATCH(32, 32)
     DISPATCH(128, 128)
@@ -312,8 +476,8 @@ done:
     return NULL;
 }
 
-/* ``fields`` holds 8 integers per segment: the query, key and value pointers, the key count, the
- * keys' batch and head strides and the values' batch and head strides (strides in elements).
+/* ``fields`` holds FIELDS integers per segment: the query, key and value pointers, the key count,
+ * the keys' batch, head and row strides and the values' batch, head and row strides (in elements).
  * Returns 0 on success, 1 when memory or a thread could not be had, 2 on bad arguments. */
 int slimkv_decode_attention_f32(const int64_t *fields, int n_segments, float *out, int64_t batch, int64_t kv_heads, int64_t groups,
                                 int64_t dim, int64_t v_dim, float scale, int threads) {
@@ -321,8 +485,8 @@ int slimkv_decode_attention_f32(const int64_t *fields, int n_segments, float *ou
     Segment segments[MAX_SEGMENTS];
     int64_t total_keys = 0;
     for (int s = 0; s < n_segments; s++) {
-        const int64_t *f = fields + 8 * s;
-        segments[s] = (Segment){(const float *)(intptr_t)f[0], (const float *)(intptr_t)f[1], (const float *)(intptr_t)f[2], f[3], f[4], f[5], f[6], f[7]};
+        const int64_t *f = fields + FIELDS * s;
+        segments[s] = (Segment){(const float *)(intptr_t)f[0], (const float *)(intptr_t)f[1], (const float *)(intptr_t)f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]};
         total_keys += f[3];
     }
     if (total_keys < 1) return 2;
