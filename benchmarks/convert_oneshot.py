@@ -1,14 +1,16 @@
 """Conversions of SmolLM2-135M: perplexity in and out of domain, and the live cache.
 
-For each ``METHOD:RATIO`` the model is converted (``slimkv convert``, one-shot unless
-``--heal-tokens``: then healed by distillation on the training plays; a folder already
-converted with the same options under ``--work`` is reused), then evaluated on the first
+For each ``METHOD:RATIO`` the model is converted (``slimkv convert``, calibrated on ``--calib``,
+convert's default mix unless given; one-shot unless ``--heal-tokens``: then healed by distillation
+on ``--heal-text``; a folder already converted with the same options under ``--work`` is reused),
+then evaluated on the first
 ``--eval-tokens`` tokens of each ``--texts`` entry (default: the held-out plays, in domain, and
 Jane Austen, out of domain) in 1024-token windows, and its live cache is measured after a real
 ``generate()`` to ``--context`` tokens. The original is evaluated once per text in the same run.
 
     .venv/bin/python benchmarks/convert_oneshot.py
     .venv/bin/python benchmarks/convert_oneshot.py --runs mla:0.5 lrkv:0.5 --eval-tokens 4096
+    .venv/bin/python benchmarks/convert_oneshot.py --calib shakespeare --name convert_oneshot_plays_smollm2
     .venv/bin/python benchmarks/convert_oneshot.py --runs mla:0.5 --heal-tokens 100000 --name convert_healed_smollm2
     .venv/bin/python benchmarks/convert_oneshot.py --name convert_smollm2 --plot-from benchmarks/results/convert_{oneshot,healed}_smollm2.json
 
@@ -49,12 +51,14 @@ def parse_run(text: str) -> tuple[str, float]:
 def converted_folder(work: Path, options: ConvertOptions, heal: HealConfig | None, progress: bool) -> tuple[Path, dict, float | None]:
     """The conversion's folder (reused if it holds the same finished conversion), its manifest and
     the seconds a new conversion (and healing) took."""
-    out = work / (f"{options.method}_{options.cache_ratio}" + (f"_heal{heal.tokens}" if heal else ""))
+    calib = options.calib.replace(",", "+").replace("/", "_")
+    out = work / (f"{options.method}_{options.cache_ratio}_{calib}" + (f"_heal{heal.tokens}_{heal.text.replace(',', '+')}" if heal else ""))
     manifest_path = out / "slimkv_conversion.json"
     if manifest_path.exists():
         manifest = read_json(manifest_path, expect=dict)
-        healed = (manifest.get("healing") or {}).get("status") == "finished"
-        if manifest.get("method") == options.method and manifest.get("cache_ratio") == options.cache_ratio and healed == (heal is not None):
+        healing = manifest.get("healing") or {}
+        same_healing = (healing.get("status") == "finished" and healing.get("text") == heal.text) if heal else not healing
+        if (manifest.get("method"), manifest.get("cache_ratio"), manifest["calibration"]["source"]) == (options.method, options.cache_ratio, options.calib) and same_healing:
             return out, manifest, None
     started = time.perf_counter()
     _, manifest = convert_pretrained("smollm2", options, out, heal_cfg=heal, progress=progress)
@@ -92,7 +96,9 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=8192, help="tokens of each text evaluated (default 8192)")
     parser.add_argument("--context", type=int, default=2048, help="context of the live-cache measurement (default 2048)")
     parser.add_argument("--work", default="runs/convert_oneshot", help="where converted folders are written and reused")
-    parser.add_argument("--heal-tokens", type=int, default=0, help="heal every conversion on this many tokens of the training plays (default 0: one-shot)")
+    parser.add_argument("--calib", default=ConvertOptions.calib, help=f"calibration text, as convert's --calib (default {ConvertOptions.calib})")
+    parser.add_argument("--heal-tokens", type=int, default=0, help="heal every conversion on this many tokens of --heal-text (default 0: one-shot)")
+    parser.add_argument("--heal-text", default=HealConfig.text, help=f"healing text, as convert's --heal-text (default {HealConfig.text})")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--name", default="convert_oneshot_smollm2")
     parser.add_argument("--no-progress", action="store_true")
@@ -106,8 +112,9 @@ def main() -> None:
         return
     runs = [parse_run(r) for r in args.runs]
     fetch_smollm2()
+    heal = HealConfig(tokens=args.heal_tokens, text=args.heal_text) if args.heal_tokens else None
     for method, ratio in runs:  # every entry checked before the first conversion
-        check_before_work("smollm2", ConvertOptions(method, ratio), None, HealConfig(tokens=args.heal_tokens) if args.heal_tokens else None)
+        check_before_work("smollm2", ConvertOptions(method, ratio, calib=args.calib), None, heal)
     torch.set_num_threads(args.threads)
     texts = {name: evaluation_text(name) for name in args.texts}
     work = Path(args.work)
@@ -119,8 +126,7 @@ def main() -> None:
     rows = []
     for method, ratio in runs:
         load_before = os.getloadavg()[0]
-        heal = HealConfig(tokens=args.heal_tokens) if args.heal_tokens else None
-        out, manifest, seconds = converted_folder(work, ConvertOptions(method, ratio), heal, not args.no_progress)
+        out, manifest, seconds = converted_folder(work, ConvertOptions(method, ratio, calib=args.calib), heal, not args.no_progress)
         loaded = load_language_model(str(out))
         ppl = {name: perplexity(loaded.model, loaded.tokenizer, text, 1024, args.eval_tokens)["ppl"] for name, text in texts.items()}
         del loaded
@@ -134,11 +140,12 @@ def main() -> None:
         print(f"{method:<10} R={ratio:<5} live cache {row['live_cache_ratio']:.3f}: " + ", ".join(
             f"{n} {p:.2f} ({row['ppl_over_original'][n]:.2f}x)" for n, p in ppl.items()), flush=True)
 
-    payload = {"model": "smollm2", "threads": args.threads, "heal_tokens": args.heal_tokens, "eval_tokens": args.eval_tokens, "seq_len": 1024, "context": args.context,
+    payload = {"model": "smollm2", "threads": args.threads, "calib": args.calib, "heal_tokens": args.heal_tokens, "heal_text": args.heal_text if heal else None,
+               "eval_tokens": args.eval_tokens, "seq_len": 1024, "context": args.context,
                "texts": args.texts, "original_ppl": baseline, "rows": rows}
     path = write_results(args.name, payload, RESULTS, plot([payload]))
-    what = f"healed on {args.heal_tokens:,} tokens of the training plays" if args.heal_tokens else "one-shot"
-    lines = [f"# Conversion of SmolLM2-135M, {what} ({args.eval_tokens} tokens per text, 1024-token windows, {args.threads} threads)", "",
+    what = f"healed on {args.heal_tokens:,} tokens of {args.heal_text}" if args.heal_tokens else "one-shot"
+    lines = [f"# Conversion of SmolLM2-135M, calibrated on {args.calib}, {what} ({args.eval_tokens} tokens per text, 1024-token windows, {args.threads} threads)", "",
              "original: " + ", ".join(f"{n} {p:.2f}" for n, p in baseline.items()), "",
              "| method | R asked | live cache ratio | " + " | ".join(f"{n} ppl (x original)" for n in texts) + " |",
              "| --- | ---: | ---: | " + " | ".join("---:" for _ in texts) + " |"]

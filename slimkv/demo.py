@@ -48,6 +48,7 @@ from slimkv.train.config import TrainConfig
 DEMO_PARTS = ("compare", "convert", "retrieval", "compress", "recall")
 DEMO_CONVERSION = ("mla", 0.5)  # method and cache ratio of the conversion demo (the recommended method)
 DEMO_CONVERSION_CALIB_TOKENS = 2048
+DEMO_CONVERSION_CALIB_SEQ_LEN = 512  # 4 windows: one from each source of the default calibration mix
 DEMO_CONVERSION_EVAL_TOKENS = 4096
 DEMO_STEPS = 120  # per entry: the default recipe; about 40 s per entry with evaluation on 2 quiet CPU cores
 DEMO_EVAL_TOKENS = 16384  # val tokens scored per entry (windows spread over the held-out plays)
@@ -145,7 +146,7 @@ def run_conversion_demo(out_dir: Path, progress: bool, *, method: str = DEMO_CON
     """SmolLM2 converted to a smaller cache (one-shot): perplexity and the live cache before/after."""
     print(f"\n== conversion demo (SmolLM2 -> {method} at {ratio:.0%} of its KV cache, one-shot) into {out_dir}", flush=True)
     fetch_smollm2()
-    options = ConvertOptions(method, ratio, calib_tokens=DEMO_CONVERSION_CALIB_TOKENS)
+    options = ConvertOptions(method, ratio, calib_tokens=DEMO_CONVERSION_CALIB_TOKENS, calib_seq_len=DEMO_CONVERSION_CALIB_SEQ_LEN)
     if (out_dir / CONVERTED_MANIFEST).is_file() and read_json(out_dir / CONVERTED_MANIFEST).get("options") == asdict(options):
         print(f"reusing the conversion in {out_dir}", flush=True)
     else:

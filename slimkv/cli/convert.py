@@ -49,7 +49,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--to", dest="method", choices=list(CONVERSIONS), help="the conversion method (see below)")
     p.add_argument("--cache-ratio", type=float, help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5")
     p.add_argument("--out", required=True, help="output folder (must be empty, new, or an earlier conversion)")
-    p.add_argument("--calib", default=None, help="calibration text: `shakespeare` (the training plays, default) or a text file/folder")
+    p.add_argument("--calib", default=None, help="calibration text: `shakespeare` (the training plays), `kjv`, `devil`, `pydoc`, a comma-separated mix of them (equal shares) "
+                   f"or a text file/folder (default: {ConvertOptions.calib})")
     p.add_argument("--calib-tokens", type=int, default=None, help=f"calibration tokens (default {ConvertOptions.calib_tokens}; at most what the text holds)")
     p.add_argument("--calib-seq-len", type=int, default=None, help=f"calibration window length (default {ConvertOptions.calib_seq_len})")
     p.add_argument("--seed", type=int, default=None, help="seed of calibration sampling and healing (default 0)")
@@ -57,7 +58,7 @@ def add_commands(subparsers) -> None:
                    help="also write OUT/deepseek_v3: the model as transformers' DeepseekV3ForCausalLM (needs --to mla-prefix and a source without query biases)")
     heal = p.add_argument_group("healing (distillation from the original; off unless --heal-tokens)")
     heal.add_argument("--heal-tokens", type=int, default=None, help="training tokens of healing (default 0: no healing)")
-    heal.add_argument("--heal-text", default=None, help="healing text (default: the training plays); never the evaluation text")
+    heal.add_argument("--heal-text", default=None, help=f"healing text, as --calib (default: {HealConfig.text}); never the evaluation text")
     heal.add_argument("--heal-params", choices=PARAMETER_SETS, default=None, help="what healing trains (default: what the conversion changed)")
     heal.add_argument("--heal-lr", type=float, default=None, help=f"peak learning rate (default {HealConfig.lr:g})")
     heal.add_argument("--heal-seq-len", type=int, default=None, help=f"healing window length (default {HealConfig.seq_len})")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import folder_lock, read_json, write_json
-from slimkv.data.texts import DOC_SEPARATOR, calibration_sources, text_sha256, tokenize
+from slimkv.data.texts import DOC_SEPARATOR, MIXED_CALIBRATION, calibration_sources, text_sha256, tokenize
 from slimkv.train.batches import BatchSampler
 from slimkv.train.checkpoint import METRICS_FILE, SUMMARY_FILE, existing_directory
 from slimkv.train.config import check_optimizer_settings
@@ -46,7 +46,7 @@ class HealConfig:
     (batch_size x seq_len), rounded up); the rest has the meaning of the same TrainConfig field."""
 
     tokens: int
-    text: str = "shakespeare"
+    text: str = MIXED_CALIBRATION  # the calibration mix, as compress and convert use (slimkv.data.texts)
     params: str = "changed"
     seq_len: int = 512
     batch_size: int = 4

@@ -35,6 +35,7 @@ from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfi
 from slimkv.convert.methods import Conversion, LayerContext, get_conversion
 from slimkv.convert.source import Source, check_convertible, copy_shared_weights, slimkv_config
 from slimkv.data.texts import (
+    MIXED_CALIBRATION,
     calibration_ids,
     calibration_sources,
     calibration_text_sha256,
@@ -58,7 +59,7 @@ class ConvertOptions:
 
     method: str
     cache_ratio: float
-    calib: str = "shakespeare"
+    calib: str = MIXED_CALIBRATION  # every calibration source in equal shares, as compress (slimkv.data.texts)
     calib_tokens: int = 8192
     calib_seq_len: int = 1024
     seed: int = 0

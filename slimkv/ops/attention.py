@@ -168,9 +168,10 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
     """One query per head attending to every key (a decode step; no mask is needed).
 
-    float32 on the CPU runs slimkv's native single-pass kernel (``slimkv.ops.native``: keys and
-    values streamed once in blocks with an online softmax, grouped query heads served from the same
-    block) when it could be built; everything else, and every call when it could not, runs
+    float32 and bfloat16 on the CPU run slimkv's native single-pass kernel (``slimkv.ops.native``:
+    keys and values streamed once in blocks with an online softmax, grouped query heads served from
+    the same block, float32 arithmetic) when it could be built; everything else, and every call
+    when it could not, runs
     ``matmul_decode_attention``. q (batch, q_heads, 1, dim), k/v (batch, kv_heads, k_len, dim / v_dim)
     -> (batch, q_heads, 1, v_dim)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

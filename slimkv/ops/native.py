@@ -4,8 +4,11 @@ Built on first use with the system C compiler (``$CC``, else ``cc``/``gcc``/``cl
 machine's CPU (``-march=native``), cached as a shared library under ``cache_dir()/kernels`` (the
 file name holds a hash of the source, the flags, the compiler and the CPU, so a changed source or
 another machine never loads a stale build), and loaded with ctypes: no torch headers, about a
-second to build. Without a compiler, or when the build fails, ``decode_kernel()`` returns None
-(with one warning saying why) and callers take the torch path; ``SLIMKV_NATIVE=0`` asks for that.
+second to build. The same source is built twice: for caches stored in float32 and, with
+``-DSLIMKV_BF16``, in bfloat16 (``ENTRIES``; rows widened to float32 as they are read, every
+product and sum in float32). Without a compiler, or when the build fails, ``decode_kernel()``
+returns None (with one warning saying why) and callers take the torch path; ``SLIMKV_NATIVE=0``
+asks for that.
 
 ``native_decode_attention`` is the fast path of ``slimkv.ops.attention.decode_attention``; the
 plain reference beside it is ``reference_attention``, and tests/ops/test_native.py compares them.
@@ -36,6 +39,8 @@ MAX_SEGMENTS = 4  # MAX_SEGMENTS in the C source
 PARALLEL_MIN_BYTES = 32 << 20  # a step reading less runs on one thread: threads start per call (~0.2-0.3 ms measured here), which only pays off above this
 ENV_SWITCH = "SLIMKV_NATIVE"
 SWITCH_VALUES = {"1": True, "0": False}  # SLIMKV_NATIVE: 1 (default) uses the kernel where it can, 0 the torch path
+ENTRIES = {torch.float32: ((), "slimkv_decode_attention_f32"), torch.bfloat16: (("-DSLIMKV_BF16",), "slimkv_decode_attention_bf16")}
+"""Cache element type -> (the build's extra flags, its entry point)."""
 
 
 def compiler() -> str | None:
@@ -56,14 +61,15 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def build(cc: str, folder: Path) -> Path:
-    """Compile the kernel into ``folder`` (atomically: a temporary file renamed into place), or
-    return the build already there. RuntimeError with the compiler's message when every flag set fails."""
+def build(cc: str, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Compile the kernel for caches of ``dtype`` into ``folder`` (atomically: a temporary file
+    renamed into place), or return the build already there. RuntimeError with the compiler's
+    message when every flag set fails."""
     source = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     errors = []
     for arch in ARCH_FLAGS:
-        flags = (*FLAGS, *arch)
+        flags = (*FLAGS, *arch, *ENTRIES[dtype][0])
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()])).hexdigest()[:16]
         target = folder / f"decode_attention-{key}.so"
         if target.is_file():
@@ -80,10 +86,16 @@ def build(cc: str, folder: Path) -> Path:
     raise RuntimeError("; ".join(errors))
 
 
-@functools.lru_cache(maxsize=1)
-def decode_kernel() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (one warning says why) when it cannot be had. A cached
-    build that cannot be loaded (a damaged file in slimkv's own cache) is built again once."""
+def decode_kernel(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """The loaded kernel library for caches of ``dtype`` (a key of ``ENTRIES``), or None (one
+    warning says why) when it cannot be had; loaded once per dtype (``decode_kernel.cache_clear()``
+    forgets them). A cached build that cannot be loaded (a damaged file in slimkv's own cache) is
+    built again once."""
+    return _load_kernel(dtype)
+
+
+@functools.lru_cache(maxsize=len(ENTRIES))
+def _load_kernel(dtype: torch.dtype) -> ctypes.CDLL | None:
     switch = os.environ.get(ENV_SWITCH, "1").strip()
     if switch not in SWITCH_VALUES:
         raise ValueError(f"{ENV_SWITCH}={switch!r} is not allowed; allowed values: 1 (the native kernel where it applies, the default), 0 (the torch path)")
@@ -94,36 +106,41 @@ def decode_kernel() -> ctypes.CDLL | None:
         warnings.warn("slimkv: no C compiler found ($CC, cc, gcc, clang); decode uses the torch path (install gcc for the native kernel)", stacklevel=2)
         return None
     try:
-        path = build(cc, cache_dir() / "kernels")
+        path = build(cc, cache_dir() / "kernels", dtype)
         try:
             library = ctypes.CDLL(str(path))
         except OSError:  # a damaged cached build (ours, keyed by source and flags): build it again
             path.unlink(missing_ok=True)
-            library = ctypes.CDLL(str(build(cc, cache_dir() / "kernels")))
+            library = ctypes.CDLL(str(build(cc, cache_dir() / "kernels", dtype)))
     except (RuntimeError, OSError) as err:
         warnings.warn(f"slimkv: the native decode kernel could not be built or loaded; decode uses the torch path ({err})", stacklevel=2)
         return None
-    function = library.slimkv_decode_attention_f32
+    function = getattr(library, ENTRIES[dtype][1])
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer, ctypes.c_int, pointer, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     function.restype = ctypes.c_int
     return library
 
 
-def kernel_path() -> str | None:
-    """The file of the loaded kernel (what a benchmark records), or None when calls take the torch path."""
-    library = decode_kernel()
+decode_kernel.cache_clear = _load_kernel.cache_clear
+
+
+def kernel_path(dtype: torch.dtype = torch.float32) -> str | None:
+    """The file of the kernel loaded for caches of ``dtype`` (what a benchmark records), or None
+    when such calls take the torch path."""
+    library = decode_kernel(dtype)
     return None if library is None else library._name
 
 
 def kernel_for(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.CDLL | None:
     """The kernel library when it takes this call (``supports``) and could be built, else None:
     the one test every caller makes before ``native_decode_attention``."""
-    return decode_kernel() if supports(queries, segments) else None
+    return decode_kernel(segments[0][0].dtype) if supports(queries, segments) else None
 
 
 def supports(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Whether the native kernel takes this call: float32 on the CPU, no autograd, one query per
+    """Whether the native kernel takes this call: float32 or bfloat16 (queries, keys and values
+    alike) on the CPU, no autograd, one query per
     head, shapes that agree (the kernel trusts them: a mismatch takes the torch path, which raises),
     each row of keys and values contiguous (rows may be any distance apart: values that are a slice
     of the key rows, as MLA's latent rows, are read in place), at most ``MAX_SEGMENTS`` segments, and no torch dispatch
@@ -133,17 +150,20 @@ def supports(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Ten
         return False
     grad = torch.is_grad_enabled()
     batch, q_heads, _, dim = queries[0].shape
+    dtype = queries[0].dtype
+    if dtype not in ENTRIES:
+        return False
     kv_heads, v_dim = segments[0][0].shape[1], segments[0][1].shape[-1]
     if kv_heads < 1 or q_heads % kv_heads:
         return False
     for q in queries:
-        if q.dtype != torch.float32 or q.device.type != "cpu" or q.shape != (batch, q_heads, 1, dim) or (grad and q.requires_grad):
+        if q.dtype != dtype or q.device.type != "cpu" or q.shape != (batch, q_heads, 1, dim) or (grad and q.requires_grad):
             return False
     for k, v in segments:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or k.shape[:2] != (batch, kv_heads) or k.shape[3] != dim or v.shape[3] != v_dim:
             return False
         for x in (k, v):
-            if x.dtype != torch.float32 or x.device.type != "cpu" or (grad and x.requires_grad):
+            if x.dtype != dtype or x.device.type != "cpu" or (grad and x.requires_grad):
                 return False
             if x.stride(-1) != 1 and x.shape[-1] > 1:
                 return False
@@ -156,18 +176,21 @@ def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[
     logits are ``queries[i]`` . k * scale (the same tensor for plain attention).
 
     each query (batch, q_heads, 1, dim); each k (batch, kv_heads, keys_i, dim), v (batch, kv_heads,
-    keys_i, v_dim) -> (batch, q_heads, 1, v_dim). Call ``supports`` first."""
+    keys_i, v_dim) -> (batch, q_heads, 1, v_dim), in the queries' dtype (the kernel works in
+    float32: bfloat16 queries are widened first and the output rounded once at the end). Call
+    ``supports`` first, and pass the library ``decode_kernel`` gave for the cache's dtype."""
     batch, q_heads, _, dim = queries[0].shape
     kv_heads, v_dim = segments[0][0].shape[1], segments[0][1].shape[-1]
-    rows = [q.contiguous() for q in queries]
+    dtype = segments[0][0].dtype
+    rows = [q.to(torch.float32).contiguous() for q in queries]
     out = torch.empty(batch, q_heads, 1, v_dim, dtype=torch.float32)
     fields = []  # per segment, the C struct Segment's order: q, k, v, keys, k strides (batch, head, row), v strides
     for q, (k, v) in zip(rows, segments):
         fields += (q.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], *k.stride()[:3], *v.stride()[:3])
-    step_bytes = 4 * batch * kv_heads * sum(k.shape[2] * (dim + v_dim) for k, _ in segments)
+    step_bytes = segments[0][0].element_size() * batch * kv_heads * sum(k.shape[2] * (dim + v_dim) for k, _ in segments)
     threads = torch.get_num_threads() if step_bytes >= PARALLEL_MIN_BYTES else 1
-    status = library.slimkv_decode_attention_f32((ctypes.c_int64 * len(fields))(*fields), len(segments), out.data_ptr(), batch, kv_heads,
+    status = getattr(library, ENTRIES[dtype][1])((ctypes.c_int64 * len(fields))(*fields), len(segments), out.data_ptr(), batch, kv_heads,
                                                  q_heads // kv_heads, dim, v_dim, scale, threads)
     if status != 0:
         raise RuntimeError(f"native decode attention failed (status {status}: {'out of memory or threads' if status == 1 else 'bad arguments'})")
-    return out
+    return out.to(queries[0].dtype)

@@ -274,3 +274,13 @@ def test_bf16_decoding_from_the_cache_is_as_exact_as_the_full_forward(tiny_folde
             manual.append(int(token))
             logits = model(token[:, None], cache=cache).logits[:, -1]
     assert generated == manual
+
+
+def test_conversion_and_healing_default_to_the_calibration_mix_compress_uses():
+    """Fitted to one text by default, a conversion holds away from it worse (docs/conversion.md):
+    convert, its healing and compress share one default, the mix of every calibration source."""
+    from slimkv.compress.workflow import DEFAULT_CALIB
+    from slimkv.data.texts import CALIBRATION_SOURCES
+
+    assert pipeline.ConvertOptions("mla", 0.5).calib == HealConfig(tokens=1).text == DEFAULT_CALIB
+    assert DEFAULT_CALIB.split(",") == list(CALIBRATION_SOURCES)

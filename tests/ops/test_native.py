@@ -62,6 +62,39 @@ def test_values_read_in_place_from_the_key_rows(rope, rank):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_heads,groups", [(4, 1), (2, 4), (1, 9)])
+@pytest.mark.parametrize("dim,v_dim", [(64, 64), (32, 32), (128, 128), (192, 152), (40, 24)])
+@pytest.mark.parametrize("keys", [1, 65, 300])
+def test_bfloat16_caches_match_the_float32_reference_to_one_rounding(kv_heads, groups, dim, v_dim, keys):
+    """The bfloat16 build reads bfloat16 rows and computes in float32, so its only error against
+    the float32 reference on the same (bfloat16-representable) values is the output's one rounding."""
+    k, v = (x.to(torch.bfloat16) for x in _cache(2, kv_heads, keys, dim, v_dim, spare=5, seed=keys))
+    q = torch.randn(2, kv_heads * groups, 1, dim).to(torch.bfloat16)
+    library = native.decode_kernel(torch.bfloat16)
+    assert native.supports([q], [(k, v)]) and library is not None
+    out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(dim), library)
+    assert out.dtype == torch.bfloat16
+    expected = reference_attention(q.float(), k.float(), v.float())
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-6)
+
+
+@needs_kernel
+def test_bfloat16_latent_rows_are_read_in_place():
+    rows = torch.randn(1, 1, 200, 192).to(torch.bfloat16)
+    q = torch.randn(1, 9, 1, 192).to(torch.bfloat16)
+    out = native.native_decode_attention([q], [(rows, rows[..., 40:])], 0.1, native.decode_kernel(torch.bfloat16))
+    expected = reference_attention(q.float(), rows.float(), rows[..., 40:].float(), scale=0.1)
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-6)
+
+
+def test_mixed_dtypes_are_refused():
+    k, v = _cache(1, 2, 10, 16, 16)
+    q = torch.randn(1, 2, 1, 16)
+    assert not native.supports([q], [(k.to(torch.bfloat16), v.to(torch.bfloat16))])
+    assert not native.supports([q.half()], [(k.half(), v.half())])
+
+
+@needs_kernel
 def test_decode_attention_takes_the_native_path_and_agrees_with_the_matmul_path(monkeypatch):
     k, v = _cache(1, 2, 500, 64, 64)
     q = torch.randn(1, 8, 1, 64)

@@ -40,10 +40,29 @@
 #define PREFETCH_BLOCKS 2 /* software prefetch of the keys and values this many blocks ahead (0: none) */
 #endif
 #define MAX_SEGMENTS 4
-#define FIELDS 10 /* integers per segment in slimkv_decode_attention_f32's ``fields`` */
+#define FIELDS 10 /* integers per segment in the entry point's ``fields`` */
+
+/* The element type of the cached keys and values: float32, or bfloat16 when built with
+ * -DSLIMKV_BF16 (the same source, a second library: slimkv/ops/native.py builds both). A bfloat16
+ * is the top half of a float32, so widening is a 16-bit shift; every product and sum is float32. */
+#ifdef SLIMKV_BF16
+typedef uint16_t elem_t;
+#define ENTRY slimkv_decode_attention_bf16
+static inline float to_float(elem_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#else
+typedef float elem_t;
+#define ENTRY slimkv_decode_attention_f32
+static inline float to_float(elem_t x) { return x; }
+#endif
 
 typedef struct {
-    const float *q, *k, *v; /* q: this segment's query rows (a region may have its own temperatures) */
+    const float *q; /* this segment's query rows (a region may have its own temperatures) */
+    const elem_t *k, *v;
     int64_t keys, k_stride_b, k_stride_h, k_stride_t, v_stride_b, v_stride_h, v_stride_t; /* strides in elements */
 } Segment;
 
@@ -92,20 +111,20 @@ static inline __attribute__((always_inline)) void attend_item(int64_t item, floa
         const Segment seg = segments[s];
         const float *restrict q = seg.q + item * groups * dim;
         for (int64_t i = 0; i < groups * dim; i++) qs[i] = q[i] * scale;
-        const float *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
-        const float *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
+        const elem_t *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
+        const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
         const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int64_t n = seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS;
-            const float *restrict kb = kh + t0 * k_row;
-            const float *restrict vb = vh + t0 * v_row;
+            const elem_t *restrict kb = kh + t0 * k_row;
+            const elem_t *restrict vb = vh + t0 * v_row;
             for (int64_t g = 0; g < groups; g++) {
                 const float *restrict qg = qs + g * dim;
                 float block_max = -INFINITY;
                 for (int64_t t = 0; t < n; t++) {
                     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < dim; d++) dot += qg[d] * kb[t * k_row + d];
+                    for (int64_t d = 0; d < dim; d++) dot += qg[d] * to_float(kb[t * k_row + d]);
                     logits[t] = dot;
                     block_max = dot > block_max ? dot : block_max;
                 }
@@ -128,7 +147,7 @@ static inline __attribute__((always_inline)) void attend_item(int64_t item, floa
                 for (int64_t t = 0; t < n; t++) {
                     const float p = logits[t];
 #pragma omp simd
-                    for (int64_t e = 0; e < v_dim; e++) ag[e] += p * vb[t * v_row + e];
+                    for (int64_t e = 0; e < v_dim; e++) ag[e] += p * to_float(vb[t * v_row + e]);
                 }
             }
         }
@@ -139,8 +158,21 @@ static inline __attribute__((always_inline)) void attend_item(int64_t item, floa
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && (!defined(SLIMKV_BF16) || defined(__AVX512BW__))
 #include <immintrin.h>
+
+/* 16 cached elements as float32 lanes (masked: lanes off the mask are zero, nothing read there). */
+#ifdef SLIMKV_BF16
+static inline __m512 load16(const elem_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m512 load16_masked(__mmask16 mask, const elem_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+#else
+static inline __m512 load16(const elem_t *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_masked(__mmask16 mask, const elem_t *p) { return _mm512_maskz_loadu_ps(mask, p); }
+#endif
 
 /* exp_nonpositive on 16 lanes. */
 static inline __m512 exp_nonpositive16(__m512 x) {
@@ -180,7 +212,7 @@ static inline __attribute__((always_inline)) void horizontal_sums(const __m512 *
 /* R query rows (g0 .. g0 + R - 1 of one item) against one block of n keys, with AVX-512, for
  * dim = 16 * ND and v_dim = 16 * NV: each key and value vector is loaded once for the R rows, the
  * R accumulators stay in registers. Same arithmetic as attend_item. */
-static inline __attribute__((always_inline)) void block_rows_avx512(const float *restrict q, const float *restrict kb, const float *restrict vb,
+static inline __attribute__((always_inline)) void block_rows_avx512(const float *restrict q, const elem_t *restrict kb, const elem_t *restrict vb,
                                                                      int64_t k_row, int64_t v_row, int n, const int R, const int ND, const int NV, __m512 scale16,
                                                                      float *restrict acc, float *restrict run_max, float *restrict run_sum) {
     float logits[4][BLOCK_KEYS] __attribute__((aligned(64)));
@@ -188,11 +220,11 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
     for (int i = 0; i < R; i++)
         for (int j = 0; j < ND; j++) qv[i][j] = _mm512_mul_ps(_mm512_loadu_ps(q + i * 16 * ND + 16 * j), scale16);
     for (int t = 0; t < n; t++) {
-        const float *kt = kb + t * k_row;
+        const elem_t *kt = kb + t * k_row;
         if (PREFETCH_BLOCKS > 0)
             for (int j = 0; j < ND; j++) _mm_prefetch((const char *)(kt + PREFETCH_BLOCKS * BLOCK_KEYS * k_row + 16 * j), _MM_HINT_T0);
         __m512 kv[8], dots[4];
-        for (int j = 0; j < ND; j++) kv[j] = _mm512_loadu_ps(kt + 16 * j);
+        for (int j = 0; j < ND; j++) kv[j] = load16(kt + 16 * j);
         for (int i = 0; i < R; i++) {
             dots[i] = _mm512_mul_ps(qv[i][0], kv[0]);
             for (int j = 1; j < ND; j++) dots[i] = _mm512_fmadd_ps(qv[i][j], kv[j], dots[i]);
@@ -224,11 +256,11 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
         run_sum[i] += _mm512_reduce_add_ps(sum16);
     }
     for (int t = 0; t < n; t++) {
-        const float *vt = vb + t * v_row;
+        const elem_t *vt = vb + t * v_row;
         if (PREFETCH_BLOCKS > 0)
             for (int j = 0; j < NV; j++) _mm_prefetch((const char *)(vt + PREFETCH_BLOCKS * BLOCK_KEYS * v_row + 16 * j), _MM_HINT_T0);
         __m512 vv[8];
-        for (int j = 0; j < NV; j++) vv[j] = _mm512_loadu_ps(vt + 16 * j);
+        for (int j = 0; j < NV; j++) vv[j] = load16(vt + 16 * j);
         for (int i = 0; i < R; i++) {
             const __m512 p = _mm512_set1_ps(logits[i][t]);
             for (int j = 0; j < NV; j++) av[i][j] = _mm512_fmadd_ps(p, vv[j], av[i][j]);
@@ -255,13 +287,13 @@ static inline __attribute__((always_inline)) void attend_item_avx512(int64_t ite
     for (int s = 0; s < n_segments; s++) {
         const Segment seg = segments[s];
         const float *restrict q = seg.q + item * groups * dim;
-        const float *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
-        const float *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
+        const elem_t *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
+        const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
         const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
-            const float *restrict kb = kh + t0 * k_row;
-            const float *restrict vb = vh + t0 * v_row;
+            const elem_t *restrict kb = kh + t0 * k_row;
+            const elem_t *restrict vb = vh + t0 * v_row;
             int64_t g = 0;
             for (; tile == 4 && g + 4 <= groups; g += 4)
                 block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, 4, ND, NV, scale16, acc + g * v_dim, run_max + g, run_sum + g);
@@ -286,7 +318,7 @@ static inline __mmask16 chunk_mask(int64_t width, int64_t j) {
 /* Logits of R query rows against KT consecutive keys, over the rows' 16-float chunks: each key
  * chunk is loaded once for the R rows, each query chunk once for the KT keys (R * KT accumulators).
  * qs: R scaled query rows, ``d_pad`` floats apart and zero past ``dim``; kt: the first key's row. */
-static inline __attribute__((always_inline)) void logits_tile(const float *restrict qs, int64_t d_pad, const float *restrict kt, int64_t k_row,
+static inline __attribute__((always_inline)) void logits_tile(const float *restrict qs, int64_t d_pad, const elem_t *restrict kt, int64_t k_row,
                                                               int64_t dim, const int R, const int KT, float *restrict logits, int t) {
     __m512 dots[4][4];
     for (int i = 0; i < R; i++)
@@ -294,7 +326,7 @@ static inline __attribute__((always_inline)) void logits_tile(const float *restr
     for (int64_t j = 0; j < d_pad / 16; j++) {
         const __mmask16 mask = chunk_mask(dim, j);
         __m512 kv[4];
-        for (int u = 0; u < KT; u++) kv[u] = _mm512_maskz_loadu_ps(mask, kt + u * k_row + 16 * j);
+        for (int u = 0; u < KT; u++) kv[u] = load16_masked(mask, kt + u * k_row + 16 * j);
         for (int i = 0; i < R; i++) {
             const __m512 qv = _mm512_loadu_ps(qs + i * d_pad + 16 * j);
             for (int u = 0; u < KT; u++) dots[i][u] = _mm512_fmadd_ps(qv, kv[u], dots[i][u]);
@@ -309,7 +341,7 @@ static inline __attribute__((always_inline)) void logits_tile(const float *restr
 
 /* acc[R rows][chunks c0 .. c0 + CV - 1] += p . values of a block's n keys (each value chunk loaded
  * once for the R rows). p: the rows' probabilities, BLOCK_KEYS apart; acc rows ``v_pad`` apart. */
-static inline __attribute__((always_inline)) void values_tile(const float *restrict p, int n, const float *restrict vb, int64_t v_row,
+static inline __attribute__((always_inline)) void values_tile(const float *restrict p, int n, const elem_t *restrict vb, int64_t v_row,
                                                               int64_t v_dim, int64_t c0, const int R, const int CV, float *restrict acc,
                                                               int64_t v_pad) {
     __m512 av[4][4];
@@ -318,9 +350,9 @@ static inline __attribute__((always_inline)) void values_tile(const float *restr
     for (int i = 0; i < R; i++)
         for (int c = 0; c < CV; c++) av[i][c] = _mm512_loadu_ps(acc + i * v_pad + 16 * (c0 + c));
     for (int t = 0; t < n; t++) {
-        const float *vt = vb + t * v_row + 16 * c0;
+        const elem_t *vt = vb + t * v_row + 16 * c0;
         __m512 vv[4];
-        for (int c = 0; c < CV; c++) vv[c] = _mm512_maskz_loadu_ps(mask[c], vt + 16 * c);
+        for (int c = 0; c < CV; c++) vv[c] = load16_masked(mask[c], vt + 16 * c);
         for (int i = 0; i < R; i++) {
             const __m512 pi = _mm512_set1_ps(p[i * BLOCK_KEYS + t]);
             for (int c = 0; c < CV; c++) av[i][c] = _mm512_fmadd_ps(pi, vv[c], av[i][c]);
@@ -357,13 +389,13 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
         const float *restrict q = seg.q + item * groups * dim;
         for (int64_t g = 0; g < groups; g++)
             for (int64_t d = 0; d < dim; d++) qs[g * d_pad + d] = q[g * dim + d] * scale;
-        const float *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
-        const float *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
+        const elem_t *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
+        const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
         const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
-            const float *restrict kb = kh + t0 * k_row;
-            const float *restrict vb = vh + t0 * v_row;
+            const elem_t *restrict kb = kh + t0 * k_row;
+            const elem_t *restrict vb = vh + t0 * v_row;
             for (int64_t g = 0; g < groups; g += 4) {
                 const int rows = groups - g < 4 ? (int)(groups - g) : 4;
                 int t = 0;
@@ -479,14 +511,14 @@ done:
 /* ``fields`` holds FIELDS integers per segment: the query, key and value pointers, the key count,
  * the keys' batch, head and row strides and the values' batch, head and row strides (in elements).
  * Returns 0 on success, 1 when memory or a thread could not be had, 2 on bad arguments. */
-int slimkv_decode_attention_f32(const int64_t *fields, int n_segments, float *out, int64_t batch, int64_t kv_heads, int64_t groups,
+int ENTRY(const int64_t *fields, int n_segments, float *out, int64_t batch, int64_t kv_heads, int64_t groups,
                                 int64_t dim, int64_t v_dim, float scale, int threads) {
     if (n_segments < 1 || n_segments > MAX_SEGMENTS || batch < 1 || kv_heads < 1 || groups < 1 || dim < 1 || v_dim < 1) return 2;
     Segment segments[MAX_SEGMENTS];
     int64_t total_keys = 0;
     for (int s = 0; s < n_segments; s++) {
         const int64_t *f = fields + FIELDS * s;
-        segments[s] = (Segment){(const float *)(intptr_t)f[0], (const float *)(intptr_t)f[1], (const float *)(intptr_t)f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]};
+        segments[s] = (Segment){(const float *)(intptr_t)f[0], (const elem_t *)(intptr_t)f[1], (const elem_t *)(intptr_t)f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]};
         total_keys += f[3];
     }
     if (total_keys < 1) return 2;
