@@ -8,9 +8,9 @@ import torch
 
 from slimkv.attention import ATTENTION_KINDS, build_attention
 from slimkv.bench.entries import parse_entries
-from slimkv.bench.recall import check_entries
 from slimkv.demo import DEMO_RECALL_ENTRIES, demo_entries, demo_recipe, run_demo
-from slimkv.eval.recall import RecallRecipe
+from slimkv.recall.frontier import check_entries
+from slimkv.recall.recipe import RecallRecipe
 
 
 def test_every_demo_entry_builds_with_the_recipe():

@@ -27,8 +27,8 @@ from tqdm import tqdm
 from slimkv.common.checks import check_int
 from slimkv.common.files import check_folder_target, read_json, save_figure, write_json, write_text
 from slimkv.common.plotting import new_figure
-from slimkv.data.needles import value_found
 from slimkv.data.retrieval import TASKS, PromptBuilder, RetrievalPrompt, RetrievalTask
+from slimkv.data.ruler_needles import value_found
 from slimkv.data.texts import evaluation_text
 from slimkv.eval.cache import layer_bytes
 from slimkv.eval.models import load_language_model
