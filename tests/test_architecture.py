@@ -28,6 +28,7 @@ FLOORS = {
     "eval": 5,
     "convert": 5,
     "bench": 6,
+    "retrieval": 6,
     "recall": 7,
     "demo": 8,
     "cli": 9,

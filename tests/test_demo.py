@@ -56,7 +56,7 @@ def test_retrieval_demo_asks_the_original_and_the_conversion(tmp_path, monkeypat
     the original alone)."""
     from transformers import AutoModelForCausalLM
 
-    from tests.eval.test_retrieval import char_tokenizer, tiny_config
+    from tests.retrieval.test_models import char_tokenizer, tiny_config
 
     config = tiny_config("llama")
     config.max_position_embeddings = 1024

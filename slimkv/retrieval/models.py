@@ -2,7 +2,7 @@
 depth grid (``slimkv eval niah --model``; docs/evaluation.md, "Long-context retrieval on
 pretrained models").
 
-Each prompt (``slimkv.data.retrieval``) goes through the model's own ``generate()`` and caches,
+Each prompt (``slimkv.retrieval.prompts``) goes through the model's own ``generate()`` and caches,
 greedy, for the few tokens its answer needs; a prompt scores the fraction of its answers found in
 the continuation (``value_found``: whole, case-insensitive), so 1 or 0 for a single needle. A cell
 is (task, length, depth) over ``samples`` prompts; its score is the mean, with the count of
@@ -28,12 +28,12 @@ from tqdm import tqdm
 from slimkv.common.checks import check_int
 from slimkv.common.files import check_folder_target, read_json, save_figure, write_json, write_text
 from slimkv.common.plotting import new_figure
-from slimkv.data.retrieval import TASKS, PromptBuilder, RetrievalPrompt, RetrievalTask
 from slimkv.data.ruler_needles import value_found
 from slimkv.data.texts import evaluation_text
 from slimkv.eval.cache import layer_bytes
 from slimkv.eval.models import load_language_model
 from slimkv.pretrained import LoadedModel, resolve_model_path, weights_fingerprint
+from slimkv.retrieval.prompts import TASKS, PromptBuilder, RetrievalPrompt, RetrievalTask
 
 RESULT_FILE, TABLE_FILE, PLOT_FILE, PROMPTS_FILE = "niah.json", "niah.md", "niah.png", "niah_prompts.json"
 PROMPTS_FORMAT = "slimkv-niah-prompts/1"

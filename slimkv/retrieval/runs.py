@@ -1,4 +1,5 @@
-"""Needle in a haystack: RULER-style single-needle retrieval over a length x depth grid.
+"""Needle in a haystack on slimkv training runs (``slimkv eval niah RUN_DIR``): RULER-style
+single-needle retrieval over a length x depth grid.
 
 Tasks (docs/evaluation.md, "Needle in a haystack"):
 

@@ -1,5 +1,6 @@
-"""Long-context retrieval prompts for pretrained models (RULER-style; docs/evaluation.md,
-"Long-context retrieval on pretrained models").
+"""Long-context retrieval prompts for pretrained models (RULER-style; ``slimkv eval niah --model``;
+docs/evaluation.md, "Long-context retrieval on pretrained models"). Needle lines, line
+boundaries and values come from the training needles' ``slimkv.data.ruler_needles.NeedleBuilder``.
 
 A prompt is plain text, no chat template, cut to exactly ``length`` tokens of the model's own
 tokenizer::

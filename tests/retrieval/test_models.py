@@ -1,5 +1,5 @@
 """Long-context retrieval prompts and their evaluation on pretrained-format models
-(``slimkv.data.retrieval``, ``slimkv.eval.retrieval``, ``slimkv eval niah --model``), on a tiny local
+(``slimkv.retrieval.prompts``, ``slimkv.retrieval.models``, ``slimkv eval niah --model``), on a tiny local
 Llama with a character tokenizer (no downloads)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slimkv.cli import main
-from slimkv.data.retrieval import TASKS, PromptBuilder, parse_tasks
-from slimkv.eval import retrieval
 from slimkv.pretrained import weights_fingerprint
+from slimkv.retrieval import models as retrieval
+from slimkv.retrieval.prompts import TASKS, PromptBuilder, parse_tasks
 from tests.compress.conftest import HELD_OUT_LINES, char_tokenizer, tiny_config
 
 PROSE = "".join(f"Line {i} of the haystack: {HELD_OUT_LINES}" for i in range(40))
