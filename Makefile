@@ -29,7 +29,7 @@ lint: setup
 
 # The kvpress baseline (benchmarks/kvpress_niah.py) in its own venv: kvpress 0.5.5 needs transformers <5.3.
 #   make bench-kvpress-env
-#   make bench-kvpress PROMPTS=DIR/niah_prompts.json OUT=DIR/kvpress [MODEL_DIR=...] [KVPRESS_ARGS="--budgets 0.5 --threads 2"]
+#   make bench-kvpress PROMPTS=DIR/niah_prompts.json OUT=DIR/kvpress [MODEL_DIR=...] [KVPRESS_ARGS="--budgets 0.5 --lengths 8128 --threads 2"]
 KVPRESS_VENV := .venv-kvpress
 KVPRESS_PY := $(KVPRESS_VENV)/bin/python
 KVPRESS_STAMP := $(KVPRESS_VENV)/.installed

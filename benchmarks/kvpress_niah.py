@@ -9,7 +9,9 @@ transformers < 5.3; slimkv needs 5.24), so it never imports slimkv::
     make bench-kvpress-env
     make bench-kvpress PROMPTS=runs/niah/niah_prompts.json OUT=runs/niah/kvpress
     .venv-kvpress/bin/python benchmarks/kvpress_niah.py --prompts P.json --out DIR \\
-        [--model-dir DIR] [--presses streaming_llm,snapkv,expected_attention,knorm] [--budgets 0.5,0.25]
+        [--model-dir DIR] [--presses streaming_llm,snapkv,expected_attention,knorm] [--budgets 0.5,0.25] [--lengths 1024,8128]
+
+``--lengths`` runs only the prompts of those token lengths (the prompts file keeps them all).
 
 Per prompt, not kvpress's pipeline (it applies the chat template): the context is prefilled with
 the press active (``with press(model): model(context, past_key_values=cache)``), which prunes
@@ -103,6 +105,33 @@ def parse_budgets(text: str) -> list[float]:
     if not budgets or len(set(budgets)) != len(budgets):
         raise ValueError(f"--budgets must list distinct fractions in (0, 1], got {text!r}")
     return budgets
+
+
+def prompt_length(prompt: dict[str, Any]) -> int:
+    """A prompt's length in tokens (context and question): the length it was exported at."""
+    return len(prompt["context_ids"]) + len(prompt["question_ids"])
+
+
+def select_lengths(prompts: list[dict[str, Any]], text: str | None, path: str | Path) -> list[dict[str, Any]]:
+    """The prompts whose length is in ``text`` (``"1024,8128"``; ``2k`` = 2048), in file order; all
+    of them when ``text`` is None. A length the file does not hold is an error naming those it does."""
+    if text is None:
+        return prompts
+    wanted = []
+    for part in (p.strip().lower() for p in str(text).split(",") if p.strip()):
+        try:
+            value = int(float(part[:-1]) * 1024) if part.endswith("k") else int(part)
+        except ValueError:
+            raise ValueError(f"--lengths: {part!r} is not a token count (like 2048 or 2k)") from None
+        wanted.append(value)
+    if not wanted or len(set(wanted)) != len(wanted):
+        raise ValueError(f"--lengths must list distinct token counts, got {text!r}")
+    held = sorted({prompt_length(p) for p in prompts})
+    missing = [n for n in wanted if n not in held]
+    if missing:
+        raise ValueError(f"--lengths {', '.join(map(str, missing))}: {path} holds no prompts of that length; "
+                         f"its lengths are {', '.join(map(str, held))}")
+    return [p for p in prompts if prompt_length(p) in wanted]
 
 
 def compression_ratio(budget: float) -> float:
@@ -276,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--press-option", action="append", metavar="PRESS.KEY=VALUE", help="override a press option, e.g. snapkv.window_size=32 (repeatable)")
     parser.add_argument("--compress-question", action="store_true",
                         help="prefill context+question under the press (query-aware SnapKV); default: only the context is compressed")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N prompts (for quick checks)")
+    parser.add_argument("--lengths", default=None, help="only the prompts of these token lengths, comma-separated (e.g. 1024,8128; default: all in the file)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N prompts, after --lengths (for quick checks)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--attn-implementation", choices=("sdpa", "eager"), default="sdpa",
                         help="attention of the model; kvpress's presses here work with both (sdpa: SnapKV/TOVA recompute the window's attention)")
@@ -305,7 +335,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     data = read_prompts(args.prompts)
-    prompts = data["prompts"][: args.limit] if args.limit else data["prompts"]
+    prompts = select_lengths(data["prompts"], args.lengths, args.prompts)
+    prompts = prompts[: args.limit] if args.limit else prompts
     model_dir = check_model_dir(args.model_dir)
     out = Path(args.out)
     if out.exists() and not out.is_dir():

@@ -3,7 +3,7 @@
 One recipe, only the attention changes: small models trained on Shakespeare with the needle
 mixture (a fraction of training sequences replaced by synthetic needle documents built from the
 train plays, ``TrainConfig.needle_mix``), so what is measured is the retrieval mechanism, not model
-scale. Each model is then scored on the NIAH tasks (``slimkv.eval.niah``; prose haystacks from
+scale. Each model is then scored on the NIAH tasks (``slimkv.retrieval.runs``; prose haystacks from
 the held-out val plays) at T, 2T and 4T tokens, and its position-wise val loss out to 4T
 (``slimkv.eval.positions``). KVM uses chunks of 32 so that at 4T most of the context lives in the
 compressed state: fixed keeps 32 rows (+ a window of 33..64 exact keys); sqrt grows as
@@ -27,8 +27,8 @@ import torch
 from slimkv.common.paths import cache_dir
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
-from slimkv.eval.niah import evaluate_niah
 from slimkv.eval.positions import positions_report
+from slimkv.retrieval.runs import evaluate_niah
 from slimkv.train import TrainConfig, load_run, train
 
 CHUNK = 32

@@ -10,7 +10,7 @@ same prompts (docs/evaluation.md, "Long-context retrieval on pretrained models")
 
 The grid (``GRID``) is sized for the 2-core development box: 2 tasks x 3 depths x 1 sample = 6
 prompts per length and model. ``report`` renders the markdown from the JSON only
-(``slimkv.bench.retrieval.render_markdown``), and ``check`` fails when the committed markdown
+(``slimkv.retrieval.comparison.render_markdown``), and ``check`` fails when the committed markdown
 differs from what the committed JSON renders.
 """
 
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from slimkv.bench.retrieval import comparison, generations_row, plot, render_markdown, slimkv_row
 from slimkv.common.files import read_json, write_json, write_text
-from slimkv.data.retrieval import TASKS
-from slimkv.eval import retrieval
 from slimkv.eval.ppl import perplexity_report
+from slimkv.retrieval import models as retrieval
+from slimkv.retrieval.comparison import comparison, generations_row, plot, render_markdown, slimkv_row
+from slimkv.retrieval.prompts import TASKS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PPL_FILE = "ppl.json"

@@ -29,20 +29,20 @@ from typing import Any
 from slimkv.attention import ATTENTION_KINDS, kind_spec
 from slimkv.bench.compare import run_compare
 from slimkv.bench.entries import parse_entries
-from slimkv.bench.recall import check_entries, run_recall
 from slimkv.common.files import check_folder_target, read_json, write_json
 from slimkv.compress import demo_compression
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
 from slimkv.data import prepare_shakespeare
-from slimkv.data.retrieval import TASKS
-from slimkv.eval import retrieval
 from slimkv.eval.cache import cache_report
 from slimkv.eval.cache import format_report as format_cache
 from slimkv.eval.ppl import format_table as format_ppl
 from slimkv.eval.ppl import perplexity_report
-from slimkv.eval.recall import RecallRecipe
 from slimkv.pretrained import SMOLLM2, fetch_smollm2
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
+from slimkv.recall.frontier import check_entries, run_recall
+from slimkv.recall.recipe import RecallRecipe
+from slimkv.retrieval import models as retrieval
+from slimkv.retrieval.prompts import TASKS
 from slimkv.train.config import TrainConfig
 
 DEMO_PARTS = ("compare", "convert", "retrieval", "compress", "recall")

@@ -28,10 +28,12 @@ FLOORS = {
     "eval": 5,
     "convert": 5,
     "bench": 6,
-    "demo": 7,
-    "cli": 8,
-    "__main__": 9,
-    "": 9,
+    "retrieval": 6,
+    "recall": 7,
+    "demo": 8,
+    "cli": 9,
+    "__main__": 10,
+    "": 10,
 }
 
 

@@ -10,9 +10,9 @@ import torch
 
 from slimkv.attention import ATTENTION_KINDS, build_attention
 from slimkv.bench.entries import parse_entries
-from slimkv.bench.recall import check_entries
 from slimkv.demo import DEMO_RECALL_ENTRIES, demo_entries, demo_recipe, run_demo
-from slimkv.eval.recall import RecallRecipe
+from slimkv.recall.frontier import check_entries
+from slimkv.recall.recipe import RecallRecipe
 
 
 def test_every_demo_entry_builds_with_the_recipe():
@@ -58,7 +58,7 @@ def test_retrieval_demo_asks_the_original_and_the_conversion(tmp_path, monkeypat
     the original alone)."""
     from transformers import AutoModelForCausalLM
 
-    from tests.eval.test_retrieval import char_tokenizer, tiny_config
+    from tests.retrieval.test_models import char_tokenizer, tiny_config
 
     config = tiny_config("llama")
     config.max_position_embeddings = 1024

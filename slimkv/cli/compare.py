@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from slimkv.bench import recall
 from slimkv.bench.compare import DEFAULT_EVAL_TOKENS, run_compare
 from slimkv.bench.entries import (
     parse_contexts,
@@ -21,6 +20,7 @@ from slimkv.common.checks import check_int
 from slimkv.common.files import read_json
 from slimkv.data import prepare_shakespeare
 from slimkv.data.texts import evaluation_text
+from slimkv.recall import frontier as recall
 from slimkv.train.config import load_config, parse_override
 
 # recipe flags shared by compare and sweep: flag -> TrainConfig key (the attention and the seed

@@ -10,17 +10,19 @@ from pathlib import Path
 import torch
 
 from slimkv.bench.entries import parse_entries, parse_kind_overrides, parse_seeds, split_entries
-from slimkv.bench.recall import check_entries, frontier_entries, run_recall
 from slimkv.common.checks import check_int
 from slimkv.common.files import check_file_target, write_json
 from slimkv.data import prepare_shakespeare
-from slimkv.data import retrieval as retrieval_tasks
-from slimkv.data.recall import GAP_KINDS
 from slimkv.data.texts import evaluation_text
-from slimkv.eval import cache, niah, positions, ppl, retrieval
+from slimkv.eval import cache, positions, ppl
 from slimkv.eval.lm import MAX_NEW_TOKENS, evaluate_run, generate_ids
-from slimkv.eval.recall import TASKS as RECALL_TASKS
-from slimkv.eval.recall import RecallRecipe, default_recall_recipe
+from slimkv.recall.frontier import check_entries, frontier_entries, run_recall
+from slimkv.recall.mqar import GAP_KINDS
+from slimkv.recall.recipe import RecallRecipe, default_recall_recipe
+from slimkv.recall.registry import TASKS as RECALL_TASKS
+from slimkv.retrieval import models as retrieval
+from slimkv.retrieval import prompts as retrieval_tasks
+from slimkv.retrieval import runs as niah
 from slimkv.train.checkpoint import load_run
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slimkv.data.needles import NeedleMixture
+from slimkv.data.ruler_needles import NeedleMixture
 
 
 class BatchSampler:

@@ -47,7 +47,7 @@ class TrainConfig:
     batch_size: int = 8
     grad_accum: int = 1
     # needle mixture: this fraction of training sequences is replaced by synthetic needle documents
-    # built from the train split (slimkv.data.needles), drawn from needle_seed; 0 = plain text only
+    # built from the train split (slimkv.data.ruler_needles), drawn from needle_seed; 0 = plain text only
     needle_mix: float = 0.0
     needle_seed: int = 0
     # optimisation: AdamW, linear warmup then cosine from lr down to lr * min_lr_ratio

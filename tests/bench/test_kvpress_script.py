@@ -161,6 +161,24 @@ def test_the_plan_checks_everything_and_runs_none_then_each_press_at_each_budget
         kv.make_plan(parse(base[:2] + ["--out", str(tmp_path / "file")] + base[4:]))
 
 
+def test_lengths_pick_the_prompts_of_those_lengths_and_name_the_ones_the_file_holds(kv, tmp_path, capsys):
+    """--lengths 1024,8128 runs only those prompts of the exported file (the length is context +
+    question); a length the file lacks is refused, naming the lengths it has, with exit code 2."""
+    prompts = _write(tmp_path / "p.json", [_prompt("a/103/0", context=100), _prompt("a/203/0", context=200), _prompt("a/103/1", context=100),
+                                           _prompt("a/303/0", context=300)])
+    base = ["--prompts", str(prompts), "--out", str(tmp_path / "out"), "--model-dir", str(_model_dir(tmp_path / "m"))]
+    parse = kv.build_parser().parse_args
+    assert [p["id"] for p in kv.make_plan(parse(base)).prompts] == ["a/103/0", "a/203/0", "a/103/1", "a/303/0"]
+    assert [p["id"] for p in kv.make_plan(parse(base + ["--lengths", "303, 103"])).prompts] == ["a/103/0", "a/103/1", "a/303/0"]
+    assert [p["id"] for p in kv.make_plan(parse(base + ["--lengths", "103", "--limit", "1"])).prompts] == ["a/103/0"]
+    for lengths, message in (("103,2k", r"--lengths 2048: .*p.json holds no prompts of that length; its lengths are 103, 203, 303"),
+                             ("103,abc", "'abc' is not a token count"), ("103,103", "distinct")):
+        with pytest.raises(ValueError, match=message):
+            kv.make_plan(parse(base + ["--lengths", lengths]))
+    assert kv.main(base + ["--lengths", "400"]) == 2
+    assert "--lengths 400" in capsys.readouterr().err
+
+
 def test_main_reports_a_bad_option_by_name_and_exit_code_2(kv, tmp_path, capsys):
     assert kv.main(["--prompts", str(tmp_path / "none.json"), "--out", str(tmp_path / "o"), "--presses", "h2o"]) == 2
     assert "--presses" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Needles in prose that a small model can learn to retrieve: the ``needles`` recall task.
+"""Needles in prose that a small model can learn to retrieve: the ``needles`` recall task
+(``ProseNeedleTask``; not the RULER-style needles of ``slimkv.data.ruler_needles``).
 
 A document of ``seq_len`` tokens (docs/recall.md, "Needles in prose")::
 
@@ -43,8 +44,8 @@ import torch
 from slimkv.common.checks import check_choice, check_int
 from slimkv.common.paths import cache_dir
 from slimkv.data.dataset import load_dataset
-from slimkv.data.needles import line_end_ids
-from slimkv.data.recall import IGNORE
+from slimkv.data.ruler_needles import line_end_ids
+from slimkv.recall.task import IGNORE
 
 PREFIXES = {"words": "The magic word of", "digits": "The magic number of"}
 VALUE_KINDS = tuple(PREFIXES)
@@ -99,14 +100,14 @@ def needle_source(dataset: str) -> NeedleSource:
 
 
 @dataclass(frozen=True)
-class NeedleTask:
+class ProseNeedleTask:
     """Needles in prose. ``n_pairs`` needles per document (each asked once); keys drawn from the
     ``keys`` single-token words rarest in the train split, values from the next ``value_words``
     (``values="words"``) or ``digits`` decimal digits (``values="digits"``); prose from
     ``split``. ``n_queries`` (default: every needle) asks only that many of them, so that the
     last answer cannot be inferred by elimination. ``needle_prefix="none"`` drops the sentence
     before each key: a needle line is the key, its value and ".\n", a question the key alone.
-    Same methods as ``slimkv.data.recall.RecallTask``."""
+    A ``slimkv.recall.task.RecallTask``."""
 
     name: ClassVar[str] = "needles"
     layout: ClassVar[int] = 5  # the document layout's version: runs made with another layout are not reused
@@ -151,7 +152,7 @@ class NeedleTask:
     def needle_tokens(self) -> int:
         return len(self.prefix) + 1 + self.answer_tokens + len(self.source.end)
 
-    def validate(self) -> NeedleTask:
+    def validate(self) -> ProseNeedleTask:
         check_int("n_pairs", self.n_pairs, 1)
         if self.n_queries is not None:
             check_int("n_queries", self.n_queries, 1)
@@ -173,15 +174,15 @@ class NeedleTask:
                              f"({self.needle_tokens} tokens each); raise seq_len to >= {least}")
         return self
 
-    def scaled(self, factor: int) -> NeedleTask:
+    def scaled(self, factor: int) -> ProseNeedleTask:
         """A ``factor`` times longer document with the same needles (more prose)."""
         check_int("length factor", factor, 1)
         return replace(self, seq_len=self.seq_len * factor).validate()
 
-    def with_pairs(self, n_pairs: int) -> NeedleTask:
+    def with_pairs(self, n_pairs: int) -> ProseNeedleTask:
         return replace(self, n_pairs=n_pairs).validate()
 
-    def for_evaluation(self) -> NeedleTask:
+    def for_evaluation(self) -> ProseNeedleTask:
         """Test documents take their prose from the held-out split."""
         return replace(self, split="val")
 

@@ -1,4 +1,8 @@
-"""Synthetic needle documents (RULER-style single needles) and the training-data needle mixture.
+"""RULER-style needle documents (one long needle, one question) and the training-data needle
+mixture: what ``slimkv train --set needle_mix=...`` mixes into training, what ``slimkv eval niah``
+asks trained runs, and what the pretrained-model retrieval prompts share (``NeedleBuilder``).
+They are not the needles a small model learns in ``slimkv eval recall --task needles``
+(``slimkv.recall.prose_needles``). It sits in ``data`` because training reads it.
 
 A needle document is, in token ids::
 
@@ -14,8 +18,7 @@ The haystack is a contiguous span of token ids from a source (the train split fo
 documents; for evaluation whatever the caller chooses: repeated neutral sentences, held-out prose).
 It starts at a line start and the needle is inserted at the line boundary closest to the requested
 depth (0 = before the first line, 1 = after the last complete one), so the needle is a line of
-its own. Lengths are
-exact: the haystack span is cut to fill ``length`` tokens.
+its own. Lengths are exact: the haystack span is cut to fill ``length`` tokens.
 
 ``NeedleMixture`` replaces a fraction of each training batch by such documents built from the
 TRAIN split only. Which rows are replaced and what they contain is a pure function of

@@ -1,6 +1,7 @@
-"""``slimkv eval recall``: the recall frontier. Every entry (compare's grammar) is trained on the
-MQAR task (``slimkv.eval.recall``) over several seeds with ONE recipe, then its recall accuracy
-is set against the cache it measured, at the training length and at longer ones (docs/recall.md).
+"""``slimkv eval recall``: the recall frontier. Every entry (compare's grammar) is trained on a
+recall task (MQAR by default; ``slimkv.recall.run``) over several seeds with ONE recipe, then its
+recall accuracy is set against the cache it measured, at the training length and at longer ones
+(docs/recall.md).
 
 The default entries are every registered kind at the cache sizes of its ``sizes`` preset
 (MHA and MQA once each), plus the SWA/KVM hybrid the KVM paper proposes: SWA layers at the
@@ -37,8 +38,9 @@ from slimkv.common.files import (
 )
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import machine_info
-from slimkv.eval.recall import RecallRecipe, model_config, train_recall
 from slimkv.model import SlimKVForCausalLM
+from slimkv.recall.recipe import RecallRecipe, model_config
+from slimkv.recall.run import train_recall
 
 REPORT_FORMAT = 1
 REPORT_KIND = "recall"

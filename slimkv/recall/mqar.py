@@ -17,14 +17,9 @@ uniformly (``gap="uniform"``). ``query_start`` moves the first slot later (a min
 Targets hold the value id at the position of the query key (whose next-token prediction is the
 value) and ``IGNORE`` (-100) elsewhere: only the queried values are trained on and scored.
 
-Every batch is a pure function of ``(seed, step)`` (``RecallBatches``), so a run resumes
-exactly without saving a data position, and the test sets (``eval_set``) are fixed per length.
-
-A recall task is any object with the methods of ``RecallTask`` (``validate``, ``scaled``,
-``with_pairs``, ``for_evaluation``, ``make_batch``, ``gaps``, ``to_dict``, ``vocab_size``,
-``seq_len``): ``slimkv.data.needle_recall.NeedleTask`` (needles in prose) is the other one.
-An *answer* is a run of consecutive scored positions of one row (one token for MQAR, the digits
-of a value for needles); it counts as recalled when all its tokens are.
+Every batch is a pure function of ``(seed, step)`` (``slimkv.recall.task.RecallBatches``), so a
+run resumes exactly without saving a data position, and the test sets (``eval_set``) are fixed
+per length. ``MQARTask`` is one of the two ``slimkv.recall.task.RecallTask`` implementations.
 """
 
 from __future__ import annotations
@@ -36,17 +31,16 @@ import numpy as np
 import torch
 
 from slimkv.common.checks import check_choice, check_float, check_int
+from slimkv.recall.task import IGNORE
 
 BOS, FILLER = 0, 1
 FIRST_KEY = 2
-IGNORE = -100
 GAP_KINDS = ("power", "uniform")
-EVAL_STREAM = 7_919  # keeps test sets apart from every training stream (those are keyed by (seed, step))
 MAX_MODEL_VOCAB = 65_536  # token ids of a recall model (vocab_size + haystack_tokens): each is an embedding row and a logit
 
 
 @dataclass(frozen=True)
-class RecallTask:
+class MQARTask:
     """One MQAR task. ``n_queries`` None = one query per pair; ``query_start`` None = right after
     the context. Field names are also the command-line option names (``--n-pairs``)."""
 
@@ -89,7 +83,7 @@ class RecallTask:
     def n_slots(self) -> int:
         return (self.seq_len - self.first_slot) // 2
 
-    def validate(self) -> RecallTask:
+    def validate(self) -> MQARTask:
         """The task itself; ValueError naming the option when it cannot be built."""
         check_int("vocab_size", self.vocab_size, FIRST_KEY + 4)
         check_int("seq_len", self.seq_len, 4)
@@ -113,7 +107,7 @@ class RecallTask:
                              f"raise seq_len to >= {self.first_slot + 2 * self.queries}")
         return self
 
-    def scaled(self, factor: int) -> RecallTask:
+    def scaled(self, factor: int) -> MQARTask:
         """The task ``factor`` times longer with ``factor`` times the pairs and queries: the same
         density, longer gaps (the length-generalisation test)."""
         check_int("length factor", factor, 1)
@@ -125,11 +119,11 @@ class RecallTask:
             query_start=None if self.query_start is None else self.query_start * factor,
         ).validate()
 
-    def with_pairs(self, n_pairs: int) -> RecallTask:
+    def with_pairs(self, n_pairs: int) -> MQARTask:
         """The task with ``n_pairs`` pairs (a training mixture entry), one query per pair."""
         return replace(self, n_pairs=n_pairs, n_queries=None).validate()
 
-    def for_evaluation(self) -> RecallTask:
+    def for_evaluation(self) -> MQARTask:
         """The task the test sets are drawn from (the same: its tokens are synthetic)."""
         return self
 
@@ -149,7 +143,7 @@ class RecallTask:
         return query_gaps(inputs, targets)
 
 
-def make_batch(task: RecallTask, batch: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(task: MQARTask, batch: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of the MQAR task, both (batch, seq_len) int64, drawn from ``rng``."""
     task.validate()
     n, t, q = task.n_pairs, task.seq_len, task.queries
@@ -184,50 +178,3 @@ def query_gaps(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     odd = inputs[rows, 1::2]  # context keys sit at odd positions; the first match is the context key (queries come later)
     index = torch.argmax((odd == queried[:, None]).int(), dim=1)
     return positions - (1 + 2 * index)
-
-
-def answer_index(targets: torch.Tensor) -> torch.Tensor:
-    """For every scored position (order of ``targets != IGNORE``), the index of its answer: runs
-    of consecutive scored positions in one row are one answer."""
-    scored = targets != IGNORE
-    starts = scored & ~torch.nn.functional.pad(scored[:, :-1], (1, 0), value=False)
-    return torch.cumsum(starts.flatten(), 0)[scored.flatten()] - 1
-
-
-def answer_accuracy(correct: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per answer, 1.0 when every one of its tokens is correct (``correct``: per scored position)."""
-    index = answer_index(targets)
-    wrong = torch.zeros(int(index.max()) + 1 if index.numel() else 0).index_add_(0, index, (~correct.bool()).float())
-    return (wrong == 0).float()
-
-
-def eval_set(task: Any, sequences: int, seed: int = 0, factor: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fixed test set of ``task`` (already scaled by ``factor``), the same for every model."""
-    return task.for_evaluation().make_batch(sequences, np.random.default_rng([EVAL_STREAM, seed, factor]))
-
-
-class RecallBatches:
-    """Training batches (a ``BatchSource`` of the training loop): step ``step`` draws from
-    ``(seed, step)`` with ``n_pairs = train_pairs[step % len(train_pairs)]`` (a mixture of
-    easier and harder sequences of the same length), packed as (n, 2 seq_len): inputs, then targets."""
-
-    def __init__(self, task: Any, seed: int, train_pairs: tuple[int, ...] = ()) -> None:
-        self.tasks = [task.with_pairs(p) for p in train_pairs] or [task.validate()]
-        self.seed = seed
-
-    def sample(self, step: int, n: int) -> torch.Tensor:
-        task = self.tasks[step % len(self.tasks)]
-        inputs, targets = task.make_batch(n, np.random.default_rng([self.seed, step]))
-        return torch.cat([inputs, targets], dim=1)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Nothing to restore: batches depend on (seed, step) only."""
-
-
-def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of a ``RecallBatches`` batch (n, 2 seq_len)."""
-    half = packed.shape[-1] // 2
-    return packed[..., :half], packed[..., half:]

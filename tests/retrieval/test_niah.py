@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from slimkv.cli import main
 from slimkv.data import load_dataset
-from slimkv.data.needles import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, NeedleBuilder, NeedleMixture, value_found
-from slimkv.eval.niah import TASKS, parse_lengths, value_token_scores
+from slimkv.data.ruler_needles import NEEDLE_TEMPLATE, QUESTION_TEMPLATE, NeedleBuilder, NeedleMixture, value_found
+from slimkv.retrieval.runs import TASKS, parse_lengths, value_token_scores
 from slimkv.train import train
 from tests.train.tiny import one_thread, tiny_cache, tiny_config, tiny_env  # noqa: F401  (fixtures)
 

@@ -1,4 +1,5 @@
-"""The MQAR generator: layout, determinism, length scaling and option checks."""
+"""The recall tasks: the MQAR generator (layout, determinism, length scaling, option checks), the
+prose needles, and that both implement the ``RecallTask`` protocol."""
 
 from dataclasses import replace
 
@@ -6,23 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from slimkv.data.needle_recall import NeedleTask, _needle_position
-from slimkv.data.recall import (
-    BOS,
-    FILLER,
-    FIRST_KEY,
-    IGNORE,
-    RecallBatches,
-    RecallTask,
-    answer_index,
-    eval_set,
-    make_batch,
-    query_gaps,
-    unpack,
-)
+from slimkv.recall.mqar import BOS, FILLER, FIRST_KEY, MQARTask, make_batch, query_gaps
+from slimkv.recall.prose_needles import ProseNeedleTask, _needle_position
+from slimkv.recall.registry import TASKS, task_from_dict
+from slimkv.recall.task import IGNORE, RecallBatches, RecallTask, answer_index, eval_set, unpack
 
 
-def check_layout(task: RecallTask, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+def check_layout(task: MQARTask, inputs: torch.Tensor, targets: torch.Tensor) -> None:
     """Every invariant of docs/recall.md, row by row."""
     n = task.n_pairs
     assert (inputs[:, 0] == BOS).all()
@@ -46,7 +37,7 @@ def check_layout(task: RecallTask, inputs: torch.Tensor, targets: torch.Tensor) 
 
 @pytest.mark.parametrize(
     "task",
-    [RecallTask(), RecallTask(gap="uniform", query_start=33), RecallTask(n_queries=3), RecallTask(vocab_size=60, seq_len=52, n_pairs=12)],
+    [MQARTask(), MQARTask(gap="uniform", query_start=33), MQARTask(n_queries=3), MQARTask(vocab_size=60, seq_len=52, n_pairs=12)],
     ids=["default", "uniform-late", "fewer-queries", "small-vocab"],
 )
 def test_batches_follow_the_layout(task):
@@ -60,7 +51,7 @@ def test_batches_follow_the_layout(task):
 def test_a_diverse_haystack_replaces_only_the_fillers():
     """haystack_tokens: the same pairs, queries and answers as without it (one rng draw more, at
     the end), every filler replaced by an id after the task's vocabulary."""
-    plain, diverse = RecallTask(), RecallTask(haystack_tokens=500)
+    plain, diverse = MQARTask(), MQARTask(haystack_tokens=500)
     x0, y0 = make_batch(plain, 32, np.random.default_rng(3))
     x1, y1 = make_batch(diverse, 32, np.random.default_rng(3))
     filler = x0 == FILLER
@@ -72,20 +63,20 @@ def test_a_diverse_haystack_replaces_only_the_fillers():
 
 
 def test_gaps_are_query_minus_context_position():
-    task = RecallTask()
+    task = MQARTask()
     inputs, targets = make_batch(task, 32, np.random.default_rng(0))
     gaps = query_gaps(inputs, targets)
     rows, positions = torch.nonzero(targets != IGNORE, as_tuple=True)
     for gap, row, position in zip(gaps.tolist(), rows.tolist(), positions.tolist()):
         context_position = inputs[row, : 2 * task.n_pairs + 1].tolist().index(int(inputs[row, position]))
         assert gap == position - context_position >= 2
-    power, uniform = RecallTask(), RecallTask(gap="uniform")
+    power, uniform = MQARTask(), MQARTask(gap="uniform")
     median = [float(query_gaps(*make_batch(t, 256, np.random.default_rng(3))).median()) for t in (power, uniform)]
     assert median[0] < median[1], "power-law placement puts queries closer to the context than uniform placement"
 
 
 def test_batches_are_a_function_of_seed_and_step():
-    task = RecallTask()
+    task = MQARTask()
     a, b, other = RecallBatches(task, 5, (2, 8)), RecallBatches(task, 5, (2, 8)), RecallBatches(task, 6, (2, 8))
     assert torch.equal(a.sample(3, 8), b.sample(3, 8))
     assert not torch.equal(a.sample(3, 8), other.sample(3, 8))
@@ -116,13 +107,13 @@ def test_batches_are_a_function_of_seed_and_step():
 )
 def test_invalid_tasks_name_the_option(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        replace(RecallTask(), **change).validate()
+        replace(MQARTask(), **change).validate()
     with pytest.raises(ValueError, match="n_pairs=72 needs"):
-        RecallTask().scaled(9)  # 72 pairs do not fit 64 key ids
+        MQARTask().scaled(9)  # 72 pairs do not fit 64 key ids
 
 
 def test_needle_documents_hold_every_needle_and_ask_each_once(tiny_env):
-    task = NeedleTask(dataset="tiny", seq_len=200, n_pairs=3, values="digits", digits=2, keys=10)
+    task = ProseNeedleTask(dataset="tiny", seq_len=200, n_pairs=3, values="digits", digits=2, keys=10)
     source = task.source
     inputs, targets = task.make_batch(8, np.random.default_rng(0))
     assert inputs.shape == targets.shape == (8, 200)
@@ -152,7 +143,7 @@ def test_needle_documents_hold_every_needle_and_ask_each_once(tiny_env):
 
 
 def test_needle_values_can_be_single_words(tiny_env):
-    task = NeedleTask(dataset="tiny", seq_len=200, n_pairs=3, keys=4, value_words=5)
+    task = ProseNeedleTask(dataset="tiny", seq_len=200, n_pairs=3, keys=4, value_words=5)
     inputs, targets = task.make_batch(4, np.random.default_rng(0))
     source = task.source
     keys, values = set(source.words[:4].tolist()), set(source.words[4:9].tolist())
@@ -169,7 +160,7 @@ def test_needle_values_can_be_single_words(tiny_env):
 def test_needles_without_a_prefix_are_key_value_lines(tiny_env):
     """needle_prefix="none": a needle line is key, value, ".\\n" at a line start; a question is the
     key alone at a line start; the answer is the value that followed that key."""
-    task = NeedleTask(dataset="tiny", seq_len=120, n_pairs=3, keys=4, value_words=5, needle_prefix="none").validate()
+    task = ProseNeedleTask(dataset="tiny", seq_len=120, n_pairs=3, keys=4, value_words=5, needle_prefix="none").validate()
     assert task.prefix == [] and task.needle_tokens == 1 + 1 + len(task.source.end)
     inputs, targets = task.make_batch(4, np.random.default_rng(0))
     line_ends = set(task.source.line_ends.tolist())
@@ -181,3 +172,27 @@ def test_needles_without_a_prefix_are_key_value_lines(tiny_env):
     assert (task.gaps(inputs, targets) > 0).all()
     with pytest.raises(ValueError, match="needle_prefix='short' is not allowed; allowed values: sentence, none"):
         replace(task, needle_prefix="short").validate()
+
+
+def protocol_members() -> set[str]:
+    """The names ``RecallTask`` declares (attributes, properties and methods)."""
+    return {name for name in (*RecallTask.__annotations__, *vars(RecallTask)) if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("cls", list(TASKS.values()))
+def test_every_registered_task_implements_the_protocol(cls):
+    missing = {name for name in protocol_members() if not hasattr(cls, name)}
+    assert not missing, f"{cls.__name__} lacks {sorted(missing)} of RecallTask"
+    assert TASKS[cls.name] is cls
+
+
+def test_tasks_read_back_from_their_records(tiny_env):
+    """``to_dict()`` -> ``task_from_dict`` is the identity, records without a task are MQAR (runs
+    made before the second task), and an unknown task or another needles layout is refused."""
+    for task in (MQARTask(haystack_tokens=10), ProseNeedleTask(dataset="tiny", seq_len=200, n_pairs=3, keys=10)):
+        assert task_from_dict(task.to_dict()) == task
+    assert task_from_dict({"seq_len": 32, "n_pairs": 4, "vocab_size": 40}) == MQARTask(seq_len=32, n_pairs=4, vocab_size=40)
+    with pytest.raises(ValueError, match="task='ruler' is not allowed; allowed values: mqar, needles"):
+        task_from_dict({"task": "ruler"})
+    with pytest.raises(ValueError, match="layout 1 was made by another version"):
+        task_from_dict({**ProseNeedleTask().to_dict(), "layout": 1})

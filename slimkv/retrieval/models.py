@@ -2,12 +2,13 @@
 depth grid (``slimkv eval niah --model``; docs/evaluation.md, "Long-context retrieval on
 pretrained models").
 
-Each prompt (``slimkv.data.retrieval``) goes through the model's own ``generate()`` and caches,
+Each prompt (``slimkv.retrieval.prompts``) goes through the model's own ``generate()`` and caches,
 greedy, for the few tokens its answer needs; a prompt scores the fraction of its answers found in
 the continuation (``value_found``: whole, case-insensitive), so 1 or 0 for a single needle. A cell
 is (task, length, depth) over ``samples`` prompts; its score is the mean, with the count of
 prompts fully answered and a 95% Wilson interval. Results are written after every cell, so an
-interrupted run resumes where it stopped (same options, same model: else it refuses). The live
+interrupted run resumes where it stopped (same options and the same weights, by folder and
+content sha256, however the model was named: else it refuses). The live
 cache of one prompt per length is measured from the cache tensors (``slimkv.eval.cache``).
 """
 
@@ -27,12 +28,12 @@ from tqdm import tqdm
 from slimkv.common.checks import check_int
 from slimkv.common.files import check_folder_target, read_json, save_figure, write_json, write_text
 from slimkv.common.plotting import new_figure
-from slimkv.data.needles import value_found
-from slimkv.data.retrieval import TASKS, PromptBuilder, RetrievalPrompt, RetrievalTask
+from slimkv.data.ruler_needles import value_found
 from slimkv.data.texts import evaluation_text
 from slimkv.eval.cache import layer_bytes
 from slimkv.eval.models import load_language_model
-from slimkv.pretrained import LoadedModel
+from slimkv.pretrained import LoadedModel, resolve_model_path, weights_fingerprint
+from slimkv.retrieval.prompts import TASKS, PromptBuilder, RetrievalPrompt, RetrievalTask
 
 RESULT_FILE, TABLE_FILE, PLOT_FILE, PROMPTS_FILE = "niah.json", "niah.md", "niah.png", "niah_prompts.json"
 PROMPTS_FORMAT = "slimkv-niah-prompts/1"
@@ -140,12 +141,20 @@ def generate(loaded: LoadedModel, prompts: list[RetrievalPrompt], batch_size: in
 
 
 GRID_KEYS = ("tasks", "lengths", "depths")  # may change between runs into one --out: cells accumulate
+NAMING_KEYS = ("model", "identity")  # how the model was named and what its loader says of it: shown, not fingerprinted (``weights`` is)
+
+
+def weights_record(model: str) -> dict[str, str]:
+    """The weights ``model`` names: its folder (resolved) and the sha256 of its safetensors files."""
+    folder = resolve_model_path(model).resolve()
+    return {"path": str(folder), "sha256": weights_fingerprint(folder)}
 
 
 def fingerprint(settings: dict[str, Any]) -> str:
-    """What a cell's content depends on (the model, samples, seed, haystack, dtype), not which
-    cells are asked for: a later run into the same --out may add lengths, depths or tasks."""
-    fixed = {k: v for k, v in settings.items() if k not in GRID_KEYS}
+    """What a cell's content depends on (the weights by folder and content, samples, seed, haystack,
+    dtype), not how the model was named nor which cells are asked for: a later run into the same
+    --out may spell the model's path another way, or add lengths, depths or tasks."""
+    fixed = {k: v for k, v in settings.items() if k not in GRID_KEYS + NAMING_KEYS}
     return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -177,14 +186,15 @@ def evaluate(
     builder = PromptBuilder(loaded.tokenizer, evaluation_text(haystack))
     grid = build_grid(builder, tasks, lengths, depths, samples, seed)
     check_lengths(grid, loaded.model)
-    settings = {"model": model, "identity": loaded.identity, "tasks": [t.name for t in tasks], "lengths": lengths, "depths": depths, "samples": samples,
+    settings = {"model": model, "identity": loaded.identity, "weights": weights_record(model), "tasks": [t.name for t in tasks], "lengths": lengths, "depths": depths, "samples": samples,
                 "seed": seed, "haystack": haystack, "dtype": str(next(loaded.model.parameters()).dtype).replace("torch.", "")}
     report = {"settings": settings, "fingerprint": fingerprint(settings), "cells": {}, "cache": {}}
     path = out_dir / RESULT_FILE
     if path.is_file():
         previous = read_json(path, expect=dict)
         if previous.get("fingerprint") != report["fingerprint"]:
-            differ = sorted(k for k in set(settings) | set(previous.get("settings", {})) if k not in GRID_KEYS and settings.get(k) != previous["settings"].get(k))
+            before = previous.get("settings", {})
+            differ = sorted(k for k in set(settings) | set(before) if k not in GRID_KEYS + NAMING_KEYS and settings.get(k) != before.get(k))
             raise ValueError(f"{path} holds results of another model or other options (they differ in: {', '.join(differ) or 'the fingerprint'}); "
                              "give another --out, or move that file away to start over (more tasks, lengths or depths with the same model and options are added to it)")
         report["cells"], report["cache"] = previous.get("cells", {}), previous.get("cache", {})

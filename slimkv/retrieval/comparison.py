@@ -4,7 +4,7 @@ set against the live cache bytes per token (docs/evaluation.md, "Long-context re
 pretrained models"; ``benchmarks/niah_smollm2.py`` runs it).
 
 Every figure of the markdown is rendered from the comparison JSON by ``render_markdown``, so the
-committed table can be checked against its data (tests/bench/test_retrieval_report.py).
+committed table can be checked against its data (tests/retrieval/test_comparison.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from slimkv.common.files import save_figure
 from slimkv.common.plotting import new_figure
-from slimkv.eval.retrieval import score_output, wilson
+from slimkv.retrieval.models import score_output, wilson
 
 COMPARISON_FORMAT = "slimkv-niah-comparison/1"
 

@@ -1,4 +1,5 @@
-"""Needle in a haystack: RULER-style single-needle retrieval over a length x depth grid.
+"""Needle in a haystack on slimkv training runs (``slimkv eval niah RUN_DIR``): RULER-style
+single-needle retrieval over a length x depth grid.
 
 Tasks (docs/evaluation.md, "Needle in a haystack"):
 
@@ -9,7 +10,7 @@ Tasks (docs/evaluation.md, "Needle in a haystack"):
 
 Each prompt is exactly ``length`` tokens: haystack with the needle line ("One of the special
 magic numbers for {key} is: {value}.") at the line boundary nearest the requested depth, then the
-question (``slimkv.data.needles``). The model continues it greedily (``generate()``, through its
+question (``slimkv.data.ruler_needles``). The model continues it greedily (``generate()``, through its
 own caches) for ``max_new_tokens``; a sample scores 1 when the value appears in the continuation
 (case-insensitive, as a whole). Beside that exact match, each cell reports the teacher-forced
 accuracy and NLL of the value's tokens (``value_token_scores``): a graded measure that still
@@ -32,7 +33,7 @@ from tqdm import tqdm
 from slimkv.common.checks import check_int
 from slimkv.common.files import check_folder_target, save_figure, write_json
 from slimkv.common.plotting import new_figure
-from slimkv.data.needles import NEUTRAL_TEXT, NeedleBuilder, NeedleDocument, random_key, random_value, value_found
+from slimkv.data.ruler_needles import NEUTRAL_TEXT, NeedleBuilder, NeedleDocument, random_key, random_value, value_found
 from slimkv.train.checkpoint import load_run
 
 TASKS: dict[str, dict[str, str]] = {

@@ -1,4 +1,4 @@
-"""The retrieval comparison (slimkv.bench.retrieval): rows from slimkv reports and from other tools'
+"""The retrieval comparison (slimkv.retrieval.comparison): rows from slimkv reports and from other tools'
 generations scored alike, winners only where the samples separate them, and the committed
 markdown equal to what its JSON renders."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slimkv.bench.retrieval import aggregate, comparison, generations_row, render_markdown, slimkv_row, winners
 from slimkv.common.files import read_json
+from slimkv.retrieval.comparison import aggregate, comparison, generations_row, render_markdown, slimkv_row, winners
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 

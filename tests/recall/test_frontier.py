@@ -7,14 +7,14 @@ import torch
 
 from slimkv.attention import ATTENTION_KINDS, kind_spec
 from slimkv.bench.entries import Entry, recipe_shape
-from slimkv.bench.recall import PLOT_FILE, family, frontier_entries, render_markdown, run_recall, short_labels, task_text
 from slimkv.cli import main
 from slimkv.common.files import folder_lock
-from slimkv.data.recall import RecallTask
-from slimkv.eval.recall import RecallRecipe, model_config
 from slimkv.model import SlimKVForCausalLM
+from slimkv.recall.frontier import PLOT_FILE, family, frontier_entries, render_markdown, run_recall, short_labels, task_text
+from slimkv.recall.mqar import MQARTask
+from slimkv.recall.recipe import RecallRecipe, model_config
 
-TINY = RecallRecipe(task=RecallTask(vocab_size=40, seq_len=32, n_pairs=4), d_model=32, n_heads=2, train_pairs=(2, 4), steps=4, batch_size=4,
+TINY = RecallRecipe(task=MQARTask(vocab_size=40, seq_len=32, n_pairs=4), d_model=32, n_heads=2, train_pairs=(2, 4), steps=4, batch_size=4,
                     eval_sequences=32, eval_every=2, checkpoint_every=0, log_every=2, warmup_steps=1)
 
 

@@ -1,5 +1,6 @@
-"""Long-context retrieval prompts for pretrained models (RULER-style; docs/evaluation.md,
-"Long-context retrieval on pretrained models").
+"""Long-context retrieval prompts for pretrained models (RULER-style; ``slimkv eval niah --model``;
+docs/evaluation.md, "Long-context retrieval on pretrained models"). Needle lines, line
+boundaries and values come from the training needles' ``slimkv.data.ruler_needles.NeedleBuilder``.
 
 A prompt is plain text, no chat template, cut to exactly ``length`` tokens of the model's own
 tokenizer::
@@ -24,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from slimkv.common.checks import check_float, check_int
-from slimkv.data.needles import NeedleBuilder, line_end_ids
-from slimkv.data.needles import random_value as needle_value
+from slimkv.data.ruler_needles import NeedleBuilder, line_end_ids
+from slimkv.data.ruler_needles import random_value as needle_value
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 PREAMBLE = "Some special magic {noun}s are hidden within the following text. Make sure to memorize them. I will quiz you about the {noun}s afterwards.\n"
@@ -107,7 +108,7 @@ class RetrievalPrompt:
 
 def random_value(rng: np.random.Generator, kind: str) -> str:
     """A value of ``kind``: a 5-digit pass key, a word of ``VALUE_WORDS``, or a 7-digit number or
-    a UUID as the training needles draw them (``slimkv.data.needles.random_value``)."""
+    a UUID as the training needles draw them (``slimkv.data.ruler_needles.random_value``)."""
     if kind == "passkey":
         return str(int(rng.integers(10_000, 100_000)))
     if kind == "word":
@@ -120,7 +121,7 @@ def random_value(rng: np.random.Generator, kind: str) -> str:
 class PromptBuilder:
     """Builds ``RetrievalPrompt``s with one transformers tokenizer over two haystack sources:
     ``filler`` and ``prose`` (1-D token ids each). Haystack spans and line boundaries are the
-    training needles' (``slimkv.data.needles.NeedleBuilder``)."""
+    training needles' (``slimkv.data.ruler_needles.NeedleBuilder``)."""
 
     def __init__(self, tokenizer: Any, prose: str) -> None:
         self.tokenizer = tokenizer

@@ -8,11 +8,13 @@ import torch.nn.functional as F
 
 from slimkv.cli import main
 from slimkv.common.spec import AttentionSpec
-from slimkv.data.recall import IGNORE, RecallBatches, RecallTask, unpack
-from slimkv.eval.recall import RUN_FILE, RecallRecipe, evaluate_recall, model_config, recall_loss, train_recall
 from slimkv.model import SlimKVForCausalLM
+from slimkv.recall.mqar import MQARTask
+from slimkv.recall.recipe import RecallRecipe, model_config
+from slimkv.recall.run import RUN_FILE, evaluate_recall, recall_loss, train_recall
+from slimkv.recall.task import IGNORE, RecallBatches, unpack
 
-TINY = RecallRecipe(task=RecallTask(vocab_size=40, seq_len=32, n_pairs=4), d_model=32, n_heads=2, train_pairs=(2, 4), steps=12, batch_size=8,
+TINY = RecallRecipe(task=MQARTask(vocab_size=40, seq_len=32, n_pairs=4), d_model=32, n_heads=2, train_pairs=(2, 4), steps=12, batch_size=8,
                     eval_sequences=32, eval_every=6, checkpoint_every=6, log_every=3, warmup_steps=2)
 
 
@@ -86,8 +88,8 @@ def test_invalid_recipes_name_the_option(change, message):
 
 
 def test_the_model_has_room_for_a_diverse_haystack():
-    recipe = RecallRecipe(task=RecallTask(haystack_tokens=70))
-    assert model_config(AttentionSpec.parse("mha"), recipe).vocab_size == RecallTask().vocab_size + 70
+    recipe = RecallRecipe(task=MQARTask(haystack_tokens=70))
+    assert model_config(AttentionSpec.parse("mha"), recipe).vocab_size == MQARTask().vocab_size + 70
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -1,5 +1,5 @@
 """Long-context retrieval prompts and their evaluation on pretrained-format models
-(``slimkv.data.retrieval``, ``slimkv.eval.retrieval``, ``slimkv eval niah --model``), on a tiny local
+(``slimkv.retrieval.prompts``, ``slimkv.retrieval.models``, ``slimkv eval niah --model``), on a tiny local
 Llama with a character tokenizer (no downloads)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slimkv.cli import main
-from slimkv.data.retrieval import TASKS, PromptBuilder, parse_tasks
-from slimkv.eval import retrieval
+from slimkv.pretrained import weights_fingerprint
+from slimkv.retrieval import models as retrieval
+from slimkv.retrieval.prompts import TASKS, PromptBuilder, parse_tasks
 from tests.compress.conftest import HELD_OUT_LINES, char_tokenizer, tiny_config
 
 PROSE = "".join(f"Line {i} of the haystack: {HELD_OUT_LINES}" for i in range(40))
@@ -120,6 +121,26 @@ def test_evaluate_writes_resumes_and_refuses_other_settings(tiny_folder, tmp_pat
     grown = retrieval.evaluate(str(tiny_folder), **{**options, "lengths": [400, 500]})  # one more length: only its cells run
     assert {k: grown["cells"][k] for k in report["cells"]} == report["cells"] and "passkey/500/0.00" in grown["cells"]
     assert list(grown["summary"]["passkey"]) == ["400", "500"]
+
+
+def test_a_resume_matches_the_weights_by_folder_and_content(tiny_folder, tmp_path, monkeypatch):
+    """The fingerprint holds the weights (resolved folder + sha256 of the safetensors), not the
+    spelling of --model: the same folder named another way resumes; other weights saved at the
+    same path are refused."""
+    out = tmp_path / "niah"
+    options = {"tasks": [TASKS["passkey"]], "lengths": [400], "depths": [0.5], "samples": 1, "haystack": str(tmp_path / "prose.txt"),
+               "out_dir": out, "progress": False}
+    report = retrieval.evaluate(str(tiny_folder), **options)
+    assert report["settings"]["weights"] == {"path": str(tiny_folder.resolve()), "sha256": weights_fingerprint(tiny_folder)}
+    monkeypatch.chdir(tiny_folder.parent)
+    monkeypatch.setattr(retrieval, "generate", lambda *a, **k: pytest.fail("a finished cell was run again"))
+    assert retrieval.evaluate(f"./{tiny_folder.name}/", **options)["cells"] == report["cells"]
+    torch.manual_seed(1)
+    config = tiny_config("llama")
+    config.max_position_embeddings = 1024
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(tiny_folder)  # other weights, the same path
+    with pytest.raises(ValueError, match=r"another model or other options \(they differ in: weights\)"):
+        retrieval.evaluate(str(tiny_folder), **options)
 
 
 def test_lengths_past_the_positions_are_refused_before_any_work(tiny_folder, tmp_path, monkeypatch):
