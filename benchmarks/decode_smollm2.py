@@ -11,7 +11,11 @@ same run ((weights + cache bytes) / original's bytes per second).
 
     .venv/bin/python benchmarks/decode_smollm2.py --threads 1
     .venv/bin/python benchmarks/decode_smollm2.py --threads 2 --converted runs/smollm2-mla50 runs/smollm2-lrkv50
+    .venv/bin/python benchmarks/decode_smollm2.py --dtypes float32,bfloat16 --converted runs/smollm2-mla50
     .venv/bin/python benchmarks/decode_smollm2.py --quick
+
+With ``--dtypes float32,bfloat16`` every model runs in both (weights and caches in that dtype;
+transformers' own bfloat16 run is the baseline of the bfloat16 rows), interleaved in one run.
 
 Writes benchmarks/results/<name>.json and .png.
 """
@@ -19,6 +23,7 @@ Writes benchmarks/results/<name>.json and .png.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import os
 import statistics
@@ -33,9 +38,11 @@ from slimkv.convert.source import Source, exact_copy
 from slimkv.data.texts import evaluation_text, tokenize
 from slimkv.eval.cache import layer_bytes
 from slimkv.eval.models import load_language_model
+from slimkv.ops.native import kernel_path
 from slimkv.pretrained import SMOLLM2, fetch_smollm2, load_pretrained
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse() -> argparse.Namespace:
@@ -43,6 +50,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--contexts", default="1024,4096,16384", help="cached tokens (comma-separated; default 1024,4096,16384)")
     p.add_argument("--converted", nargs="*", default=[], help="converted model folders to time beside the original")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtypes", default="float32", help=f"comma-separated, among {', '.join(DTYPES)} (default float32)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per model per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--quick", action="store_true", help="contexts 256,1024; 1 round of 3 steps")
@@ -75,16 +83,24 @@ def step(model, cache, token: torch.Tensor, slimkv: bool) -> torch.Tensor:
 
 def main() -> None:
     args = parse()
+    dtypes = args.dtypes.split(",")
+    for name in dtypes:
+        if name not in DTYPES:
+            raise SystemExit(f"--dtypes: {name!r} is not allowed; allowed values: {', '.join(DTYPES)}")
     torch.set_num_threads(args.threads)
     contexts = [256, 1024] if args.quick else [int(c) for c in args.contexts.split(",")]
     steps, rounds = (3, 1) if args.quick else (args.steps, args.rounds)
     fetch_smollm2()
     original = load_pretrained(SMOLLM2)
-    models = {"transformers (SDPA, DynamicCache)": (original.model, False),
-              "slimkv exact copy (gqa)": (exact_copy(Source(original)), True)}
+    float32_models = {"transformers (SDPA, DynamicCache)": (original.model, False),
+                      "slimkv exact copy (gqa)": (exact_copy(Source(original)), True)}
     for folder in args.converted:
         loaded = load_language_model(folder)
-        models[f"slimkv {Path(folder).name}"] = (loaded.model, True)
+        float32_models[f"slimkv {Path(folder).name}"] = (loaded.model, True)
+    models = {}  # every model in every dtype, dtype by dtype (transformers' run first in each: the traffic baseline)
+    for name in dtypes:
+        for label, (model, slim) in float32_models.items():
+            models[label if name == "float32" else f"{label} {name}"] = (model if name == "float32" else copy.deepcopy(model).to(DTYPES[name]), slim)
     text_ids = tokenize(original.tokenizer, evaluation_text("shakespeare-val"))
     load_before = os.getloadavg()
     rows = []
@@ -104,22 +120,22 @@ def main() -> None:
                     token = step(model, cache, token, slim)
                     samples[label].append(time.perf_counter() - t0)
                 state[label][1] = token
-        base_label = next(iter(models))
-        base_bytes = None
+        base_bytes = {}  # per dtype: the bytes per second of transformers' run in that dtype
         for label, (model, _) in models.items():
             median = statistics.median(samples[label])
             cache_bytes = sum(layer_bytes(state[label][0]))
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            if label == base_label:
-                base_bytes = (weights + cache_bytes) / median
-            rows.append({"model": label, "context": context, "median_s": median, "tokens_per_s": 1 / median, "min_s": min(samples[label]),
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            if label.startswith("transformers"):
+                base_bytes[dtype] = (weights + cache_bytes) / median
+            rows.append({"model": label, "dtype": dtype, "context": context, "median_s": median, "tokens_per_s": 1 / median, "min_s": min(samples[label]),
                          "max_s": max(samples[label]), "cache_bytes": cache_bytes, "parameter_bytes": weights, "prefill_s": state[label][2],
-                         "time_over_traffic_prediction": median / ((weights + cache_bytes) / base_bytes), "samples_s": samples[label]})
+                         "time_over_traffic_prediction": median / ((weights + cache_bytes) / base_bytes[dtype]), "samples_s": samples[label]})
             print(f"{context:>6} {label:<40} {median * 1e3:8.2f} ms/token {1 / median:8.1f} tok/s  cache {cache_bytes / 2**20:8.1f} MiB  "
                   f"x{rows[-1]['time_over_traffic_prediction']:.2f} of its traffic prediction", flush=True)
         del state
         gc.collect()
-    payload = {"settings": {"contexts": contexts, "threads": args.threads, "steps": steps, "rounds": rounds, "models": list(models)},
+    payload = {"settings": {"contexts": contexts, "threads": args.threads, "dtypes": dtypes, "native_kernel": {name: kernel_path(DTYPES[name]) for name in dtypes}, "steps": steps, "rounds": rounds, "models": list(models)},
                "load_average": {"before": list(load_before), "after": list(os.getloadavg())}, "rows": rows}
     fig, ax = new_figure(figsize=(7, 4.5))
     for label in models:
@@ -128,7 +144,7 @@ def main() -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (cached tokens)")
     ax.set_ylabel("decode tokens/s (batch 1)")
-    ax.set_title(f"SmolLM2-135M decode, {args.threads} thread(s), float32", fontsize=9)
+    ax.set_title(f"SmolLM2-135M decode, {args.threads} thread(s), {', '.join(dtypes)}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     path = write_results(args.name or f"decode_smollm2_{args.threads}thread", payload, args.out_dir, figure=fig)
