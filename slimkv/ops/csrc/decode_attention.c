@@ -309,6 +309,10 @@ static inline __attribute__((always_inline)) void attend_item_avx512(int64_t ite
     }
 }
 
+/* Keep x in a register: without this the compiler folds a vector that is used several times back
+ * into each use as a memory operand, one load per use, and the tiles below become load-bound. */
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+
 /* The lanes of chunk j (16 floats) of a row of ``width`` floats: all but in the last chunk. */
 static inline __mmask16 chunk_mask(int64_t width, int64_t j) {
     const int64_t left = width - 16 * j;
@@ -323,12 +327,16 @@ static inline __attribute__((always_inline)) void logits_tile(const float *restr
     __m512 dots[4][4];
     for (int i = 0; i < R; i++)
         for (int u = 0; u < KT; u++) dots[i][u] = _mm512_setzero_ps();
+    const int64_t full = dim / 16; /* whole chunks; a partial last one is loaded under a mask */
     for (int64_t j = 0; j < d_pad / 16; j++) {
-        const __mmask16 mask = chunk_mask(dim, j);
         __m512 kv[4];
-        for (int u = 0; u < KT; u++) kv[u] = load16_masked(mask, kt + u * k_row + 16 * j);
+        if (j < full)
+            for (int u = 0; u < KT; u++) kv[u] = load16(kt + u * k_row + 16 * j);
+        else
+            for (int u = 0; u < KT; u++) kv[u] = load16_masked(chunk_mask(dim, j), kt + u * k_row + 16 * j);
         for (int i = 0; i < R; i++) {
-            const __m512 qv = _mm512_loadu_ps(qs + i * d_pad + 16 * j);
+            __m512 qv = _mm512_loadu_ps(qs + i * d_pad + 16 * j);
+            IN_REGISTER(qv);
             for (int u = 0; u < KT; u++) dots[i][u] = _mm512_fmadd_ps(qv, kv[u], dots[i][u]);
         }
     }
@@ -354,7 +362,8 @@ static inline __attribute__((always_inline)) void values_tile(const float *restr
         __m512 vv[4];
         for (int c = 0; c < CV; c++) vv[c] = load16_masked(mask[c], vt + 16 * c);
         for (int i = 0; i < R; i++) {
-            const __m512 pi = _mm512_set1_ps(p[i * BLOCK_KEYS + t]);
+            __m512 pi = _mm512_set1_ps(p[i * BLOCK_KEYS + t]);
+            IN_REGISTER(pi);
             for (int c = 0; c < CV; c++) av[i][c] = _mm512_fmadd_ps(pi, vv[c], av[i][c]);
         }
     }
