@@ -352,6 +352,35 @@ dequantized to float32):
 Verdict: {convert_verdict}"""
 
 
+def calibration_section(runs: dict[str, dict[str, Any]]) -> str:
+    """One-shot conversions of SmolLM2 calibrated on different texts (``convert_oneshot.py
+    --calib``), matched by method and cache ratio."""
+    names = list(runs)
+    calib = {name: d.get("calib", "shakespeare") for name, d in runs.items()}  # files older than --calib: the then default, the plays
+    texts = list(runs[names[0]]["original_ppl"])
+    keys = [(r["method"], r["cache_ratio"]) for r in runs[names[-1]]["rows"]]
+    found = {name: {(r["method"], r["cache_ratio"]): r for r in d["rows"]} for name, d in runs.items()}
+    rows, changes = [], {t: [] for t in texts}
+    for key in keys:
+        if not all(key in found[name] for name in names):
+            continue
+        rows.append([f"`{key[0]}`", f"{key[1]}"] + [times(found[name][key]["ppl_over_original"][t]) for t in texts for name in names])
+        for t in texts:
+            changes[t].append(found[names[-1]][key]["ppl"][t] / found[names[0]][key]["ppl"][t] - 1)
+    header_cells = ["method", "R"] + [f"{t}, {calib[name]}" for t in texts for name in names]
+    summary = "; ".join(f"on {t} the {calib[names[-1]]} calibration changed perplexity by {', '.join(f'{c:+.1%}' for c in changes[t])} "
+                        f"(the rows in order)" for t in texts)
+    return f"""## Calibration text of a conversion
+
+`slimkv convert` calibrates on `{calib[names[-1]]}` by default (as `compress`); it calibrated on
+the plays alone before. One-shot conversions of SmolLM2-135M, perplexity / the original's on
+{runs[names[-1]]['eval_tokens']:,} tokens per text ({', '.join(f"{link(name)}: {when(d)}" for name, d in runs.items())}):
+
+{table(header_cells, rows, right=set(range(1, len(header_cells))))}
+
+Measured: {summary}."""
+
+
 def kvm_section(recall: Recall, frontier: Frontier, needles: dict[str, Any], probes: dict[str, Any], niah: dict[str, Any],
                 decode: dict[str, dict[str, Any]], kvm_speed: dict[str, Any], kvm_backward: dict[str, Any]) -> str:
     hybrid = max(recall.labels(("swa", "kvm")), key=recall.cache)
@@ -554,6 +583,24 @@ ran {times(measured)} faster than dense (dense time over compressed time, dense 
 sample of the compressed model {'below' if apart else 'not below'} every sample of the dense one. **{'Supported' if apart and measured > 1 else 'Inconclusive'}.**"""
 
 
+def dtype_table(f32: dict[str, Any], bf16: dict[str, Any]) -> tuple[int, str]:
+    """One layer at the last context in float32 and bfloat16 (decode_all.py --dtype): each variant's
+    time against MHA's in the same dtype, that over its cache-bytes ratio, and bfloat16's speed-up."""
+    last = f32["settings"]["contexts"][-1]
+    at = {name: {r["label"]: r for r in d["rows"] if r["context"] == last} for name, d in (("f32", f32), ("bf16", bf16))}
+    rows = []
+    for label, r in at["f32"].items():
+        b = at["bf16"].get(label)
+        if b is None or label.endswith("-expanded"):
+            continue
+        t32, t16 = r["median_s"] / at["f32"]["mha"]["median_s"], b["median_s"] / at["bf16"]["mha"]["median_s"]
+        rows.append([f"`{label}`", f3(r["cache_ratio_to_mha"]), f2(r["median_s"] * 1e3), f2(t32), f2(t32 / r["cache_ratio_to_mha"]),
+                     f2(b["median_s"] * 1e3), f2(t16), f2(t16 / b["cache_ratio_to_mha"]), f2(r["median_s"] / b["median_s"])])
+    header_cells = ["variant", "cache vs MHA", "float32 ms", "time vs MHA", "over bytes ratio", "bfloat16 ms", "time vs MHA", "over bytes ratio",
+                    "bfloat16 speed-up"]
+    return last, table(header_cells, rows, right=set(range(1, len(header_cells))))
+
+
 def speed_section(decode: dict[str, dict[str, Any]], native: dict[str, dict[str, Any]], smollm2: dict[str, Any]) -> str:
     d1, d2 = decode["decode_all_1thread.json"], decode["decode_all_2thread.json"]
     last = d1["settings"]["contexts"][-1]
@@ -576,6 +623,7 @@ def speed_section(decode: dict[str, dict[str, Any]], native: dict[str, dict[str,
             if r["context"] == d["settings"]["contexts"][-1]:
                 n_rows.append([link(name), str(r["kv_heads"]), f"{r['cache_bytes'] / 2**20:.0f}", f2(r["native_ms"]), f2(r["torch_ms"]), f2(r["native_over_torch"]),
                                f2(r["native_of_copy"]), f2(r["torch_of_copy"])])
+    dtype_last, dtypes = dtype_table(decode["decode_roofline_1thread.json"], decode["decode_roofline_bf16_1thread.json"])
     s_rows = []
     contexts = smollm2["settings"]["contexts"]
     for model in smollm2["settings"]["models"]:
@@ -595,6 +643,15 @@ The native decode kernel against the torch path, attention alone, 8 query heads 
 
 {table(['file', 'kv heads', 'cache MiB', 'native ms', 'torch ms', 'native / torch', 'native of copy bw', 'torch of copy bw'], n_rows, right={1, 2, 3, 4, 5, 6, 7})}
 
+The same layer at {dtype_last // 1024}K cached tokens with float32 and with bfloat16 weights and caches, 1 thread
+({link('decode_roofline_1thread.json')}: {when(decode['decode_roofline_1thread.json'])}; {link('decode_roofline_bf16_1thread.json')}:
+{when(decode['decode_roofline_bf16_1thread.json'])}). "Over bytes ratio" is the time against MHA's divided by the cache
+against MHA's: 1.00 means the step costs exactly its share of MHA's bytes. MLA takes the native
+kernel in both dtypes; its absorbed step does 8 x (rope + latent + latent) multiply-adds per cached
+row, which makes it compute-bound on a CPU ("roofline" in docs/evaluation.md).
+
+{dtypes}
+
 SmolLM2-135M decode, tokens per second after a prefill of each context, models interleaved
 ({link('decode_smollm2_1thread.json')}, {when(smollm2)}):
 
@@ -604,11 +661,13 @@ SmolLM2-135M decode, tokens per second after a prefill of each context, models i
 def render() -> str:
     recall = Recall(load("recall_frontier.json"))
     frontier = Frontier(load("lm_frontier.json"))
-    decode = {name: load(name) for name in ("decode_all_1thread.json", "decode_all_2thread.json", "decode_torch_path_1thread.json", "decode_roofline_1thread.json")}
+    decode = {name: load(name) for name in ("decode_all_1thread.json", "decode_all_2thread.json", "decode_torch_path_1thread.json", "decode_roofline_1thread.json",
+                                          "decode_roofline_bf16_1thread.json")}
     native = {name: load(name) for name in ("decode_native_1thread.json", "decode_native_2thread.json")}
     parts = [
         header(load("compress_calibration_curve.json")),
         lrkv_section(recall, frontier, load("convert_oneshot_smollm2.json")),
+        calibration_section({name: load(name) for name in ("convert_oneshot_smollm2.json", "convert_oneshot_mix_smollm2.json")}),
         kvm_section(recall, frontier, load("needles_mha_4000steps.json"), load("needles_recipe_probes.json"), load("niah_kvm.json"), decode,
                     load("kvm_speed.json"), load("kvm_speed_backward.json")),
         latentllm_section(load("compress_sweep_smollm2.json"), load("compress_prefill_latentllm03.json")),
