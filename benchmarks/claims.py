@@ -352,9 +352,10 @@ dequantized to float32):
 Verdict: {convert_verdict}"""
 
 
-def calibration_section(runs: dict[str, dict[str, Any]]) -> str:
-    """One-shot conversions of SmolLM2 calibrated on different texts (``convert_oneshot.py
-    --calib``), matched by method and cache ratio."""
+def calibration_table(runs: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """One-shot conversions calibrated on different texts (``convert_oneshot.py --calib``), matched
+    by method and cache ratio: the table (perplexity / the original's per text and calibration) and
+    a sentence with the last calibration's change against the first, per text."""
     names = list(runs)
     calib = {name: d.get("calib", "shakespeare") for name, d in runs.items()}  # files older than --calib: the then default, the plays
     texts = list(runs[names[0]]["original_ppl"])
@@ -368,17 +369,26 @@ def calibration_section(runs: dict[str, dict[str, Any]]) -> str:
         for t in texts:
             changes[t].append(found[names[-1]][key]["ppl"][t] / found[names[0]][key]["ppl"][t] - 1)
     header_cells = ["method", "R"] + [f"{t}, {calib[name]}" for t in texts for name in names]
-    summary = "; ".join(f"on {t} the {calib[names[-1]]} calibration changed perplexity by {', '.join(f'{c:+.1%}' for c in changes[t])} "
-                        f"(the rows in order)" for t in texts)
+    summary = "; ".join(f"on {t}, {', '.join(f'{c:+.1%}' for c in changes[t])}" for t in texts)
+    sources = ", ".join(f"{link(name)}: {when(d)}" for name, d in runs.items())
+    return (f"perplexity / the original's on {runs[names[-1]]['eval_tokens']:,} tokens per text ({sources}):\n\n"
+            f"{table(header_cells, rows, right=set(range(1, len(header_cells))))}\n\n"
+            f"Perplexity with `{calib[names[-1]]}` against `{calib[names[0]]}` (the rows in order): {summary}."), calib[names[-1]]
+
+
+def calibration_section(default_runs: dict[str, dict[str, Any]], held_out_runs: dict[str, dict[str, Any]]) -> str:
+    """The default calibration mix against the plays alone, then the same question on a source that
+    neither calibration saw (pydoc held out of the mix)."""
+    default_table, mix = calibration_table(default_runs)
+    held_out_table, _ = calibration_table(held_out_runs)
     return f"""## Calibration text of a conversion
 
-`slimkv convert` calibrates on `{calib[names[-1]]}` by default (as `compress`); it calibrated on
-the plays alone before. One-shot conversions of SmolLM2-135M, perplexity / the original's on
-{runs[names[-1]]['eval_tokens']:,} tokens per text ({', '.join(f"{link(name)}: {when(d)}" for name, d in runs.items())}):
+`slimkv convert` calibrates on `{mix}` by default (as `compress`); it calibrated on
+the plays alone before. One-shot conversions of SmolLM2-135M, {default_table}
 
-{table(header_cells, rows, right=set(range(1, len(header_cells))))}
-
-Measured: {summary}."""
+Every text above is outside both calibrations except the plays, which the plays-only calibration
+was fitted to. On a source that neither calibration saw, the Python documentation, held out of a
+three-source mix: {held_out_table}"""
 
 
 def kvm_section(recall: Recall, frontier: Frontier, needles: dict[str, Any], probes: dict[str, Any], niah: dict[str, Any],
@@ -667,7 +677,8 @@ def render() -> str:
     parts = [
         header(load("compress_calibration_curve.json")),
         lrkv_section(recall, frontier, load("convert_oneshot_smollm2.json")),
-        calibration_section({name: load(name) for name in ("convert_oneshot_smollm2.json", "convert_oneshot_mix_smollm2.json")}),
+        calibration_section({name: load(name) for name in ("convert_oneshot_smollm2.json", "convert_oneshot_mix_smollm2.json")},
+                            {name: load(name) for name in ("convert_heldout_plays_smollm2.json", "convert_heldout_mix3_smollm2.json")}),
         kvm_section(recall, frontier, load("needles_mha_4000steps.json"), load("needles_recipe_probes.json"), load("niah_kvm.json"), decode,
                     load("kvm_speed.json"), load("kvm_speed_backward.json")),
         latentllm_section(load("compress_sweep_smollm2.json"), load("compress_prefill_latentllm03.json")),
