@@ -656,7 +656,9 @@ The native decode kernel against the torch path, attention alone, 8 query heads 
 The same layer at {dtype_last // 1024}K cached tokens with float32 and with bfloat16 weights and caches, 1 thread
 ({link('decode_roofline_1thread.json')}: {when(decode['decode_roofline_1thread.json'])}; {link('decode_roofline_bf16_1thread.json')}:
 {when(decode['decode_roofline_bf16_1thread.json'])}). "Over bytes ratio" is the time against MHA's divided by the cache
-against MHA's: 1.00 means the step costs exactly its share of MHA's bytes. MLA takes the native
+against MHA's: 1.00 means the step costs exactly its share of MHA's bytes. The two dtypes ran one
+after the other, not interleaved, so the speed-up column compares two runs (this VM's speed drifts
+between runs); the ratios within each dtype come from one interleaved run. MLA takes the native
 kernel in both dtypes; its absorbed step does 8 x (rope + latent + latent) multiply-adds per cached
 row, which makes it compute-bound on a CPU ("roofline" in docs/evaluation.md).
 
