@@ -58,7 +58,7 @@ DEMO_SEED = 0
 DEMO_RETRIEVAL = {"tasks": ("passkey",), "lengths": (1024, 2048), "depths": (0.5,), "samples": 1}  # 2 prompts per model
 # at a few hundred B/token: full attention with one KV head recalls, a sliding window forgets, the SWA/KVM hybrid recalls
 DEMO_RECALL_ENTRIES = ("mqa", "swa:window=16", "swa+kvm:swa.window=8,kvm.chunk_size=4,kvm.schedule=fixed,kvm.min_rows=16")
-DEMO_TIMINGS = "demo_timings.json"  # seconds per part, by the wall clock and by perf_counter (they disagree on some VMs)
+DEMO_TIMINGS = "demo_timings.json"  # seconds per part by the wall clock and by perf_counter (one session saw them disagree; docs/timings.md)
 DEMO_RECALL_STEPS = 800  # with a schedule this short, 500 steps left MHA at 18%; 800 reach 100% (seed 0)
 
 
@@ -102,7 +102,7 @@ def run_demo(
     recipe = demo_recipe(steps)
     entries = parse_entries(specs, recipe)
     out_dir = Path(out_dir)
-    steps_of_parts = {
+    run_part = {
         "compare": lambda: run_compare_demo(entries, recipe, out_dir, eval_tokens, progress),
         "convert": lambda: run_conversion_demo(out_dir / "conversion", progress),
         "retrieval": lambda: run_retrieval_demo(out_dir / "retrieval", out_dir / "conversion", progress),
@@ -113,7 +113,7 @@ def run_demo(
     timings: dict[str, dict[str, float]] = {}
     for part in (part for part in DEMO_PARTS if part in parts):
         wall, monotonic = time.time(), time.perf_counter()
-        result = steps_of_parts[part]()
+        result = run_part[part]()
         if part == "compare":
             report = result
         timings[part] = {"wall_clock_s": time.time() - wall, "perf_counter_s": time.perf_counter() - monotonic}
