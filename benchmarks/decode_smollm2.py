@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from decode_all import DTYPES  # this folder's decode benchmark: one map of dtype names
 
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
@@ -42,7 +43,6 @@ from slimkv.ops.native import kernel_path
 from slimkv.pretrained import SMOLLM2, fetch_smollm2, load_pretrained
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse() -> argparse.Namespace:
@@ -121,12 +121,12 @@ def main() -> None:
                     samples[label].append(time.perf_counter() - t0)
                 state[label][1] = token
         base_bytes = {}  # per dtype: the bytes per second of transformers' run in that dtype
-        for label, (model, _) in models.items():
+        for label, (model, slim) in models.items():
             median = statistics.median(samples[label])
             cache_bytes = sum(layer_bytes(state[label][0]))
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            if label.startswith("transformers"):
+            if not slim:  # transformers' own run
                 base_bytes[dtype] = (weights + cache_bytes) / median
             rows.append({"model": label, "dtype": dtype, "context": context, "median_s": median, "tokens_per_s": 1 / median, "min_s": min(samples[label]),
                          "max_s": max(samples[label]), "cache_bytes": cache_bytes, "parameter_bytes": weights, "prefill_s": state[label][2],

@@ -18,7 +18,6 @@ from slimkv.attention import Attention, AttentionCache, LayerShape, build_attent
 from slimkv.common.checks import check_int
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import measure_copy_bandwidth, measure_matmul_rate, time_fn, write_results
-from slimkv.ops.native import ENTRIES as NATIVE_DTYPES
 from slimkv.ops.native import kernel_path
 
 
@@ -289,7 +288,7 @@ def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: lis
     add_roofline(payload, copy_bandwidth, matmul_rate)
     payload["targets"] = targets(payload, copy_bandwidth) if targets is not None else []
     payload["threads"] = torch.get_num_threads()
-    payload["native_kernel"] = kernel_path(dtype) if dtype in NATIVE_DTYPES else None
+    payload["native_kernel"] = kernel_path(dtype)
     print(decode_table(payload, copy_bandwidth))
     print(f"native decode kernel: {payload['native_kernel'] or 'not in use (the torch path)'}")
     print(f"memory-copy bandwidth: {copy_bandwidth / 1e9:.2f} GB/s (read + write counted); "

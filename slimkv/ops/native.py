@@ -87,11 +87,11 @@ def build(cc: str, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
 
 
 def decode_kernel(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
-    """The loaded kernel library for caches of ``dtype`` (a key of ``ENTRIES``), or None (one
-    warning says why) when it cannot be had; loaded once per dtype (``decode_kernel.cache_clear()``
-    forgets them). A cached build that cannot be loaded (a damaged file in slimkv's own cache) is
-    built again once."""
-    return _load_kernel(dtype)
+    """The loaded kernel library for caches of ``dtype``, or None: for a dtype without a build
+    (not in ``ENTRIES``), or (one warning says why) when it cannot be had. Loaded once per dtype
+    (``decode_kernel.cache_clear()`` forgets them). A cached build that cannot be loaded (a damaged
+    file in slimkv's own cache) is built again once."""
+    return _load_kernel(dtype) if dtype in ENTRIES else None
 
 
 @functools.lru_cache(maxsize=len(ENTRIES))

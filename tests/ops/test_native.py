@@ -87,6 +87,10 @@ def test_bfloat16_latent_rows_are_read_in_place():
     torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-6)
 
 
+def test_dtypes_without_a_build_have_no_kernel():
+    assert native.decode_kernel(torch.float16) is None and native.kernel_path(torch.float64) is None
+
+
 def test_mixed_dtypes_are_refused():
     k, v = _cache(1, 2, 10, 16, 16)
     q = torch.randn(1, 2, 1, 16)
