@@ -47,7 +47,8 @@ def label_of(report: dict) -> str:
     identity = report["settings"]["identity"]
     converted = identity.get("converted")
     if converted:
-        return f"{converted['method']} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"
+        size = f"{converted['cache_ratio']:g}" if converted.get("cache_ratio") is not None else "bounded"  # kvm, streaming: sized by their options
+        return f"{converted['method']} {size} {'healed' if converted.get('healing') else 'one-shot'}"
     compressed = identity.get("compressed")
     if compressed:
         return f"{compressed['method']} ratio {compressed['ratio']:g}"

@@ -29,9 +29,9 @@ from slimkv.attention.cache import AttentionCache
 from slimkv.common.checks import Checked, check_bool, check_choice, check_float, check_int, close_matches
 from slimkv.ops.attention import BACKENDS
 from slimkv.ops.norm import RMSNorm
-from slimkv.ops.rope import ROPE_MODES, Rotary
+from slimkv.ops.rope import ROPE_MODES, Rotary, check_rope_frequencies
 
-COMMON_OPTIONS = ("rope", "rope_fraction", "rope_theta", "qk_norm", "bias", "backend")
+COMMON_OPTIONS = ("rope", "rope_fraction", "rope_theta", "rope_frequencies", "qk_norm", "bias", "backend")
 
 
 # ---------------------------------------------------------------- the base class
@@ -59,6 +59,7 @@ class Attention(nn.Module):
         rope: str = "full",
         rope_fraction: float = 0.5,
         rope_theta: float = 10000.0,
+        rope_frequencies: list[float] | None = None,
         qk_norm: bool = False,
         bias: bool = False,
         backend: str = "sdpa",
@@ -73,13 +74,20 @@ class Attention(nn.Module):
         check_choice("rope", rope, ROPE_MODES)
         check_float("rope_fraction", rope_fraction, 0.0, 1.0, open_low=True)
         check_float("rope_theta", rope_theta, 1.0, open_low=True)
+        check_rope_frequencies(rope_frequencies)
         check_bool("qk_norm", qk_norm)
         check_bool("bias", bias)
         check_choice("backend", backend, BACKENDS)
         super().__init__()
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
         self.rope_mode, self.rope_fraction, self.rope_theta = rope, rope_fraction, float(rope_theta)
-        self.rotary = Rotary(head_dim, rope, rope_fraction, rope_theta)
+        # explicit frequencies of the rotated pairs (a converted layer's); with rope="none" nothing rotates and they are unused, as in mla
+        self.rope_frequencies = list(rope_frequencies) if rope_frequencies is not None and rope != "none" else None
+        rot_dim = Rotary(head_dim, rope, rope_fraction).rot_dim
+        if self.rope_frequencies is not None and len(self.rope_frequencies) != rot_dim // 2:
+            raise ValueError(f"rope_frequencies has {len(self.rope_frequencies)} values but rope={rope!r}, rope_fraction={rope_fraction} rotates "
+                             f"{rot_dim // 2} pairs of a {head_dim}-wide head: give one inverse frequency per rotary pair")
+        self.rotary = Rotary(head_dim, rope, rope_fraction, rope_theta, self.rope_frequencies)
         self.use_qk_norm, self.use_bias = qk_norm, bias
         self.backend = backend
 

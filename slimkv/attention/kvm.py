@@ -243,6 +243,7 @@ register_attention(
         {"chunk_size": 4, "schedule": "sqrt", "sqrt_coef": 2.0, "min_rows": 1, "n_kv_heads": 2},  # grows 4 -> 12 rows
         {"chunk_size": 3, "window_chunks": 3, "schedule": "saturating", "saturating_rows": 8},  # grows 3 -> 6 rows
         {"chunk_size": 4, "min_rows": 5, "sink_len": 0, "value_norm": "count", "merge_gate": False, "use_temperatures": False},
+        {"chunk_size": 4, "min_rows": 6, "n_kv_heads": 2, "rope_frequencies": [0.9, 0.01]},  # a converted layer's shape (convert --to kvm)
     ],
     description="key-value means: exact window + compressed growing state",
     presets=Presets(

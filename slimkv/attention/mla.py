@@ -55,7 +55,6 @@ Shapes: activations (batch, time, heads, dim); kernels and caches (batch, heads,
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +65,7 @@ from slimkv.common.buffer import GrowableBuffer, dtype_bytes
 from slimkv.common.checks import Checked, check_bool, check_choice, check_int
 from slimkv.ops.attention import attend
 from slimkv.ops.norm import RMSNorm
-from slimkv.ops.rope import Rotary, rotary_dim
+from slimkv.ops.rope import Rotary, check_rope_frequencies, rotary_dim
 
 DECODE_PATHS = ("auto", "absorbed", "expanded")
 
@@ -98,16 +97,6 @@ def absorbed_is_cheaper(new_tokens: int, total_tokens: int, head_dim: int, rope_
     absorbed = new_tokens * (head_dim * kv_rank + total_tokens * (2 * kv_rank + rope_dim) + kv_rank * v_head_dim)
     expanded = total_tokens * kv_rank * (head_dim + v_head_dim) + new_tokens * total_tokens * (head_dim + rope_dim + v_head_dim)
     return absorbed <= expanded
-
-
-def check_rope_frequencies(rope_frequencies: Any) -> None:
-    """``rope_frequencies`` must be None or a non-empty list of finite numbers > 0."""
-    if rope_frequencies is None:
-        return
-    ok = isinstance(rope_frequencies, (list, tuple)) and len(rope_frequencies) > 0
-    ok = ok and all(isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0 for f in rope_frequencies)
-    if not ok:
-        raise ValueError(f"rope_frequencies must be a non-empty list of finite numbers > 0 (one inverse frequency per rotary pair), got {rope_frequencies!r}")
 
 
 def resolve_rope_dim(rope_dim: int | None, head_dim: int, rope: str, rope_fraction: float, rope_frequencies: list[float] | None = None) -> int:

@@ -34,11 +34,13 @@ def add_commands(subparsers) -> None:
             "`import slimkv`) with slimkv_conversion.json describing the conversion."
         ),
         epilog=(
-            "methods:\n" + "\n".join(f"  {name:<10} {c.description}" for name, c in CONVERSIONS.items()) + "\n\n"
+            "methods:\n" + "\n".join(f"  {name:<12} {c.description}" for name, c in CONVERSIONS.items()) + "\n\n"
+            "kvm options (--to kvm:KEY=VALUE,...; defaults): " + ", ".join(f"{k}={v}" for k, v in CONVERSIONS["kvm"].settings.items()) + "\n\n"
             "examples:\n"
             "  slimkv convert --model smollm2 --to mla --cache-ratio 0.5 --out runs/smollm2-mla50\n"
             "  slimkv convert --model smollm2 --to mla --cache-ratio 0.25 --heal-tokens 500000 --out runs/smollm2-mla25\n"
             "  slimkv convert --model smollm2 --to mla-prefix --cache-ratio 0.5 --export deepseek --out runs/smollm2-ds50\n"
+            "  slimkv convert --model smollm2 --to kvm:chunk_size=128,rows=256 --out runs/smollm2-kvm\n"
             "  slimkv convert --out runs/smollm2-mla25 --resume        # continue an interrupted healing (with its options)\n"
             "  slimkv eval cache --model runs/smollm2-mla50 --context 4096\n"
             "  slimkv eval ppl --model runs/smollm2-mla50"
@@ -46,8 +48,10 @@ def add_commands(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", help="`smollm2` or a local transformers folder (Llama/Mistral/Qwen2)")
-    p.add_argument("--to", dest="method", choices=list(CONVERSIONS), help="the conversion method (see below)")
-    p.add_argument("--cache-ratio", type=float, help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5")
+    p.add_argument("--to", dest="method", metavar="METHOD[:KEY=VALUE,...]",
+                   help=f"the conversion method ({', '.join(CONVERSIONS)}; see below), with its options for kvm and rope-partial")
+    p.add_argument("--cache-ratio", type=float,
+                   help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5 (not for kvm: its state is bounded by its options)")
     p.add_argument("--out", required=True, help="output folder (must be empty, new, or an earlier conversion)")
     p.add_argument("--calib", default=None, help="calibration text: `shakespeare` (the training plays), `kjv`, `devil`, `pydoc`, a comma-separated mix of them (equal shares) "
                    f"or a text file/folder (default: {ConvertOptions.calib})")
@@ -126,15 +130,25 @@ def _convert(args: argparse.Namespace) -> int:
         manifest = _resume(args)
     else:
         heal_cfg = _heal_config(args)
-        missing = [flag for flag, value in (("--model", args.model), ("--to", args.method), ("--cache-ratio", args.cache_ratio)) if value is None]
+        missing = [flag for flag, value in (("--model", args.model), ("--to", args.method)) if value is None]
         if missing:
             raise ValueError(f"{', '.join(missing)} required (or --resume to continue a healing)")
         options = ConvertOptions(**{CONVERT_FLAGS[name]: value for name, value in _given(args, CONVERT_FLAGS).items()})
         check_before_work(args.model, options, args.out, heal_cfg)
         _, manifest = convert_pretrained(args.model, options, args.out, heal_cfg=heal_cfg, progress=not args.no_progress)
-    before, after = (sum(manifest["cache_elements_per_token_per_layer"][k]) for k in ("before", "after"))
-    print(f"converted {manifest['base_model']['name']} to {manifest['kind']} ({manifest['method']}): cache {before:.0f} -> {after:.0f} elements per "
-          f"token (ratio {manifest['achieved_cache_ratio']:.4f}, asked {manifest['cache_ratio']}); {manifest['allocation']}")
+    if manifest.get("cache_elements_per_token_per_layer"):
+        before, after = (sum(manifest["cache_elements_per_token_per_layer"][k]) for k in ("before", "after"))
+        print(f"converted {manifest['base_model']['name']} to {manifest['kind']} ({manifest['method']}): cache {before:.0f} -> {after:.0f} elements per "
+              f"token (ratio {manifest['achieved_cache_ratio']:.4f}, asked {manifest['cache_ratio']}); {manifest['allocation']}")
+    else:
+        sizes = ", ".join(f"{row['context']}: {row['bytes'] / 2**20:.1f} MiB ({row['ratio']:.3f})" for row in manifest["cache_bytes"])
+        print(f"converted {manifest['base_model']['name']} to {manifest['kind']} ({manifest['method']}): {manifest['allocation']}\n"
+              f"cache (float32) by context, and as a fraction of the original's: {sizes}")
+    transfer = (manifest.get("refinement") or {}).get("layers")
+    if transfer:
+        before = sum(t["relative_error_before"] for t in transfer) / len(transfer)
+        after = sum(t["relative_error_after"] for t in transfer) / len(transfer)
+        print(f"attention transfer: mean relative output error per layer {before:.4f} -> {after:.4f}")
     if manifest.get("healing"):
         h = manifest["healing"]
         print(f"healed {h['step']} steps ({h['tokens_seen']:,} tokens, {h['trainable_parameters']:,} parameters trained): held-out KL {h.get('val_kl', float('nan')):.4f}")

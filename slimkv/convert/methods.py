@@ -7,6 +7,12 @@ one of slimkv's compact kinds. A method is three functions and a registration:
 * ``fit(layer, options)``: one converted layer (``LayerFit``: its state dict, the parameters it
   changed, and the layer's options when the fit decides some of them, as MLA's RoPE frequencies).
 
+A method may also take options of its own (``--to NAME:KEY=VALUE,...``: ``settings`` holds their
+names and defaults, ``check(shape, settings)`` validates them before any work, and ``plan``
+receives them as keyword arguments), be sized by its options instead of a cache ratio
+(``sized_by_ratio=False``: KVM's state is bounded, not a fraction of the original's), and
+``refine`` the built model from the original (KVM's attention transfer, ``convert.transfer``).
+
 ``LayerContext`` hands a method one source layer in slimkv's conventions (``slimkv.convert.source``)
 with its calibration statistics. The numerics of the built-in methods live in their own modules
 (``gqa``, ``mla``, ``lrkv``, on the helpers of ``pairs`` and ``lowrank``); they are registered at
@@ -16,15 +22,16 @@ the bottom of this file. docs/conversion.md describes them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from slimkv.common.checks import close_matches
-from slimkv.convert import gqa, lrkv, mla
+from slimkv.common.spec import parse_item, split_items
+from slimkv.convert import gqa, kvm, lrkv, mla, streaming
 from slimkv.convert.context import LayerContext, LayerFit
 from slimkv.convert.source import Shape
 
-__all__ = ["CONVERSIONS", "Conversion", "LayerContext", "LayerFit", "get_conversion", "register_conversion"]
+__all__ = ["CONVERSIONS", "Conversion", "LayerContext", "LayerFit", "get_conversion", "parse_method", "register_conversion"]
 
 
 @dataclass(frozen=True)
@@ -39,23 +46,48 @@ class Conversion:
     fit: Callable[[LayerContext, dict[str, Any]], LayerFit]
     options: Callable[[Shape], dict[str, Any]]
     description: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    check: Callable[[Shape, dict[str, Any]], None] | None = None
+    sized_by_ratio: bool = True
+    refine: Callable[..., dict[str, Any]] | None = None
+    refine_text: Callable[[dict[str, Any]], tuple[int, int]] | None = None  # (tokens, window) ``refine`` samples from the calibration text
 
 
 CONVERSIONS: dict[str, Conversion] = {}
 
 
-def register_conversion(name: str, *, kind: str, min_ratio: Callable[[Shape], float], plan: Callable, fit: Callable,
-                        options: Callable[[Shape], dict[str, Any]] = lambda shape: {}, description: str = "") -> None:
-    """Add a conversion method (``slimkv convert --to NAME``)."""
+def register_conversion(name: str, *, kind: str, plan: Callable, fit: Callable, min_ratio: Callable[[Shape], float] = lambda shape: 0.0,
+                        options: Callable[[Shape], dict[str, Any]] = lambda shape: {}, description: str = "",
+                        settings: dict[str, Any] | None = None, check: Callable[[Shape, dict[str, Any]], None] | None = None,
+                        sized_by_ratio: bool = True, refine: Callable[..., dict[str, Any]] | None = None,
+                        refine_text: Callable[[dict[str, Any]], tuple[int, int]] | None = None) -> None:
+    """Add a conversion method (``slimkv convert --to NAME``; the module docstring)."""
     if name in CONVERSIONS:
         raise ValueError(f"conversion method {name!r} is already registered")
-    CONVERSIONS[name] = Conversion(name, kind, min_ratio, plan, fit, options, description)
+    CONVERSIONS[name] = Conversion(name, kind, min_ratio, plan, fit, options, description, dict(settings or {}), check, sized_by_ratio, refine, refine_text)
 
 
 def get_conversion(name: str) -> Conversion:
+    """The method ``name`` (the part of ``--to`` before any ``:``)."""
+    name = name.partition(":")[0]
     if name not in CONVERSIONS:
         raise ValueError(f"--to {name!r} is not a conversion method{close_matches(name, CONVERSIONS)}; allowed values: {', '.join(CONVERSIONS)}")
     return CONVERSIONS[name]
+
+
+def parse_method(text: str) -> tuple[Conversion, dict[str, Any]]:
+    """``--to NAME[:KEY=VALUE,...]`` -> the method and its settings (defaults filled in);
+    ValueError naming an unknown method or option (values are checked by the method's ``check``)."""
+    method = get_conversion(text)
+    settings = dict(method.settings)
+    _, _, items = text.partition(":")
+    for item in split_items(items):
+        key, value = parse_item(item, f"--to {text}")
+        if key not in settings:
+            allowed = f"allowed options: {', '.join(settings)}" if settings else "it takes no options"
+            raise ValueError(f"--to {text}: {key!r} is not an option of {method.name}{close_matches(key, settings)}; {allowed}")
+        settings[key] = value
+    return method, settings
 
 
 # ---------------------------------------------------------------- the built-in methods
@@ -76,6 +108,21 @@ register_conversion(
     "lrkv", kind="lrkv", min_ratio=lrkv.min_ratio, plan=lrkv.plan_uniform, fit=lrkv.fit_layer,
     options=lambda shape: {"rope_mode": "full", "n_kv_heads": shape.n_kv_heads},
     description="shared K/V plus low-rank residuals per K/V head (aligned, alternating fit); RoPE exact",
+)
+register_conversion(
+    "kvm", kind="kvm", plan=kvm.plan, fit=kvm.fit_layer, settings=kvm.METHOD_OPTIONS, check=kvm.check_options, sized_by_ratio=False,
+    refine=kvm.attention_transfer, refine_text=kvm.transfer_demand,
+    description="key-value means: exact window + bounded state of key/value means (partial RoPE, attention transfer); no --cache-ratio",
+)
+register_conversion(
+    "rope-partial", kind="gqa", plan=kvm.plan_rope, fit=kvm.fit_rope_layer, settings=kvm.ROPE_OPTIONS, check=kvm.check_rope_options,
+    sized_by_ratio=False,
+    description="the kvm conversion's RoPE treatment alone, full cache (what partial RoPE costs); no --cache-ratio",
+)
+register_conversion(
+    "streaming", kind="streaming", plan=streaming.plan, fit=streaming.fit_layer, settings=streaming.METHOD_OPTIONS, check=streaming.check_options,
+    sized_by_ratio=False,
+    description="attention sinks + sliding window (StreamingLLM), weights unchanged: the bounded-memory baseline; no --cache-ratio",
 )
 register_conversion(
     "gqa", kind="gqa", min_ratio=gqa.min_ratio,

@@ -32,7 +32,7 @@ from slimkv.common.version import VERSION
 from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfig, check_heal_text, check_resumable, heal
-from slimkv.convert.methods import Conversion, LayerContext, get_conversion
+from slimkv.convert.methods import Conversion, LayerContext, parse_method
 from slimkv.convert.source import Source, check_convertible, copy_shared_weights, slimkv_config
 from slimkv.data.texts import (
     MIXED_CALIBRATION,
@@ -57,8 +57,8 @@ EXPORTS = ("deepseek",)
 class ConvertOptions:
     """What decides a conversion (stored in the manifest)."""
 
-    method: str
-    cache_ratio: float
+    method: str  # --to NAME[:KEY=VALUE,...]
+    cache_ratio: float | None = None  # required by methods sized by a ratio, refused by the others (kvm)
     calib: str = MIXED_CALIBRATION  # every calibration source in equal shares, as compress (slimkv.data.texts)
     calib_tokens: int = 8192
     calib_seq_len: int = 1024
@@ -67,8 +67,14 @@ class ConvertOptions:
 
     def validate(self) -> None:
         """ValueError naming the command-line option of a bad field."""
-        get_conversion(self.method)
-        check_float("--cache-ratio", self.cache_ratio, 0.0, 1.0, open_low=True, open_high=True)
+        method, _ = parse_method(self.method)
+        if method.sized_by_ratio:
+            if self.cache_ratio is None:
+                raise ValueError(f"--to {method.name} needs --cache-ratio R (the kept fraction of the original cache, in (0, 1))")
+            check_float("--cache-ratio", self.cache_ratio, 0.0, 1.0, open_low=True, open_high=True)
+        elif self.cache_ratio is not None:
+            raise ValueError(f"--to {method.name} takes no --cache-ratio: its cache is set by its own options "
+                             f"({', '.join(method.settings)}; `--to {method.name}:NAME=VALUE,...`)")
         check_int("--calib-tokens", self.calib_tokens, 1)
         check_int("--calib-seq-len", self.calib_seq_len, 2)
         if self.export is not None:
@@ -92,14 +98,18 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
     shape = check_convertible(AutoConfig.from_pretrained(path, trust_remote_code=False))
     if options.export == "deepseek" and shape.qkv_bias:
         raise ValueError("--export deepseek cannot express this model: DeepSeek-V3's q_proj has no bias, and its queries have one (Qwen2)")
-    method = get_conversion(options.method)
+    method, settings = parse_method(options.method)
+    if method.check is not None:
+        method.check(shape, settings, heal_cfg.seq_len if heal_cfg is not None else None)
     minimum = method.min_ratio(shape)
-    if options.cache_ratio < minimum:
+    if method.sized_by_ratio and options.cache_ratio < minimum:
         raise ValueError(f"--cache-ratio {options.cache_ratio} is below what --to {options.method} can represent for this model: "
                          f"the minimum is {minimum:.4f} ({method.description})")
     with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     check_calibration_size(tokenizer, calibration_sources(options.calib), options.calib_tokens, options.calib_seq_len)
+    if method.refine_text is not None:
+        check_calibration_size(tokenizer, calibration_sources(options.calib), *method.refine_text(settings))
     if heal_cfg is not None:
         check_heal_text(tokenizer, heal_cfg)
 
@@ -126,25 +136,30 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     """The converted model and its manifest body (nothing written)."""
     started = time.perf_counter()
     shape = source.shape
-    method = get_conversion(options.method)
+    method, settings = parse_method(options.method)
     sources = calibration_sources(options.calib)
     windows = calibration_ids(source.loaded.tokenizer, sources, options.calib_tokens, options.calib_seq_len, options.seed)
     stats = layer_statistics(source, windows, progress=progress)
     calibrated = time.perf_counter()
     inv_freq = source.rotary_inv_freq()
     layers = [LayerContext(i, shape, source.attention(i), stats[i], inv_freq) for i in range(shape.n_layers)]
-    plan, allocation = method.plan(layers, options.cache_ratio)
+    plan, allocation = method.plan(layers, options.cache_ratio, **settings)
     planned = time.perf_counter()
     model, layer_info, changed = build_converted(source, method, layers, plan)
     fitted = time.perf_counter()
+    refined = method.refine(model, source, settings, calib=options.calib, seed=options.seed, progress=progress) if method.refine else None
+    finished = time.perf_counter()
     before = [float(shape.cache_elements)] * shape.n_layers
     after = model.cache_elements_per_token()
     manifest = {
-        "method": options.method,
+        "method": method.name,
+        "method_options": settings,
         "kind": method.kind,
         "cache_ratio": options.cache_ratio,
-        "achieved_cache_ratio": sum(after) / sum(before),
-        "cache_elements_per_token_per_layer": {"before": before, "after": after},
+        "achieved_cache_ratio": sum(after) / sum(before) if method.sized_by_ratio else None,
+        "cache_elements_per_token_per_layer": {"before": before, "after": after} if method.sized_by_ratio else None,
+        "cache_bytes": cache_bytes_table(model, shape),
+        "refinement": refined,
         "allocation": allocation,
         "layers": layer_info,
         "changed_parameters": changed,
@@ -159,11 +174,24 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
             "statistics": "one pass of the original model: attention-input second moment and mean, attention mass per distance, per layer",
         },
         "options": asdict(options),
-        "seconds": {"calibration": calibrated - started, "plan": planned - calibrated, "fit": fitted - planned, "total": fitted - started},
+        "seconds": {"calibration": calibrated - started, "plan": planned - calibrated, "fit": fitted - planned, "refine": finished - fitted,
+                    "total": finished - started},
         "threads": torch.get_num_threads(),
         "healing": None,
     }
     return model, manifest
+
+
+def cache_bytes_table(model: SlimKVForCausalLM, shape: Any) -> list[dict[str, Any]]:
+    """float32 cache bytes of the converted model and of the original at contexts from 1K to the
+    model's position limit (analytic; the state of a bounded kind stops growing here)."""
+    contexts = [n for n in (1024, 2048, 4096, 8192, 16384, 32768) if n <= shape.max_position_embeddings] or [shape.max_position_embeddings]
+    rows = []
+    for n in contexts:
+        original = n * shape.cache_elements * shape.n_layers * 4
+        converted = model.cache_bytes(n)
+        rows.append({"context": n, "bytes": converted, "original_bytes": original, "ratio": converted / original})
+    return rows
 
 
 def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str, Any], out_dir: str | Path, *, keep: tuple[str, ...] = ()

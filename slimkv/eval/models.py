@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -38,7 +39,8 @@ def load_language_model(name_or_path: str, *, dtype: torch.dtype = torch.float32
         if (path / CONVERTED_MANIFEST).is_file():
             manifest = read_json(path / CONVERTED_MANIFEST, expect=dict)
             check_conversion_manifest(model, manifest, path / CONVERTED_MANIFEST)
-            identity["converted"] = {k: manifest.get(k) for k in ("method", "cache_ratio", "achieved_cache_ratio", "calibration", "healing")}
+            identity["converted"] = {k: manifest.get(k) for k in ("method", "method_options", "cache_ratio", "achieved_cache_ratio", "cache_bytes",
+                                                                  "calibration", "healing")}
             identity["converted"]["kind"] = model.config.layer_kinds()[0]
             identity["base"] = manifest.get("base_model", {}).get("name")
             identity["manifest"] = str(path / CONVERTED_MANIFEST)
@@ -63,6 +65,16 @@ def load_original(loaded: LoadedModel, *, dtype: torch.dtype = torch.float32, de
     return load_language_model(identity["base"], dtype=dtype, device=device)
 
 
+def kept_cache_ratio(converted: dict[str, Any]) -> float:
+    """The fraction of the original's cache a converted model keeps (``identity["converted"]``):
+    its achieved ratio, or for a bounded kind (no ratio) the fraction at the longest context of its
+    cache table, the position limit (smaller still beyond it)."""
+    if converted.get("achieved_cache_ratio") is not None:
+        return float(converted["achieved_cache_ratio"])
+    table = converted.get("cache_bytes") or []
+    return float(table[-1]["ratio"]) if table else 1.0
+
+
 def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Path) -> None:
     """``slimkv_conversion.json`` must describe the model beside it (reports label the model from
     it): its kind is the layers' kind, its method and ratio are those of its recorded options,
@@ -76,18 +88,24 @@ def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Pa
     if kinds != [kind]:
         problems.append(f"kind {kind!r} but config.json has {', '.join(kinds)} layers")
     options = manifest.get("options") or {}
-    for key, value in (("method", method), ("cache_ratio", ratio)):
-        if options.get(key) != value:
-            problems.append(f"{key} is {value!r} but the conversion's options say {options.get(key)!r}")
+    stored_method = str(options.get("method") or "").partition(":")[0]
+    if stored_method != method:
+        problems.append(f"method is {method!r} but the conversion's options say {options.get('method')!r}")
+    if options.get("cache_ratio") != ratio:
+        problems.append(f"cache_ratio is {ratio!r} but the conversion's options say {options.get('cache_ratio')!r}")
     recorded = [layer.get("options") for layer in manifest.get("layers") or []]
     per_layer = model.config.per_layer_options or [{} for _ in range(model.config.n_layers)]
     if json.loads(json.dumps(recorded)) != json.loads(json.dumps(per_layer)):
         problems.append("the per-layer options differ from config.json's per_layer_options")
     elements = manifest.get("cache_elements_per_token_per_layer") or {}
     before, after = elements.get("before") or [], elements.get("after") or []
-    measured = model.cache_elements_per_token(tokens=8)
-    if len(after) != len(measured) or any(abs(a - m) > 1e-6 * max(1.0, m) for a, m in zip(after, measured)):
-        problems.append(f"the cache elements per token per layer after conversion are recorded as {after}, the model holds {measured}")
+    if elements or ratio is not None:
+        measured = model.cache_elements_per_token(tokens=8)
+        if len(after) != len(measured) or any(abs(a - m) > 1e-6 * max(1.0, m) for a, m in zip(after, measured)):
+            problems.append(f"the cache elements per token per layer after conversion are recorded as {after}, the model holds {measured}")
+    for row in manifest.get("cache_bytes") or []:
+        if model.cache_bytes(row["context"]) != row["bytes"]:
+            problems.append(f"the cache at {row['context']} tokens is recorded as {row['bytes']} bytes, the model holds {model.cache_bytes(row['context'])}")
     achieved = manifest.get("achieved_cache_ratio")
     if before and isinstance(achieved, (int, float)) and abs(achieved - sum(after) / sum(before)) > 1e-9:
         problems.append(f"achieved_cache_ratio {achieved} is not the recorded cache after / before ({sum(after) / sum(before):.6f})")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -29,6 +30,16 @@ def rotary_dim(head_dim: int, mode: str, fraction: float = 0.5) -> int:
         n = int(head_dim * fraction)
         return n - n % 2
     return 0
+
+
+def check_rope_frequencies(rope_frequencies: Any) -> None:
+    """``rope_frequencies`` must be None or a non-empty list of finite numbers > 0."""
+    if rope_frequencies is None:
+        return
+    ok = isinstance(rope_frequencies, (list, tuple)) and len(rope_frequencies) > 0
+    ok = ok and all(isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0 for f in rope_frequencies)
+    if not ok:
+        raise ValueError(f"rope_frequencies must be a non-empty list of finite numbers > 0 (one inverse frequency per rotary pair), got {rope_frequencies!r}")
 
 
 class Rotary:

@@ -18,6 +18,7 @@ import numpy as np
 
 from slimkv.common.files import save_figure
 from slimkv.common.plotting import new_figure
+from slimkv.eval.models import kept_cache_ratio
 from slimkv.retrieval.models import score_output, wilson
 
 COMPARISON_FORMAT = "slimkv-niah-comparison/1"
@@ -45,8 +46,8 @@ def slimkv_row(report: dict[str, Any], label: str, source: str) -> dict[str, Any
     identity = report["settings"]["identity"]
     converted = identity.get("converted") or {}
     compressed = identity.get("compressed") or {}
-    budget = converted.get("cache_ratio", 1.0) if not compressed else 1.0  # the fraction asked: the budget class
-    kept = converted.get("achieved_cache_ratio", 1.0) if not compressed else 1.0
+    kept = kept_cache_ratio(converted) if converted and not compressed else 1.0
+    budget = converted.get("cache_ratio") or kept if converted and not compressed else 1.0  # the fraction asked (the budget class); a bounded kind's kept fraction
     items = [(c["task"], c["length"], s) for c in report["cells"].values() for s in c["scores"]]
     return {"label": label, "tool": "slimkv", "source": source, "cache_budget": round(float(budget), 4), "cache_kept": round(float(kept), 4),
             "bytes_per_token": {n: round(c["bytes_per_token"], 1) for n, c in report.get("cache", {}).items()},

@@ -73,11 +73,30 @@ def test_swa_cache_stops_growing():
         ("mha", {"rope": "partial", "rope_fraction": 0.0}, "rope_fraction"),
         ("mha", {"qk_norm": "yes"}, "qk_norm"),
         ("mha", {"bias": 1}, "bias"),
+        ("mha", {"rope_frequencies": [0.5, -1.0]}, "rope_frequencies"),
+        ("gqa", {"n_kv_heads": 2, "rope": "partial", "rope_frequencies": [0.5]}, "rope_frequencies has 1 values but .* rotates 2 pairs"),
     ],
 )
 def test_invalid_options_name_the_option(kind, options, name):
     with pytest.raises(ValueError, match=name):
         build_attention(kind, D_MODEL, N_HEADS, HEAD_DIM, **options)
+
+
+def test_explicit_rope_frequencies_turn_the_leading_pairs_at_those_rates():
+    """A converted layer keeps the original frequencies its fit chose: pair i turns at frequencies[i]."""
+    torch.manual_seed(0)
+    ladder = build_attention("gqa", D_MODEL, N_HEADS, HEAD_DIM, n_kv_heads=2, rope="partial")
+    chosen = build_attention("gqa", D_MODEL, N_HEADS, HEAD_DIM, n_kv_heads=2, rope="partial", rope_frequencies=[0.3, 0.002])
+    same = build_attention("gqa", D_MODEL, N_HEADS, HEAD_DIM, n_kv_heads=2, rope="partial",
+                           rope_frequencies=ladder.rotary.inverse_frequencies("cpu").tolist())
+    with torch.no_grad():
+        for p in ladder.parameters():
+            p.normal_()  # sharp attention, so that positions matter
+    chosen.load_state_dict(ladder.state_dict())
+    same.load_state_dict(ladder.state_dict())
+    x = torch.randn(1, 12, D_MODEL)
+    assert torch.allclose(same(x), ladder(x), atol=1e-6)
+    assert not torch.allclose(chosen(x), ladder(x), atol=1e-3)
 
 
 def test_shape_errors():

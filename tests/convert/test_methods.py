@@ -105,7 +105,7 @@ def test_each_method_end_to_end_at_half_the_cache(method, tiny_folder, tmp_path)
     stored = json.loads((out / CONVERTED_MANIFEST).read_text())
     assert stored["method"] == method and stored["kind"] == CONVERSIONS[method].kind
     assert stored["achieved_cache_ratio"] <= 0.5 and stored["changed_parameters"]
-    assert set(stored["seconds"]) == {"calibration", "plan", "fit", "total"}
+    assert set(stored["seconds"]) == {"calibration", "plan", "fit", "refine", "total"} and stored["refinement"] is None
     reloaded = load_language_model(str(out))
     ids = torch.randint(3, 99, (1, 24))
     with torch.no_grad():

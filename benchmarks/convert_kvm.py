@@ -1,0 +1,149 @@
+"""Bounded-memory conversions of SmolLM2-135M (``slimkv convert --to kvm``): perplexity on long
+windows, by position, in and out of domain, beside the original and the ablations that price
+each step.
+
+Each ``--runs LABEL=TO`` entry is converted with ``slimkv convert --to TO`` into ``--work/LABEL``
+(a folder converted earlier with the same options is reused), then every model, the original
+included, scores the same ``--windows`` windows of ``--seq-len`` + 1 tokens of each ``--texts``
+entry (default: the held-out plays and Jane Austen, neither in the calibration mix): perplexity
+over all positions and by position bucket, so that positions the exact window covers and those
+that need the compressed state are reported apart. The state's size comes from each conversion's
+manifest (float32 bytes by context, beside the original's).
+
+    .venv/bin/python benchmarks/convert_kvm.py
+    .venv/bin/python benchmarks/convert_kvm.py --runs rope16=rope-partial kvm=kvm streaming=kvm:rows=4,transfer_steps=0 --windows 2
+
+Writes benchmarks/results/<name>.json, .md and .png (mean NLL by position bucket, per text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from slimkv.common.files import read_json, save_figure
+from slimkv.common.plotting import new_figure
+from slimkv.common.timing import write_results
+from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained
+from slimkv.data.texts import evaluation_text, tokenize
+from slimkv.eval.models import load_language_model
+from slimkv.eval.positions import bucket_means, position_nll
+from slimkv.pretrained import fetch_smollm2
+from slimkv.pretrained.loading import CONVERTED_MANIFEST
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_RUNS = ("rope-partial=rope-partial", "kvm-oneshot=kvm:transfer_steps=0", "kvm=kvm", "streaming=streaming:window=769")  # streaming: the kvm default's bytes at 8K (4 sinks + 768)
+
+
+def parse_run(text: str) -> tuple[str, str]:
+    label, sep, method = text.partition("=")
+    if not sep or not label or not method:
+        raise SystemExit(f"--runs {text!r}: expected LABEL=METHOD[:KEY=VALUE,...], e.g. kvm=kvm:rows=128")
+    return label, method
+
+
+def converted(model: str, label: str, method: str, work: Path, seed: int) -> Path:
+    """The folder of ``method``'s conversion under ``work``, converted now unless one with the same options is there."""
+    out = work / label
+    options = ConvertOptions(method=method, seed=seed)
+    if (out / CONVERTED_MANIFEST).is_file() and read_json(out / CONVERTED_MANIFEST).get("options", {}).get("method") == method:
+        print(f"{label}: reusing {out}", flush=True)
+        return out
+    check_before_work(model, options, out)
+    started = time.perf_counter()
+    convert_pretrained(model, options, out, progress=True)
+    print(f"{label}: converted in {time.perf_counter() - started:.0f} s", flush=True)
+    return out
+
+
+def text_windows(tokenizer, text: str, seq_len: int, count: int) -> torch.Tensor:
+    """``count`` consecutive windows of seq_len + 1 tokens from the start of ``text``."""
+    ids = torch.tensor(tokenize(tokenizer, evaluation_text(text)), dtype=torch.long)
+    need = count * (seq_len + 1)
+    if len(ids) < need:
+        raise SystemExit(f"--texts {text}: {len(ids)} tokens, {need} needed for {count} windows of {seq_len + 1}")
+    return ids[:need].view(count, seq_len + 1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), help="LABEL=METHOD[:KEY=VALUE,...] conversions (default: %(default)s)")
+    p.add_argument("--texts", nargs="+", default=["shakespeare-val", "austen"])
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--windows", type=int, default=2, help="windows per text")
+    p.add_argument("--buckets", type=int, default=8)
+    p.add_argument("--work", default="runs/convert_kvm")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--name", default="convert_kvm_smollm2")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runs = [parse_run(r) for r in args.runs]
+    model = str(fetch_smollm2())
+    folders = {label: converted(model, label, method, Path(args.work), args.seed) for label, method in runs}
+    rows = []
+    for label, path in [("original", model)] + list(folders.items()):
+        loaded = load_language_model(str(path))
+        manifest = read_json(Path(path) / CONVERTED_MANIFEST) if label != "original" else {}
+        row = {"label": label, "method": dict(runs).get(label), "cache_bytes": manifest.get("cache_bytes"),
+               "refinement": {k: v for k, v in (manifest.get("refinement") or {}).items() if k != "layers"}, "texts": {}}
+        for text in args.texts:
+            windows = text_windows(loaded.tokenizer, text, args.seq_len, args.windows)
+            started = time.perf_counter()
+            with torch.no_grad():
+                nll = position_nll(loaded.model, windows, batch_size=1, progress=True)
+            row["texts"][text] = {"ppl": float(nll.mean().exp()), "mean_nll": float(nll.mean()), "tokens": nll.numel(),
+                                  "buckets": bucket_means(nll, args.buckets), "seconds": time.perf_counter() - started}
+            print(f"{label:>14} {text:>16}: ppl {row['texts'][text]['ppl']:.3f}", flush=True)
+        rows.append(row)
+        del loaded
+    base = rows[0]["texts"]
+    for row in rows:
+        for text, r in row["texts"].items():
+            r["ppl_vs_original"] = r["ppl"] / base[text]["ppl"]
+    settings = {"seq_len": args.seq_len, "windows": args.windows, "texts": args.texts, "runs": dict(runs), "seed": args.seed,
+                "threads": torch.get_num_threads(), "load_average_at_end": os.getloadavg()}
+    write_results(args.name, {"settings": settings, "rows": rows}, RESULTS)
+    (RESULTS / f"{args.name}.md").write_text(format_markdown(settings, rows))
+    plot(rows, args.texts, RESULTS / f"{args.name}.png")
+    print(format_markdown(settings, rows))
+
+
+def format_markdown(settings: dict, rows: list[dict]) -> str:
+    texts = settings["texts"]
+    lines = [f"# Bounded-memory conversions of SmolLM2-135M ({settings['windows']} windows of {settings['seq_len']} tokens per text)", "",
+             "Generated by `benchmarks/convert_kvm.py` from its JSON; perplexity over every position, and the ratio to the original's.", "",
+             "| model | method | " + " | ".join(f"{t} ppl (x original)" for t in texts) + " | cache at 8K (x original) |",
+             "| --- | --- | " + " | ".join("---:" for _ in texts) + " | ---: |"]
+    for row in rows:
+        at8k = next((c["ratio"] for c in row["cache_bytes"] or [] if c["context"] == 8192), 1.0)
+        cells = [f"{row['texts'][t]['ppl']:.2f} ({row['texts'][t]['ppl_vs_original']:.3f})" for t in texts]
+        lines.append(f"| {row['label']} | {row['method'] or '-'} | " + " | ".join(cells) + f" | {at8k:.3f} |")
+    for text in texts:
+        edges = [f"{b['start']}-{b['end']}" for b in rows[0]["texts"][text]["buckets"]]
+        lines += ["", f"Mean NLL by position, {text}:", "", "| model | " + " | ".join(map(str, edges)) + " |", "| --- |" + " ---: |" * len(edges)]
+        for row in rows:
+            lines.append(f"| {row['label']} | " + " | ".join(f"{b['mean_nll']:.3f}" for b in row["texts"][text]["buckets"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], texts: list[str], path: Path) -> None:
+    fig, axes = new_figure(1, len(texts), figsize=(5.0 * len(texts), 3.6), squeeze=False)
+    for ax, text in zip(axes[0], texts):
+        for row in rows:
+            buckets = row["texts"][text]["buckets"]
+            ax.plot([(b["start"] + b["end"]) / 2 for b in buckets], [b["mean_nll"] for b in buckets], marker="o", label=row["label"])
+        ax.set_title(text)
+        ax.set_xlabel("position")
+        ax.set_ylabel("mean NLL (nats)")
+    axes[0][0].legend(fontsize=7)
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    main()
