@@ -11,7 +11,11 @@ that need the compressed state are reported apart. The state's size comes from e
 manifest (float32 bytes by context, beside the original's).
 
     .venv/bin/python benchmarks/convert_kvm.py
-    .venv/bin/python benchmarks/convert_kvm.py --runs rope16=rope-partial kvm=kvm streaming=kvm:rows=4,transfer_steps=0 --windows 2
+    .venv/bin/python benchmarks/convert_kvm.py --runs rope16=rope-partial kvm=kvm streaming=streaming:window=769 --windows 2
+    .venv/bin/python benchmarks/convert_kvm.py --add --runs kvm-rope24=kvm:rope_pairs=24   # evaluate one more, keep the rows there
+
+``--add`` keeps the rows of the results file already there (the same texts, windows and length)
+and evaluates only the runs it does not hold.
 
 Writes benchmarks/results/<name>.json, .md and .png (mean NLL by position bucket, per text).
 """
@@ -80,14 +84,24 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--name", default="convert_kvm_smollm2")
+    p.add_argument("--add", action="store_true", help="keep the rows of the results file there; evaluate only new runs")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     runs = [parse_run(r) for r in args.runs]
+    rows, methods = [], {}
+    if args.add:
+        earlier = read_json(RESULTS / f"{args.name}.json")
+        same = {k: earlier["settings"][k] for k in ("seq_len", "windows", "texts")} == {"seq_len": args.seq_len, "windows": args.windows, "texts": args.texts}
+        if not same:
+            raise SystemExit(f"--add: {args.name}.json was measured with {earlier['settings']}; give the same --seq-len, --windows and --texts")
+        rows, methods = earlier["rows"], earlier["settings"]["runs"]
+        runs = [(label, method) for label, method in runs if label not in {row["label"] for row in rows}]
+    methods.update(dict(runs))
     model = str(fetch_smollm2())
     folders = {label: converted(model, label, method, Path(args.work), args.seed) for label, method in runs}
-    rows = []
-    for label, path in [("original", model)] + list(folders.items()):
+    todo = ([] if rows else [("original", model)]) + list(folders.items())
+    for label, path in todo:
         loaded = load_language_model(str(path))
         manifest = read_json(Path(path) / CONVERTED_MANIFEST) if label != "original" else {}
         row = {"label": label, "method": dict(runs).get(label), "cache_bytes": manifest.get("cache_bytes"),
@@ -106,7 +120,7 @@ def main() -> None:
     for row in rows:
         for text, r in row["texts"].items():
             r["ppl_vs_original"] = r["ppl"] / base[text]["ppl"]
-    settings = {"seq_len": args.seq_len, "windows": args.windows, "texts": args.texts, "runs": dict(runs), "seed": args.seed,
+    settings = {"seq_len": args.seq_len, "windows": args.windows, "texts": args.texts, "runs": methods, "seed": args.seed,
                 "threads": torch.get_num_threads(), "load_average_at_end": os.getloadavg()}
     write_results(args.name, {"settings": settings, "rows": rows}, RESULTS)
     (RESULTS / f"{args.name}.md").write_text(format_markdown(settings, rows))

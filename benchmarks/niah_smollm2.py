@@ -7,6 +7,10 @@ same prompts (docs/evaluation.md, "Long-context retrieval on pretrained models")
     make bench-kvpress PROMPTS=runs/niah/smollm2/niah_prompts.json OUT=runs/kvpress/all
     # 3. the comparison: benchmarks/results/niah_smollm2.{json,md,png}
     .venv/bin/python benchmarks/niah_smollm2.py report --runs runs/niah --kvpress runs/kvpress/*
+    # bounded memory (docs/conversion.md, kvm): the original, rope-partial, kvm and streaming at 4K
+    .venv/bin/python benchmarks/niah_smollm2.py run smollm2 runs/convert_kvm/kvm runs/convert_kvm/streaming --lengths 4k --runs runs/niah_kvm
+    .venv/bin/python benchmarks/niah_smollm2.py report --runs runs/niah_kvm --out benchmarks/results/niah_kvm_smollm2 \
+        --title "bounded memory (kvm, streaming) at equal state bytes"
 
 The grid (``GRID``) is sized for the 2-core development box: 2 tasks x 3 depths x 1 sample = 6
 prompts per length and model. ``report`` renders the markdown from the JSON only
@@ -47,8 +51,9 @@ def label_of(report: dict) -> str:
     identity = report["settings"]["identity"]
     converted = identity.get("converted")
     if converted:
-        size = f"{converted['cache_ratio']:g}" if converted.get("cache_ratio") is not None else "bounded"  # kvm, streaming: sized by their options
-        return f"{converted['method']} {size} {'healed' if converted.get('healing') else 'one-shot'}"
+        if converted.get("cache_ratio") is None:  # kvm, streaming, rope-partial: sized by their own options, no one-shot/healed pair
+            return f"{converted['method']} (bounded{', healed' if converted.get('healing') else ''})"
+        return f"{converted['method']} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"
     compressed = identity.get("compressed")
     if compressed:
         return f"{compressed['method']} ratio {compressed['ratio']:g}"
@@ -110,6 +115,8 @@ def report(args: argparse.Namespace) -> None:
         rows += [generations_row(g, prompts, ", ".join(g["sources"])) for g in merged.values()]
     data = comparison(rows, GRID, NOTES)
     out = Path(args.out)
+    if out.name != NAME:  # another comparison than the main one: its own file and title
+        data.update(source=out.with_suffix(".json").name, title=args.title or out.name)
     write_json(out.with_suffix(".json"), data)
     write_text(out.with_suffix(".md"), render_markdown(data))
     plot(data, out.with_suffix(".png"))
@@ -144,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--runs", default="runs/niah", help="folder of */niah.json (default runs/niah)")
     s.add_argument("--kvpress", nargs="*", default=[], help="folders of kvpress generation files (benchmarks/kvpress_niah.py --out)")
     s.add_argument("--out", default=str(RESULTS / NAME), help="output path without suffix (default benchmarks/results/niah_smollm2)")
+    s.add_argument("--title", default=None, help="the title's subject for another --out than the default")
     s.set_defaults(func=report)
     c = sub.add_parser("check", help="the committed markdown matches what its JSON renders")
     c.add_argument("--out", default=str(RESULTS / NAME))

@@ -82,6 +82,21 @@ def test_invalid_options_name_the_option(kind, options, name):
         build_attention(kind, D_MODEL, N_HEADS, HEAD_DIM, **options)
 
 
+def test_streaming_reduces_to_swa_without_sinks_and_to_gqa_with_a_long_window():
+    torch.manual_seed(0)
+    x = torch.randn(2, SEQ_LEN, D_MODEL)
+    gqa = build_attention("gqa", D_MODEL, N_HEADS, HEAD_DIM, n_kv_heads=2)
+    swa = build_attention("swa", D_MODEL, N_HEADS, HEAD_DIM, n_kv_heads=2, window=5)
+    no_sinks = build_attention("streaming", D_MODEL, N_HEADS, HEAD_DIM, n_kv_heads=2, window=5, sink_len=0)
+    long = build_attention("streaming", D_MODEL, N_HEADS, HEAD_DIM, n_kv_heads=2, window=SEQ_LEN, sink_len=3)
+    sinks = build_attention("streaming", D_MODEL, N_HEADS, HEAD_DIM, n_kv_heads=2, window=5, sink_len=3)
+    for module in (swa, no_sinks, long, sinks):
+        module.load_state_dict(gqa.state_dict())
+    with torch.no_grad():
+        assert rel_rmse(no_sinks(x), swa(x)) < 1e-6 and rel_rmse(long(x), gqa(x)) < 1e-6
+        assert rel_rmse(sinks(x)[:, 5:], swa(x)[:, 5:]) > 1e-3  # the sinks are read past the window
+
+
 def test_explicit_rope_frequencies_turn_the_leading_pairs_at_those_rates():
     """A converted layer keeps the original frequencies its fit chose: pair i turns at frequencies[i]."""
     torch.manual_seed(0)

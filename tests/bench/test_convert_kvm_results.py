@@ -1,0 +1,37 @@
+"""The committed bounded-memory conversion results: the markdown is what benchmarks/convert_kvm.py
+renders from its JSON, and a few figures are read straight from the JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+NAME = "convert_kvm_smollm2"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("convert_kvm_under_test", BENCHMARKS / "convert_kvm.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_markdown_is_what_the_json_renders(script):
+    data = json.loads((BENCHMARKS / "results" / f"{NAME}.json").read_text())
+    committed = (BENCHMARKS / "results" / f"{NAME}.md").read_text()
+    assert committed == script.format_markdown(data["settings"], data["rows"]), f"run benchmarks/convert_kvm.py to regenerate {NAME}.md"
+
+
+def test_the_ratios_follow_from_the_perplexities():
+    data = json.loads((BENCHMARKS / "results" / f"{NAME}.json").read_text())
+    original = next(row for row in data["rows"] if row["label"] == "original")
+    for row in data["rows"]:
+        for text, result in row["texts"].items():
+            assert result["ppl_vs_original"] == pytest.approx(result["ppl"] / original["texts"][text]["ppl"])
