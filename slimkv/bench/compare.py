@@ -169,25 +169,21 @@ def run_compare(
     total = len(configs)
     if workers > 1:
         print(workers_note(workers), flush=True)
-    calls = [(cfg, out_dir / "runs" / run_slug(label) / f"seed{seed}", f"[{i}/{total}] {label} seed {seed}", eval_tokens, other_text, progress and workers == 1)
-             for i, ((label, seed), cfg) in enumerate(configs.items(), 1)]
-    outcomes = {}
+    labels = list(configs)
+    run_dirs = [out_dir / "runs" / run_slug(label) / f"seed{seed}" for label, seed in labels]
+    headings = [f"[{i}/{total}] {label} seed {seed}" for i, (label, seed) in enumerate(labels, 1)]
+    calls = [(cfg, run_dir, heading, eval_tokens, other_text, progress and workers == 1) for cfg, run_dir, heading in zip(configs.values(), run_dirs, headings)]
+    outcomes: list[dict[str, Any]] = [{} for _ in calls]  # by index, whatever order the runs finish in
     for index, outcome in run_each(compare_run, calls, workers):
         outcomes[index] = outcome
-        _, run_dir, heading, *_ = calls[index]
         if outcome["busy"]:
-            print(f"{heading}: another process is training {run_dir}; left out of this report", flush=True)
+            print(f"{headings[index]}: another process is training {run_dirs[index]}; left out of this report", flush=True)
             continue
         row = outcome["row"]
-        state = f"reused the finished run in {run_dir} ({RUN_FILE})" if outcome["reused"] else f"trained and evaluated in {outcome['seconds']:.0f} s"
-        print(f"{heading}: val BPB {row['val_bpb']:.4f}, CE {row['val_ce']:.4f}, cache {row['cache']['ratio_to_mha']:.3f} of MHA; {state}", flush=True)
-    runs, busy = [], []
-    for index, (label, _) in enumerate(configs):
-        outcome = outcomes[index]
-        if outcome["busy"]:
-            busy.append(str(calls[index][1]))
-        else:
-            runs.append({"label": label, **outcome["row"], "reused": outcome["reused"]})
+        state = f"reused the finished run in {run_dirs[index]} ({RUN_FILE})" if outcome["reused"] else f"trained and evaluated in {outcome['seconds']:.0f} s"
+        print(f"{headings[index]}: val BPB {row['val_bpb']:.4f}, CE {row['val_ce']:.4f}, cache {row['cache']['ratio_to_mha']:.3f} of MHA; {state}", flush=True)
+    runs = [{"label": label, **outcome["row"], "reused": outcome["reused"]} for (label, _), outcome in zip(labels, outcomes) if not outcome["busy"]]
+    busy = [str(run_dir) for run_dir, outcome in zip(run_dirs, outcomes) if outcome["busy"]]
     decode_contexts = list(decode_contexts)
     if decode_contexts:
         print(f"decode latency: one layer per kind at contexts {', '.join(map(str, decode_contexts))}", flush=True)

@@ -111,26 +111,22 @@ def run_recall(entries: list[Entry], recipe: RecallRecipe, seeds: list[int], out
     if workers > 1:
         print(workers_note(workers), flush=True)
     pairs = [(e, s) for e in entries for s in seeds]
-    calls = [(entry.spec(), recipe, seed, out_dir / "runs" / run_slug(entry.label) / f"seed{seed}", f"[{i}/{total}] {entry.label} seed {seed}", progress and workers == 1)
-             for i, (entry, seed) in enumerate(pairs, 1)]
-    outcomes = {}
+    run_dirs = [out_dir / "runs" / run_slug(entry.label) / f"seed{seed}" for entry, seed in pairs]
+    headings = [f"[{i}/{total}] {entry.label} seed {seed}" for i, (entry, seed) in enumerate(pairs, 1)]
+    calls = [(entry.spec(), recipe, seed, run_dir, heading, progress and workers == 1) for (entry, seed), run_dir, heading in zip(pairs, run_dirs, headings)]
+    outcomes: list[dict[str, Any]] = [{} for _ in calls]  # by index, whatever order the runs finish in
     for index, outcome in run_each(recall_run, calls, workers):
         outcomes[index] = outcome
-        run_dir, heading = calls[index][3], calls[index][4]
         if outcome["busy"]:
-            print(f"{heading}: another process is training {run_dir}; left out of this report", flush=True)
+            print(f"{headings[index]}: another process is training {run_dirs[index]}; left out of this report", flush=True)
             continue
         result = outcome["result"]
         accuracies = ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in result["lengths"].items())
         state = "reused" if outcome["reused"] else f"{outcome['seconds']:.0f} s"
-        print(f"{heading}: accuracy {accuracies}; {result['lengths']['1x']['cache']['bytes_per_token']:.0f} B/token ({state})", flush=True)
-    runs, busy = [], []
-    for index, (entry, _) in enumerate(pairs):
-        outcome, run_dir = outcomes[index], calls[index][3]
-        if outcome["busy"]:
-            busy.append(str(run_dir))
-        else:
-            runs.append({"label": entry.label, "run_dir": str(run_dir), "reused": outcome["reused"], **outcome["result"]})
+        print(f"{headings[index]}: accuracy {accuracies}; {result['lengths']['1x']['cache']['bytes_per_token']:.0f} B/token ({state})", flush=True)
+    runs = [{"label": entry.label, "run_dir": str(run_dir), "reused": outcome["reused"], **outcome["result"]}
+            for (entry, _), run_dir, outcome in zip(pairs, run_dirs, outcomes) if not outcome["busy"]]
+    busy = [str(run_dir) for run_dir, outcome in zip(run_dirs, outcomes) if outcome["busy"]]
     report = {
         "format": REPORT_FORMAT,
         "kind": REPORT_KIND,
