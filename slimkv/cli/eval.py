@@ -71,11 +71,8 @@ def _niah_arguments(parser: argparse.ArgumentParser) -> None:
 def _niah(args: argparse.Namespace) -> int:
     if (args.run_dir is None) == (args.model is None):
         raise ValueError("give either RUN_DIR (a training run) or --model (a pretrained, converted or compressed model), not both")
-    check_workers(args.workers, "--workers")
     if args.threads is not None:
         check_int("--threads", args.threads, 1)
-        if args.workers > 1:
-            raise ValueError(f"--threads {args.threads} with --workers {args.workers}: each worker runs on one torch thread; give one of the two")
         torch.set_num_threads(args.threads)
     if args.model is not None:
         return _niah_pretrained(args)
