@@ -30,6 +30,7 @@ from slimkv.attention import ATTENTION_KINDS, kind_spec
 from slimkv.bench.compare import run_compare
 from slimkv.bench.entries import parse_entries
 from slimkv.common.files import check_folder_target, read_json, write_json
+from slimkv.common.workers import check_workers
 from slimkv.compress import demo_compression
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
 from slimkv.data import prepare_shakespeare
@@ -56,10 +57,12 @@ DEMO_EVAL_TOKENS = 8192  # val tokens scored per entry (windows spread over the 
 DEMO_DECODE_CONTEXTS = (128, 512, 2048)
 DEMO_SEED = 0
 DEMO_RETRIEVAL = {"tasks": ("passkey",), "lengths": (1024, 2048), "depths": (0.5,), "samples": 1}  # 2 prompts per model
-# at a few hundred B/token: full attention with one KV head recalls, a sliding window forgets, the SWA/KVM hybrid recalls
-DEMO_RECALL_ENTRIES = ("mqa", "swa:window=16", "swa+kvm:swa.window=8,kvm.chunk_size=4,kvm.schedule=fixed,kvm.min_rows=16")
+# at a few hundred B/token: full attention with one KV head recalls, a sliding window forgets, the SWA/KVM hybrid recalls.
+# The hybrid trains longest (about 1.5x the others), so it goes first: with two workers it runs beside the other two.
+DEMO_RECALL_ENTRIES = ("swa+kvm:swa.window=8,kvm.chunk_size=4,kvm.schedule=fixed,kvm.min_rows=16", "mqa", "swa:window=16")
 DEMO_TIMINGS = "demo_timings.json"  # seconds per part by the wall clock and by perf_counter (one session saw them disagree; docs/timings.md)
 DEMO_RECALL_STEPS = 800  # with a schedule this short, 500 steps left MHA at 18%; 800 reach 100% (seed 0)
+DEMO_WORKERS = 2  # compare and recall train their runs two at a time, one process of one torch thread each (docs/timings.md)
 
 
 def demo_entries() -> tuple[str, ...]:
@@ -86,10 +89,13 @@ def run_demo(
     eval_tokens: int | None = None,
     progress: bool = True,
     parts: tuple[str, ...] = DEMO_PARTS,
+    workers: int = DEMO_WORKERS,
 ) -> dict[str, Any]:
     """Run the demo's ``parts`` in order (``DEMO_PARTS``); returns the comparison's report.
 
-    ``kinds``: a subset of ``demo_entries()`` (default all of them)."""
+    ``kinds``: a subset of ``demo_entries()`` (default all of them). ``workers``: runs the
+    compare and recall parts train at once (``slimkv.common.workers``)."""
+    check_workers(workers, "--workers")
     for part in parts:
         if part not in DEMO_PARTS:
             raise ValueError(f"--parts: {part!r} is not a demo part; allowed values: {', '.join(DEMO_PARTS)}")
@@ -103,11 +109,11 @@ def run_demo(
     entries = parse_entries(specs, recipe)
     out_dir = Path(out_dir)
     run_part = {
-        "compare": lambda: run_compare_demo(entries, recipe, out_dir, eval_tokens, progress),
+        "compare": lambda: run_compare_demo(entries, recipe, out_dir, eval_tokens, progress, workers),
         "convert": lambda: run_conversion_demo(out_dir / "conversion", progress),
         "retrieval": lambda: run_retrieval_demo(out_dir / "retrieval", out_dir / "conversion", progress),
         "compress": lambda: run_compression_demo(out_dir / "compression"),
-        "recall": lambda: run_recall_demo(out_dir / "recall", progress),
+        "recall": lambda: run_recall_demo(out_dir / "recall", progress, workers),
     }
     report: dict[str, Any] = {}
     timings: dict[str, dict[str, float]] = {}
@@ -125,7 +131,7 @@ def run_demo(
     return report
 
 
-def run_compare_demo(entries: list, recipe: TrainConfig, out_dir: Path, eval_tokens: int | None, progress: bool) -> dict[str, Any]:
+def run_compare_demo(entries: list, recipe: TrainConfig, out_dir: Path, eval_tokens: int | None, progress: bool, workers: int = 1) -> dict[str, Any]:
     """The comparison: one small model per entry, one seed, the shared recipe."""
     print(f"slimkv demo: {len(entries)} attention entries x 1 seed, {recipe.steps} steps each; output in {out_dir.resolve()}", flush=True)
     report = run_compare(
@@ -138,6 +144,7 @@ def run_compare_demo(entries: list, recipe: TrainConfig, out_dir: Path, eval_tok
         title="slimkv demo: one recipe, one seed per attention entry",
         progress=progress,
         prepare=lambda: prepare_shakespeare(progress=progress),
+        workers=workers,
     )
     print("(one seed per entry: differences between entries are not evidence that one beats another; "
           "`slimkv compare --seeds 3` measures the spread)", flush=True)
@@ -183,11 +190,12 @@ def run_compression_demo(out_dir: Path) -> None:
     demo_compression(out_dir, ratio=0.2, methods=("rootcov", "latentllm"), eval_tokens=DEMO_COMPRESSION_EVAL_TOKENS)
 
 
-def run_recall_demo(out_dir: Path, progress: bool) -> dict[str, Any]:
+def run_recall_demo(out_dir: Path, progress: bool, workers: int = 1) -> dict[str, Any]:
     """A few kinds on the MQAR recall task, one seed, a short recipe: accuracy against live cache bytes."""
     recipe = RecallRecipe(steps=DEMO_RECALL_STEPS, eval_every=DEMO_RECALL_STEPS, checkpoint_every=0)
     print(f"\n== recall demo (MQAR, {len(DEMO_RECALL_ENTRIES)} entries x 1 seed, {recipe.steps} steps) into {out_dir}", flush=True)
     entries = parse_entries(list(DEMO_RECALL_ENTRIES), recipe, check=lambda e: check_entries([e], recipe))
-    report = run_recall(entries, recipe, [DEMO_SEED], out_dir, title="slimkv demo: recall against cache size (one seed, short recipe)", progress=progress)
+    report = run_recall(entries, recipe, [DEMO_SEED], out_dir, title="slimkv demo: recall against cache size (one seed, short recipe)", progress=progress,
+                        workers=workers)
     print("(one seed and a short recipe: `slimkv eval recall` trains every kind at several cache sizes over 3 seeds)", flush=True)
     return report

@@ -38,6 +38,12 @@ def test_unknown_demo_entry_is_refused_before_work(tmp_path):
     assert not (tmp_path / "demo").exists()
 
 
+def test_a_bad_worker_count_is_refused_before_work(tmp_path):
+    with pytest.raises(ValueError, match=r"--workers must be an integer >= 1, got 0"):
+        run_demo(tmp_path / "demo", workers=0)
+    assert not (tmp_path / "demo").exists()
+
+
 def test_recall_demo_runs_on_a_tiny_recipe(tmp_path, monkeypatch):
     monkeypatch.setattr("slimkv.demo.DEMO_RECALL_STEPS", 3)
     monkeypatch.setattr("slimkv.demo.DEMO_RECALL_ENTRIES", ("mha", "swa:window=16"))

@@ -1,6 +1,7 @@
 """What the repository publishes matches its data: benchmarks/results/claims.md is what
-benchmarks/claims.py renders from the committed JSON, every results file is referred to by a
-document, every benchmark script is documented, and no document points outside the repository."""
+benchmarks/claims.py (its sections in benchmarks/claims_md/) renders from the committed JSON,
+every results file is referred to by a document, every benchmark script is documented, and no
+document points outside the repository."""
 
 from __future__ import annotations
 
@@ -24,14 +25,31 @@ def documents() -> list[Path]:
 
 @pytest.fixture(scope="module")
 def claims():
+    """benchmarks/claims.py as a module, with benchmarks/ on sys.path for its package claims_md/
+    (both are gone from sys.modules and sys.path afterwards)."""
     spec = importlib.util.spec_from_file_location("claims_under_test", BENCHMARKS / "claims.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
+    sys.path.insert(0, str(BENCHMARKS))
     try:
         spec.loader.exec_module(module)
         yield module
     finally:
-        sys.modules.pop(spec.name, None)
+        sys.path.remove(str(BENCHMARKS))
+        for name in [spec.name, *(n for n in sys.modules if n == "claims_md" or n.startswith("claims_md."))]:
+            sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def rules(claims):
+    """benchmarks/claims_md/rules.py: the verdict rules."""
+    return importlib.import_module("claims_md.rules")
+
+
+@pytest.fixture(scope="module")
+def results_file(claims):
+    """``load``: a JSON file of benchmarks/results/ as claims.md reads it."""
+    return importlib.import_module("claims_md.text").load
 
 
 def test_claims_md_is_what_the_script_renders_from_the_committed_json(claims):
@@ -49,32 +67,32 @@ def test_the_check_option_reports_a_difference(claims, tmp_path, monkeypatch):
     assert "proven" in lines[-2] and "differs" in lines[-1]
 
 
-def test_the_rules_decide_as_documented(claims):
+def test_the_rules_decide_as_documented(rules):
     def stat(values):
         mean = sum(values) / len(values)
         std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
         return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values)}
 
-    assert claims.seed_verdict(stat([0.9, 0.91, 0.92]), stat([0.5, 0.52, 0.51])) == 1
-    assert claims.seed_verdict(stat([0.5, 0.52, 0.51]), stat([0.9, 0.91, 0.92])) == -1
-    assert claims.seed_verdict(stat([0.5, 0.95, 0.9]), stat([0.6, 0.62, 0.61])) == 0  # ranges overlap
-    assert claims.seed_verdict(stat([0.9, 0.91]), stat([0.5, 0.52])) == 0  # two seeds never support a claim
-    assert claims.ppl_verdict({"a": 80.0, "b": 40.0}, {"a": 100.0, "b": 50.0}) == -1
-    assert claims.ppl_verdict({"a": 80.0, "b": 48.0}, {"a": 100.0, "b": 50.0}) == 0  # inside the margin on one text
-    assert claims.ppl_verdict({"a": 120.0, "b": 60.0}, {"a": 100.0, "b": 50.0}) == 1
+    assert rules.seed_verdict(stat([0.9, 0.91, 0.92]), stat([0.5, 0.52, 0.51])) == 1
+    assert rules.seed_verdict(stat([0.5, 0.52, 0.51]), stat([0.9, 0.91, 0.92])) == -1
+    assert rules.seed_verdict(stat([0.5, 0.95, 0.9]), stat([0.6, 0.62, 0.61])) == 0  # ranges overlap
+    assert rules.seed_verdict(stat([0.9, 0.91]), stat([0.5, 0.52])) == 0  # two seeds never support a claim
+    assert rules.ppl_verdict({"a": 80.0, "b": 40.0}, {"a": 100.0, "b": 50.0}) == -1
+    assert rules.ppl_verdict({"a": 80.0, "b": 48.0}, {"a": 100.0, "b": 50.0}) == 0  # inside the margin on one text
+    assert rules.ppl_verdict({"a": 120.0, "b": 60.0}, {"a": 100.0, "b": 50.0}) == 1
 
 
-def test_claims_md_quotes_the_figures_the_json_holds(claims):
+def test_claims_md_quotes_the_figures_the_json_holds(results_file):
     """A few figures read straight from the JSON, so a wrong reading cannot hide behind a self-consistent render."""
     text = (RESULTS / "claims.md").read_text(encoding="utf-8")
-    decode = claims.load("decode_all_1thread.json")
+    decode = results_file("decode_all_1thread.json")
     fixed = next(t for t in decode["targets"] if t["label"] == "kvm-fixed")
     assert f"{fixed['value']:.1f}x" in text
-    sweep = claims.load("compress_sweep_smollm2.json")
+    sweep = results_file("compress_sweep_smollm2.json")
     for row in sweep["rows"]:
         if row["method"] in ("rootcov", "latentllm") and row["ratio"] == 0.4:
             assert f"{row['ppl_by_text']['shakespeare-val']:.2f}" in text
-    recall = claims.load("recall_frontier.json")
+    recall = results_file("recall_frontier.json")
     rank2 = next(a for a in recall["aggregate"] if a["label"] == "lrkv:rank=2")
     assert f"{rank2['lengths']['1x']['accuracy']['mean']:.3f}" in text
 

@@ -15,9 +15,11 @@ its layers. Seeds are aggregated as mean, sample std, min and max.
 
 Resumable: each run directory ``OUT/runs/<entry>/seed<k>`` keeps ``compare_run.json`` once it is
 trained and evaluated; a second invocation reuses it (and says so), and an interrupted training
-resumes from its checkpoint. Two processes may share ``--out`` (one per core): a run the other
-holds is skipped and left out of this report; rerun once both are done for one report of all. ``report.json`` holds everything; ``report.md`` and the PNGs are a
-pure function of it (``slimkv report report.json`` regenerates them).
+resumes from its checkpoint. ``--workers 2`` trains two runs at once, each in its own process
+(``slimkv.common.workers``). Separate processes may also share ``--out``: a run another holds is
+skipped and left out of this report; rerun once all are done for one report of all.
+``report.json`` holds everything; ``report.md`` and the PNGs are a pure function of it
+(``slimkv report report.json`` regenerates them).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from slimkv.bench.report import REPORT_FORMAT, render_markdown, write_report_fil
 from slimkv.bench.statistics import aggregate, comparisons
 from slimkv.common.files import FolderBusyError, check_folder_target, read_json, write_json
 from slimkv.common.timing import machine_info
+from slimkv.common.workers import check_workers, run_each, workers_note
 from slimkv.eval.diversity import model_diversity
 from slimkv.eval.lm import evaluate_run
 from slimkv.train.checkpoint import has_checkpoint, load_run
@@ -90,6 +93,19 @@ def train_and_evaluate(cfg: TrainConfig, run_dir: Path, *, eval_tokens: int | No
     return row, False
 
 
+def compare_run(cfg: TrainConfig, run_dir: Path, heading: str, eval_tokens: int | None, other_text: str | None, progress: bool) -> dict[str, Any]:
+    """One entry and seed of a comparison (``train_and_evaluate``), in this process or a worker:
+    {"busy": True} when another process holds ``run_dir``, else the row, whether it was reused
+    and the seconds it took."""
+    print(f"{heading}: {run_dir}", flush=True)
+    started = time.perf_counter()
+    try:
+        row, reused = train_and_evaluate(cfg, run_dir, eval_tokens=eval_tokens, progress=progress, other_text=other_text)
+    except FolderBusyError:
+        return {"busy": True}
+    return {"busy": False, "row": row, "reused": reused, "seconds": time.perf_counter() - started}
+
+
 def measure_decode(entries: list[Entry], recipe: TrainConfig, contexts: list[int], *, repeats: int = 5, rounds: int = 3) -> dict[str, Any]:
     """Per-token decode latency of one layer of each kind of each entry at the recipe's width
     (untrained weights, random inputs: latency does not depend on training), interleaved, at
@@ -132,13 +148,17 @@ def run_compare(
     title: str = "Attention comparison",
     progress: bool = True,
     prepare: Any = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Train, evaluate and measure every entry x seed, aggregate, write ``report.json``,
     ``report.md`` and the plots into ``out_dir``, print the table; returns the report.
 
     ``prepare``: a callable run once before training (e.g. preparing the dataset). ``other_text``:
-    a second evaluation text (``austen``: out of domain), reported beside val."""
+    a second evaluation text (``austen``: out of domain), reported beside val. ``workers``: runs
+    trained at once, each in its own process on one torch thread (``slimkv.common.workers``; the
+    same numbers as one at a time, no progress bars); the decode measurement stays in this process."""
 
+    check_workers(workers)
     configs = {(e.label, s): config_for(e, recipe, s) for e in entries for s in seeds}  # every error before any work
     out_dir = Path(out_dir)
     check_folder_target(out_dir)
@@ -146,21 +166,24 @@ def run_compare(
     if prepare is not None:
         prepare()
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs, busy = [], []
     total = len(configs)
-    for i, ((label, seed), cfg) in enumerate(configs.items(), 1):
-        run_dir = out_dir / "runs" / run_slug(label) / f"seed{seed}"
-        print(f"[{i}/{total}] {label} seed {seed}: {run_dir}", flush=True)
-        t0 = time.perf_counter()
-        try:
-            row, reused = train_and_evaluate(cfg, run_dir, eval_tokens=eval_tokens, progress=progress, other_text=other_text)
-        except FolderBusyError:
-            busy.append(str(run_dir))
-            print(f"[{i}/{total}] {label} seed {seed}: another process is training {run_dir}; left out of this report", flush=True)
+    if workers > 1:
+        print(workers_note(workers), flush=True)
+    labels = list(configs)
+    run_dirs = [out_dir / "runs" / run_slug(label) / f"seed{seed}" for label, seed in labels]
+    headings = [f"[{i}/{total}] {label} seed {seed}" for i, (label, seed) in enumerate(labels, 1)]
+    calls = [(cfg, run_dir, heading, eval_tokens, other_text, progress and workers == 1) for cfg, run_dir, heading in zip(configs.values(), run_dirs, headings)]
+    outcomes: list[dict[str, Any]] = [{} for _ in calls]  # by index, whatever order the runs finish in
+    for index, outcome in run_each(compare_run, calls, workers):
+        outcomes[index] = outcome
+        if outcome["busy"]:
+            print(f"{headings[index]}: another process is training {run_dirs[index]}; left out of this report", flush=True)
             continue
-        runs.append({"label": label, **row, "reused": reused})
-        state = f"reused the finished run in {run_dir} ({RUN_FILE})" if reused else f"trained and evaluated in {time.perf_counter() - t0:.0f} s"
-        print(f"[{i}/{total}] {label} seed {seed}: val BPB {row['val_bpb']:.4f}, CE {row['val_ce']:.4f}, cache {row['cache']['ratio_to_mha']:.3f} of MHA; {state}", flush=True)
+        row = outcome["row"]
+        state = f"reused the finished run in {run_dirs[index]} ({RUN_FILE})" if outcome["reused"] else f"trained and evaluated in {outcome['seconds']:.0f} s"
+        print(f"{headings[index]}: val BPB {row['val_bpb']:.4f}, CE {row['val_ce']:.4f}, cache {row['cache']['ratio_to_mha']:.3f} of MHA; {state}", flush=True)
+    runs = [{"label": label, **outcome["row"], "reused": outcome["reused"]} for (label, _), outcome in zip(labels, outcomes) if not outcome["busy"]]
+    busy = [str(run_dir) for run_dir, outcome in zip(run_dirs, outcomes) if outcome["busy"]]
     decode_contexts = list(decode_contexts)
     if decode_contexts:
         print(f"decode latency: one layer per kind at contexts {', '.join(map(str, decode_contexts))}", flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from slimkv.demo import DEMO_PARTS, run_demo
+from slimkv.demo import DEMO_PARTS, DEMO_WORKERS, run_demo
 
 
 def add_commands(subparsers) -> None:
@@ -27,11 +27,14 @@ def add_commands(subparsers) -> None:
     d.add_argument("--parts", default=",".join(DEMO_PARTS), help=f"comma-separated parts to run, in order (default: all of {', '.join(DEMO_PARTS)})")
     d.add_argument("--no-compression", action="store_true", help="skip the SmolLM2 compression part (same as leaving compress out of --parts)")
     d.add_argument("--eval-tokens", type=int, default=None, help="val tokens to evaluate per kind (default: the demo's)")
+    d.add_argument("--workers", type=int, default=DEMO_WORKERS, help=f"runs the compare and recall parts train at once, each in its own process "
+                   f"on one torch thread (default {DEMO_WORKERS}; 1 = one at a time with progress bars, the same numbers)")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.set_defaults(func=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip() and not (args.no_compression and p.strip() == "compress"))
-    run_demo(Path(args.out), steps=args.steps, kinds=args.kinds, eval_tokens=args.eval_tokens, progress=not args.no_progress, parts=parts)
+    run_demo(Path(args.out), steps=args.steps, kinds=args.kinds, eval_tokens=args.eval_tokens, progress=not args.no_progress, parts=parts,
+             workers=args.workers)
     return 0

@@ -8,9 +8,10 @@ The default entries are every registered kind at the cache sizes of its ``sizes`
 smallest SWA window, alternating with KVM at each of its fixed-state sizes.
 
 Resumable like compare: run ``OUT/runs/<entry>/seed<k>`` keeps ``recall_run.json`` once done and
-is reused; an interrupted run resumes from its checkpoint. Two processes may share ``--out`` with
-different ``--seeds`` (one per core); a run another process holds is skipped and left out of this
-report (rerun once both are done to get one report of everything). ``report.json`` holds it all;
+is reused; an interrupted run resumes from its checkpoint. ``--workers 2`` trains two runs at once,
+each in its own process (``slimkv.common.workers``). Separate processes may also share ``--out``;
+a run another process holds is skipped and left out of this report (rerun once all are done to
+get one report of everything). ``report.json`` holds it all;
 ``report.md`` and ``recall_frontier.png`` are a pure function of it.
 """
 
@@ -37,7 +38,9 @@ from slimkv.common.files import (
     write_text,
 )
 from slimkv.common.plotting import new_figure
+from slimkv.common.spec import AttentionSpec
 from slimkv.common.timing import machine_info
+from slimkv.common.workers import check_workers, run_each, workers_note
 from slimkv.model import SlimKVForCausalLM
 from slimkv.recall.recipe import RecallRecipe, model_config
 from slimkv.recall.run import train_recall
@@ -92,29 +95,38 @@ def check_entries(entries: list[Entry], recipe: RecallRecipe) -> None:
 
 
 def run_recall(entries: list[Entry], recipe: RecallRecipe, seeds: list[int], out_dir: str | Path, *, title: str = "Recall frontier",
-               progress: bool = True) -> dict[str, Any]:
+               progress: bool = True, workers: int = 1) -> dict[str, Any]:
     """Train and evaluate every entry x seed (reusing finished runs), aggregate, write
-    ``report.json``, ``report.md`` and the plot into ``out_dir``; returns the report."""
+    ``report.json``, ``report.md`` and the plot into ``out_dir``; returns the report.
+
+    ``workers``: runs trained at once, each in its own process on one torch thread
+    (``slimkv.common.workers``; the same numbers as one at a time, no progress bars)."""
+    check_workers(workers)
     check_entries(entries, recipe)
     out_dir = Path(out_dir)
     check_folder_target(out_dir)
     check_writable(out_dir)
     started = time.perf_counter()
-    runs, busy = [], []
     total = len(entries) * len(seeds)
-    for i, (entry, seed) in enumerate(((e, s) for e in entries for s in seeds), 1):
-        run_dir = out_dir / "runs" / run_slug(entry.label) / f"seed{seed}"
-        t0 = time.perf_counter()
-        try:
-            result, reused = train_recall(entry.spec(), recipe, seed, run_dir, label=f"[{i}/{total}] {entry.label} seed {seed}", progress=progress)
-        except FolderBusyError:
-            busy.append(str(run_dir))
-            print(f"[{i}/{total}] {entry.label} seed {seed}: another process is training {run_dir}; left out of this report", flush=True)
+    if workers > 1:
+        print(workers_note(workers), flush=True)
+    pairs = [(e, s) for e in entries for s in seeds]
+    run_dirs = [out_dir / "runs" / run_slug(entry.label) / f"seed{seed}" for entry, seed in pairs]
+    headings = [f"[{i}/{total}] {entry.label} seed {seed}" for i, (entry, seed) in enumerate(pairs, 1)]
+    calls = [(entry.spec(), recipe, seed, run_dir, heading, progress and workers == 1) for (entry, seed), run_dir, heading in zip(pairs, run_dirs, headings)]
+    outcomes: list[dict[str, Any]] = [{} for _ in calls]  # by index, whatever order the runs finish in
+    for index, outcome in run_each(recall_run, calls, workers):
+        outcomes[index] = outcome
+        if outcome["busy"]:
+            print(f"{headings[index]}: another process is training {run_dirs[index]}; left out of this report", flush=True)
             continue
-        runs.append({"label": entry.label, "run_dir": str(run_dir), "reused": reused, **result})
+        result = outcome["result"]
         accuracies = ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in result["lengths"].items())
-        state = "reused" if reused else f"{time.perf_counter() - t0:.0f} s"
-        print(f"[{i}/{total}] {entry.label} seed {seed}: accuracy {accuracies}; {result['lengths']['1x']['cache']['bytes_per_token']:.0f} B/token ({state})", flush=True)
+        state = "reused" if outcome["reused"] else f"{outcome['seconds']:.0f} s"
+        print(f"{headings[index]}: accuracy {accuracies}; {result['lengths']['1x']['cache']['bytes_per_token']:.0f} B/token ({state})", flush=True)
+    runs = [{"label": entry.label, "run_dir": str(run_dir), "reused": outcome["reused"], **outcome["result"]}
+            for (entry, _), run_dir, outcome in zip(pairs, run_dirs, outcomes) if not outcome["busy"]]
+    busy = [str(run_dir) for run_dir, outcome in zip(run_dirs, outcomes) if outcome["busy"]]
     report = {
         "format": REPORT_FORMAT,
         "kind": REPORT_KIND,
@@ -135,6 +147,19 @@ def run_recall(entries: list[Entry], recipe: RecallRecipe, seeds: list[int], out
     print(render_markdown(report).split("\n## Accuracy by")[0])
     print(f"wall time {report['wall_seconds']:.0f} s; wrote {out_dir / 'report.json'}, " + ", ".join(map(str, written)))
     return report
+
+
+def recall_run(spec: AttentionSpec, recipe: RecallRecipe, seed: int, run_dir: Path, heading: str, progress: bool) -> dict[str, Any]:
+    """One entry and seed of the sweep (``train_recall``), in this process or a worker: {"busy":
+    True} when another process holds ``run_dir``, else the result, whether it was reused and the
+    seconds it took."""
+    print(f"{heading}: {run_dir}", flush=True)
+    started = time.perf_counter()
+    try:
+        result, reused = train_recall(spec, recipe, seed, run_dir, label=heading, progress=progress)
+    except FolderBusyError:
+        return {"busy": True}
+    return {"busy": False, "result": result, "reused": reused, "seconds": time.perf_counter() - started}
 
 
 def aggregate(entries: list[Entry], runs: list[dict[str, Any]], recipe: RecallRecipe) -> list[dict[str, Any]]:

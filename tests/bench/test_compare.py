@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -202,3 +203,28 @@ def test_a_run_held_by_another_process_is_left_out(tmp_path, capsys):
     assert [row["label"] for row in report["aggregate"]] == ["mha"] and report["busy_runs"] == [str(tmp_path / "cmp" / "runs" / "mqa" / "seed0")]
     assert "another process is training" in capsys.readouterr().out
     assert "Left out (another process" in (tmp_path / "cmp" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_two_workers_give_the_serial_numbers(tmp_path, capsys):
+    """The same entries and seeds trained one at a time and in two worker processes: the same rows
+    (timings and folders aside), in the same order."""
+    recipe = tiny_config(steps=3)
+    entries = parse_entries(["mha", "mqa"], recipe)
+    serial = run_compare(entries, recipe, [0, 1], tmp_path / "serial", eval_tokens=64, decode_contexts=[], progress=False)
+    capsys.readouterr()
+    parallel = run_compare(entries, recipe, [0, 1], tmp_path / "parallel", eval_tokens=64, decode_contexts=[], progress=False, workers=2)
+    printed = capsys.readouterr().out
+    assert "2 worker processes" in printed and len(re.findall(r"^\[\d/4\] .* seed \d: val BPB ", printed, re.M)) == 4
+
+    def numbers(report):
+        return [{k: v for k, v in run.items() if k not in ("run_dir", "train_seconds", "train_tokens_per_s")} for run in report["runs"]]
+
+    assert numbers(parallel) == numbers(serial) and len({run["val_bpb"] for run in serial["runs"]}) == 4
+    assert [(run["label"], run["seed"]) for run in parallel["runs"]] == [("mha", 0), ("mha", 1), ("mqa", 0), ("mqa", 1)]
+    assert parallel["aggregate"][1]["val_bpb"] == serial["aggregate"][1]["val_bpb"]
+
+
+def test_bad_worker_count_is_refused_before_work(tmp_path, capsys):
+    assert main(["compare", "--kinds", "mha", "--workers", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--workers must be an integer >= 1, got 0" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -1,6 +1,7 @@
 """The recall frontier: default entries, the sweep (resumable, concurrent-safe), the report and the command line."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -79,6 +80,8 @@ def test_a_run_held_by_another_process_is_left_out(tmp_path, capsys):
         (["--train-pairs", "2,x"], "--train-pairs must be comma-separated integers"),
         (["--seeds", "0,0"], "--seeds"),
         (["--threads", "0"], "--threads"),
+        (["--workers", "0"], "--workers must be an integer >= 1, got 0"),
+        (["--workers", "2", "--threads", "2"], "--threads 2 with --workers 2"),
         (["--kinds", "lrkv:rnk=2"], "rnk"),
     ],
 )
@@ -103,3 +106,22 @@ def test_needles_task_text_names_the_value_kind():
     base = {"task": "needles", "n_pairs": 4, "seq_len": 128, "dataset": "shakespeare", "digits": 2, "value_words": 64}
     assert "word values" in task_text({**base, "values": "words"}) and "digit" not in task_text({**base, "values": "words"})
     assert "2-digit values" in task_text({**base, "values": "digits"})
+
+
+@pytest.mark.slow
+def test_two_workers_give_the_serial_numbers(tmp_path, capsys):
+    """The same sweep one run at a time and in two worker processes: the same results (timings and
+    folders aside), in the same order."""
+    entries = [Entry("mha", ("mha",), {"mha": {}}), Entry("swa:window=4", ("swa",), {"swa": {"window": 4}})]
+    serial = run_recall(entries, TINY, [0, 1], tmp_path / "serial", progress=False)
+    capsys.readouterr()
+    parallel = run_recall(entries, TINY, [0, 1], tmp_path / "parallel", progress=False, workers=2)
+    printed = capsys.readouterr().out
+    assert "2 worker processes" in printed and len(re.findall(r"^\[\d/4\] .* seed \d: accuracy 1x ", printed, re.M)) == 4
+
+    def numbers(report):
+        return [{k: v for k, v in run.items() if k not in ("run_dir", "train_seconds", "threads")} for run in report["runs"]]
+
+    assert numbers(parallel) == numbers(serial) and len({run["final_loss"] for run in serial["runs"]}) == 4
+    assert [(run["label"], run["seed"]) for run in parallel["runs"]] == [("mha", 0), ("mha", 1), ("swa:window=4", 0), ("swa:window=4", 1)]
+    assert {run["threads"] for run in parallel["runs"]} == {1}

@@ -1,0 +1,38 @@
+"""The sections of benchmarks/results/claims.md (``benchmarks/claims.py`` writes and checks the page).
+
+``render`` reads the JSON files of benchmarks/results/ (``text.load``) and joins the sections: the
+header (``header``), one module per paper (``lrkv``, ``kvm``, ``latentllm``), the calibration
+of a conversion (``calibration``) and the speed measurements (``speed``). The verdict rules are
+``rules``; ``results`` holds the views of the two trained-model frontiers.
+"""
+
+from __future__ import annotations
+
+from .calibration import calibration_section
+from .header import header
+from .kvm import kvm_section
+from .latentllm import latentllm_section
+from .lrkv import lrkv_section
+from .results import Frontier, Recall
+from .speed import speed_section
+from .text import load
+
+
+def render() -> str:
+    """The whole of claims.md from the committed JSON."""
+    recall = Recall(load("recall_frontier.json"))
+    frontier = Frontier(load("lm_frontier.json"))
+    decode = {name: load(name) for name in ("decode_all_1thread.json", "decode_all_2thread.json", "decode_torch_path_1thread.json", "decode_roofline_1thread.json",
+                                          "decode_roofline_bf16_1thread.json")}
+    native = {name: load(name) for name in ("decode_native_1thread.json", "decode_native_2thread.json")}
+    parts = [
+        header(load("compress_calibration_curve.json")),
+        lrkv_section(recall, frontier, load("convert_oneshot_smollm2.json")),
+        calibration_section({name: load(name) for name in ("convert_oneshot_smollm2.json", "convert_oneshot_mix_smollm2.json")},
+                            {name: load(name) for name in ("convert_heldout_plays_smollm2.json", "convert_heldout_mix3_smollm2.json")}),
+        kvm_section(recall, frontier, load("needles_mha_4000steps.json"), load("needles_recipe_probes.json"), load("niah_kvm.json"), decode,
+                    load("kvm_speed.json"), load("kvm_speed_backward.json")),
+        latentllm_section(load("compress_sweep_smollm2.json"), load("compress_prefill_latentllm03.json")),
+        speed_section(decode, native, load("decode_smollm2_1thread.json")),
+    ]
+    return "\n\n".join(parts) + "\n"
