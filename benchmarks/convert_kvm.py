@@ -17,7 +17,8 @@ manifest (float32 bytes by context, beside the original's).
 ``--add`` keeps the rows of the results file already there (the same texts, windows and length)
 and evaluates only the runs it does not hold.
 
-Writes benchmarks/results/<name>.json, .md and .png (mean NLL by position bucket, per text).
+Writes benchmarks/results/<name>.json, .md, .png (mean NLL by position bucket, per text) and
+<name>_state.png (cache bytes against context: the original's grows, a bounded kind's stays flat).
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def main() -> None:
     write_results(args.name, {"settings": settings, "rows": rows}, RESULTS)
     (RESULTS / f"{args.name}.md").write_text(format_markdown(settings, rows))
     plot(rows, args.texts, RESULTS / f"{args.name}.png")
+    plot_state(rows, RESULTS / f"{args.name}_state.png")
     print(format_markdown(settings, rows))
 
 
@@ -156,6 +158,25 @@ def plot(rows: list[dict], texts: list[str], path: Path) -> None:
         ax.set_xlabel("position")
         ax.set_ylabel("mean NLL (nats)")
     axes[0][0].legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def plot_state(rows: list[dict], path: Path) -> None:
+    """float32 cache bytes against context, from each conversion's manifest: the original's line
+    grows with the context, a bounded kind's stays flat."""
+    fig, ax = new_figure(figsize=(6.0, 4.0))
+    table = next(row["cache_bytes"] for row in rows if row["cache_bytes"])
+    ax.plot([c["context"] for c in table], [c["original_bytes"] / 2**20 for c in table], marker="o", label="original")
+    for row in rows:
+        if row["cache_bytes"]:
+            ax.plot([c["context"] for c in row["cache_bytes"]], [c["bytes"] / 2**20 for c in row["cache_bytes"]], marker=".", label=row["label"])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("cache, float32 (MiB)")
+    ax.set_title("SmolLM2-135M: cache against context", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     save_figure(fig, path)
 
 

@@ -52,7 +52,7 @@ def label_of(report: dict) -> str:
     converted = identity.get("converted")
     if converted:
         if converted.get("cache_ratio") is None:  # kvm, streaming, rope-partial: sized by their own options, no one-shot/healed pair
-            return f"{converted['method']} (bounded{', healed' if converted.get('healing') else ''})"
+            return f"{Path(report['settings']['model']).name} ({converted['method']}, bounded{', healed' if converted.get('healing') else ''})"
         return f"{converted['method']} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"
     compressed = identity.get("compressed")
     if compressed:
