@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kvpress_niah.py"
+OPTIONS = SCRIPT.with_name("kvpress_niah_options.py")  # its pure-Python parts, imported from beside it
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,8 @@ def kv():
     sys.modules[spec.name] = module  # dataclasses look their module up
     try:
         spec.loader.exec_module(module)
-        yield module
+        options = sys.modules["kvpress_niah_options"]
+        yield types.SimpleNamespace(**{**vars(options), **vars(module)})  # the script and the parts it imports, as one namespace
     finally:
         sys.modules.pop(spec.name, None)
 
@@ -54,11 +56,12 @@ def _model_dir(path: Path) -> Path:
 def test_the_script_imports_without_kvpress_torch_or_slimkv(kv):
     """Module level imports only the standard library: kvpress, torch and transformers are imported
     inside the functions that run the model, and slimkv never (it needs transformers 5.24)."""
-    tree = ast.parse(SCRIPT.read_text())
-    top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
-    top |= {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
-    assert top <= set(sys.stdlib_module_names) | {"__future__"}, top
-    assert "slimkv" not in {n.split(".")[0] for n in _all_imports(tree)}
+    for path in (SCRIPT, OPTIONS):
+        tree = ast.parse(path.read_text())
+        top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+        top |= {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+        assert top <= set(sys.stdlib_module_names) | {"__future__", OPTIONS.stem}, (path.name, top)
+        assert "slimkv" not in {n.split(".")[0] for n in _all_imports(tree)}
     assert kv.GENERATIONS_FORMAT == "slimkv-niah-generations/1"
     assert {"none", "streaming_llm", "snapkv", "expected_attention", "knorm"} <= set(kv.PRESSES)
 
