@@ -142,7 +142,7 @@ def fit_layer(layer: LayerContext, options: dict[str, Any]) -> LayerFit:
     state, frequencies, info, k_rows = fit_rope(layer, pairs)
     centre = torch.eye(s.head_dim, dtype=torch.float64) - 1.0 / s.head_dim
     prepared = centre[:, 2 * pairs:] @ k_rows[:, 2 * pairs:]  # (G, d_h, d'): a state key (rotary channels zeroed), centred over channels
-    cov = layer.affine().cov
+    cov = layer.stats.augmented_cov()  # E[x' x'^T]: what affine() would rebuild the whole layer for
     spread = math.sqrt(float(sum(torch.trace(p @ cov @ p.T) for p in prepared)) / (s.n_kv_heads * s.head_dim))
     state.update({
         "ln_s.weight": torch.full((s.head_dim,), spread, dtype=torch.float64),
