@@ -51,6 +51,7 @@ class Conversion:
     sized_by_ratio: bool = True
     refine: Callable[..., dict[str, Any]] | None = None
     refine_text: Callable[[dict[str, Any]], tuple[int, int]] | None = None  # (tokens, window) ``refine`` samples from the calibration text
+    distances: bool = True  # whether the fit reads the attention-distance statistics (the costly part of calibration)
 
 
 CONVERSIONS: dict[str, Conversion] = {}
@@ -60,11 +61,11 @@ def register_conversion(name: str, *, kind: str, plan: Callable, fit: Callable, 
                         options: Callable[[Shape], dict[str, Any]] = lambda shape: {}, description: str = "",
                         settings: dict[str, Any] | None = None, check: Callable[[Shape, dict[str, Any]], None] | None = None,
                         sized_by_ratio: bool = True, refine: Callable[..., dict[str, Any]] | None = None,
-                        refine_text: Callable[[dict[str, Any]], tuple[int, int]] | None = None) -> None:
+                        refine_text: Callable[[dict[str, Any]], tuple[int, int]] | None = None, distances: bool = True) -> None:
     """Add a conversion method (``slimkv convert --to NAME``; the module docstring)."""
     if name in CONVERSIONS:
         raise ValueError(f"conversion method {name!r} is already registered")
-    CONVERSIONS[name] = Conversion(name, kind, min_ratio, plan, fit, options, description, dict(settings or {}), check, sized_by_ratio, refine, refine_text)
+    CONVERSIONS[name] = Conversion(name, kind, min_ratio, plan, fit, options, description, dict(settings or {}), check, sized_by_ratio, refine, refine_text, distances)
 
 
 def get_conversion(name: str) -> Conversion:
@@ -121,7 +122,7 @@ register_conversion(
 )
 register_conversion(
     "streaming", kind="streaming", plan=streaming.plan, fit=streaming.fit_layer, settings=streaming.METHOD_OPTIONS, check=streaming.check_options,
-    sized_by_ratio=False,
+    sized_by_ratio=False, distances=False,
     description="attention sinks + sliding window (StreamingLLM), weights unchanged: the bounded-memory baseline; no --cache-ratio",
 )
 register_conversion(
