@@ -42,9 +42,9 @@ DEFAULT_RUNS = ["mla:0.5", "lrkv:0.5", "gqa:0.5", "mla-prefix:0.5", "mla:0.375",
 
 
 def parse_run(text: str) -> tuple[str, float]:
-    method, _, ratio = text.partition(":")
-    if not ratio:
-        raise SystemExit(f"--runs entry {text!r}: expected METHOD:RATIO, e.g. mla:0.5")
+    method, _, ratio = text.rpartition(":")
+    if not method:
+        raise SystemExit(f"--runs entry {text!r}: expected METHOD[:OPTIONS]:RATIO, e.g. mla:0.5 or latent:weighting=rootcov:0.5")
     return method, float(ratio)
 
 

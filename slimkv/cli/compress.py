@@ -38,7 +38,7 @@ def add_commands(subparsers) -> None:
 
 
 def _add_calibration_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--calib", default=DEFAULT_CALIB, help="calibration text: `shakespeare` (training plays), `kjv`, `devil`, `pydoc`, a comma-separated mix of them "
+    parser.add_argument("--calib", default=DEFAULT_CALIB, help="calibration text: `shakespeare` (training plays), `kjv`, `devil`, `pydoc`, `handbook`, a comma-separated mix of them "
                              f"(equal shares) or a local text file/folder (default: {DEFAULT_CALIB})")
     parser.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS, help=f"calibration tokens (default {DEFAULT_CALIB_TOKENS})")
     parser.add_argument("--calib-seq-len", type=int, default=DEFAULT_CALIB_SEQ_LEN, help=f"calibration window length (default {DEFAULT_CALIB_SEQ_LEN})")
@@ -76,7 +76,7 @@ def _add_sweep(subparsers) -> None:
     parser.add_argument("--ratios", default="0.1,0.2,0.3,0.4,0.5", help="comma-separated ratios (default 0.1,...,0.5)")
     _add_calibration_options(parser)
     parser.add_argument("--texts", "--text", default=",".join(DEFAULT_TEXTS),
-                        help="comma-separated evaluation texts, in domain first: `shakespeare-val`, `austen` or local text files/folders "
+                        help="comma-separated evaluation texts, in domain first: `shakespeare-val`, `austen`, `handbook-val` or local text files/folders "
                              f"(default {','.join(DEFAULT_TEXTS)})")
     parser.add_argument("--seq-len", type=int, default=1024, help="perplexity window (default 1024)")
     parser.add_argument("--max-tokens", type=int, default=16384, help="evaluate the first N held-out tokens (default 16384; 0 = all)")

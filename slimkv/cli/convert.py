@@ -53,7 +53,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--cache-ratio", type=float,
                    help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5 (not for kvm: its state is bounded by its options)")
     p.add_argument("--out", required=True, help="output folder (must be empty, new, or an earlier conversion)")
-    p.add_argument("--calib", default=None, help="calibration text: `shakespeare` (the training plays), `kjv`, `devil`, `pydoc`, a comma-separated mix of them (equal shares) "
+    p.add_argument("--calib", default=None, help="calibration text: `shakespeare` (the training plays), `kjv`, `devil`, `pydoc`, `handbook`, a comma-separated mix of them (equal shares) "
                    f"or a text file/folder (default: {ConvertOptions.calib})")
     p.add_argument("--calib-tokens", type=int, default=None, help=f"calibration tokens (default {ConvertOptions.calib_tokens}; at most what the text holds)")
     p.add_argument("--calib-seq-len", type=int, default=None, help=f"calibration window length (default {ConvertOptions.calib_seq_len})")

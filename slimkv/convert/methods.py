@@ -27,7 +27,7 @@ from typing import Any
 
 from slimkv.common.checks import close_matches
 from slimkv.common.spec import parse_item, split_items
-from slimkv.convert import gqa, kvm, lrkv, mla, streaming
+from slimkv.convert import gqa, kvm, latent, lrkv, mla, streaming
 from slimkv.convert.context import LayerContext, LayerFit
 from slimkv.convert.source import Shape
 
@@ -104,6 +104,11 @@ register_conversion(
     fit=lambda layer, options: mla.fit_layer(layer, options, select="prefix"),
     options=lambda shape: {"latent_norm": False},
     description="mla with the fastest RoPE frequencies in every layer (the ladder DeepSeek-V3's classes can express)",
+)
+register_conversion(
+    "latent", kind="latent", min_ratio=latent.min_ratio, plan=latent.plan, fit=latent.fit_layer, settings=latent.METHOD_OPTIONS,
+    check=latent.check_options, distances=False,
+    description="one cached K/V latent, keys rebuilt then rotated: RoPE exact (the quality ceiling of a latent cache; decode rebuilds keys)",
 )
 register_conversion(
     "lrkv", kind="lrkv", min_ratio=lrkv.min_ratio, plan=lrkv.plan_uniform, fit=lrkv.fit_layer,

@@ -13,6 +13,11 @@ with ``shakespeare``) and to ``--text``.
 * ``pydoc``: the Python 3.11 documentation's reST sources (``python3.11-doc``, 12.6 MB .deb;
   497 files, 11 MB of reST): 408 documents of at least 2,000 characters, 9.6 M characters.
   PSF license: redistributable, not public domain.
+* ``handbook``: The Debian Administrator's Handbook (``debian-handbook``, 34.8 MB .deb; its
+  English HTML, 127 pages): modern English prose (2010s-2020s, technical), one document per page
+  with its paragraphs, headings and list items (code listings, navigation and URLs dropped).
+  Every ``HANDBOOK_HELD_OUT``-th page (sorted by name, starting with the second) is held out as
+  ``handbook-val``: evaluation text that no calibration or healing mix ever reads.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import gzip
 import re
 import struct
 from collections.abc import Callable
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import NamedTuple
 
@@ -250,6 +256,88 @@ def pydoc_documents() -> list[str]:
     return [text for text in texts if len(text) >= PYDOC_MIN_CHARS]
 
 
+# --- handbook: debian-handbook (HTML) --------------------------------------------------------
+
+HANDBOOK_PACKAGE = "debian-handbook"
+HANDBOOK_PAGES = "usr/share/doc/debian-handbook/html/en-US/"
+HANDBOOK_LICENSE = "GPL-2+ or CC-BY-SA-3.0 (Raphael Hertzog, Roland Mas): redistributable, not public domain"
+HANDBOOK_HELD_OUT = 5  # every 5th page is evaluation text only (``handbook-val``)
+HANDBOOK_MIN_CHARS = 1000
+HTML_SKIPPED = frozenset({"pre", "script", "style", "head", "table"})  # code listings, metadata, tables of options
+HTML_SKIPPED_CLASSES = frozenset({"docnav", "toc", "url", "banner", "title-page", "legalnotice", "index"})
+HTML_BLOCKS = frozenset({"p", "li", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6", "br"})
+
+
+def _build_handbook(deb: Path) -> dict[str, bytes]:
+    pages = deb_members(deb, lambda path: path.startswith(HANDBOOK_PAGES) and path.endswith(".html") and "/" not in path[len(HANDBOOK_PAGES):])
+    if not pages:
+        raise FileNotFoundError(f"{deb} holds no HTML pages under {HANDBOOK_PAGES}")
+    return {path.removeprefix(HANDBOOK_PAGES): data for path, data in sorted(pages.items())}
+
+
+class _ProseParser(HTMLParser):
+    """Paragraph text of an (X)HTML page: a paragraph ends at every block element (``HTML_BLOCKS``
+    and ``div class="para"``); elements of ``HTML_SKIPPED`` or with a class in
+    ``HTML_SKIPPED_CLASSES`` are dropped with everything inside them."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.paragraphs: list[str] = []
+        self._words: list[str] = []
+        self._open: list[bool] = []  # per open element: whether it starts a skipped region
+        self._skipping = 0
+
+    def _flush(self) -> None:
+        text = " ".join("".join(self._words).split())
+        if text:
+            self.paragraphs.append(text)
+        self._words = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        classes = set((dict(attrs).get("class") or "").split()) | {dict(attrs).get("id") or ""}
+        skipped = tag in HTML_SKIPPED or bool(classes & HTML_SKIPPED_CLASSES)
+        if tag in HTML_BLOCKS or "para" in classes or skipped:
+            self._flush()
+        if tag in ("br", "img", "meta", "link", "hr", "input"):  # void elements never close
+            return
+        self._open.append(skipped)
+        self._skipping += skipped
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in HTML_BLOCKS:
+            self._flush()
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in HTML_BLOCKS or tag == "div":
+            self._flush()
+        if self._open and tag not in ("br", "img", "meta", "link", "hr", "input"):
+            self._skipping -= self._open.pop()
+
+    def handle_data(self, data: str) -> None:
+        if not self._skipping:
+            self._words.append(data)
+
+
+def html_paragraphs(page: str) -> list[str]:
+    """The paragraphs of an HTML page as single-spaced lines (``_ProseParser``)."""
+    parser = _ProseParser()
+    parser.feed(page)
+    parser.close()
+    parser._flush()
+    return parser.paragraphs
+
+
+def handbook_documents(split: str = "train") -> list[str]:
+    """The Debian Administrator's Handbook, one document per page of at least HANDBOOK_MIN_CHARS
+    characters; ``split`` "train" (calibration) or "val" (every HANDBOOK_HELD_OUT-th page, evaluation only)."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split {split!r}: expected 'train' or 'val'")
+    folder = fetch_package_texts(_source_dir("handbook"), HANDBOOK_PACKAGE, _build_handbook, HANDBOOK_LICENSE)
+    texts = ("\n".join(html_paragraphs(path.read_text(encoding="utf-8"))) for path in package_files(folder) if path.name != "index.html")
+    pages = [text for text in texts if len(text) >= HANDBOOK_MIN_CHARS]
+    return [page for i, page in enumerate(pages) if (i % HANDBOOK_HELD_OUT == 1) == (split == "val")]
+
+
 class Corpus(NamedTuple):
     documents: Callable[[], list[str]]
     description: str
@@ -262,4 +350,6 @@ CORPORA: dict[str, Corpus] = {
                     DEVIL_LICENSE),
     "pydoc": Corpus(pydoc_documents, "Python 3.11 documentation (reST sources as text, PSF license, not public domain; "
                     "Debian python3.11-doc)", PYDOC_LICENSE),
+    "handbook": Corpus(handbook_documents, "The Debian Administrator's Handbook (modern English prose, GPL-2+/CC-BY-SA-3.0, not public domain; "
+                       "Debian debian-handbook), its calibration pages (handbook-val holds the others out)", HANDBOOK_LICENSE),
 }

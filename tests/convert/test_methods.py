@@ -48,6 +48,8 @@ def uncompressed(method: str, shape) -> dict:
         return {"rope_dim": rotated, "kv_rank": 2 * shape.n_kv_heads * shape.head_dim}
     if kind == "lrkv":
         return {"rank_k": shape.head_dim, "rank_v": shape.head_dim}
+    if kind == "latent":
+        return {"kv_rank": 2 * shape.n_kv_heads * shape.head_dim, **CONVERSIONS[method].settings}
     return {"n_kv_heads": shape.n_kv_heads}
 
 
@@ -58,7 +60,7 @@ def max_logit_error(original: torch.nn.Module, converted: torch.nn.Module) -> fl
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("method", ["mla", "lrkv", "gqa", "gqa-mean"])
+@pytest.mark.parametrize("method", ["mla", "latent", "lrkv", "gqa", "gqa-mean"])
 def test_without_compression_every_method_computes_the_original(family, method):
     original = perturbed(tiny_model(family))
     source, layers = contexts(original)
@@ -98,7 +100,7 @@ def test_the_aware_merge_of_single_heads_is_exact(family):
         assert torch.allclose(copy(ids).logits, original(ids).logits, atol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["mla", "mla-prefix", "lrkv", "gqa"])
+@pytest.mark.parametrize("method", ["mla", "mla-prefix", "latent", "lrkv", "gqa"])
 def test_each_method_end_to_end_at_half_the_cache(method, tiny_folder, tmp_path):
     out = tmp_path / "out"
     model, manifest = convert_pretrained(str(tiny_folder), options(method, 0.5, tmp_path), out, progress=False)
@@ -127,7 +129,7 @@ def test_the_methods_refuse_ratios_below_their_minimum(tiny_folder, tmp_path):
     from slimkv.cli import main
 
     base = ["convert", "--model", str(tiny_folder), "--calib", str(tmp_path / "calib.txt"), "--calib-tokens", "64", "--calib-seq-len", "32"]
-    for method, ratio, minimum in (("lrkv", 0.4, "0.5000"), ("mla", 0.05, "0.0625"), ("mla-prefix", 0.05, "0.0625"), ("gqa-mean", 0.3, "0.5000")):
+    for method, ratio, minimum in (("lrkv", 0.4, "0.5000"), ("latent", 0.01, "0.0208"), ("mla", 0.05, "0.0625"), ("mla-prefix", 0.05, "0.0625"), ("gqa-mean", 0.3, "0.5000")):
         with pytest.raises(ValueError, match=f"below what --to {method} can represent for this model: the minimum is {minimum}"):
             convert_pretrained(str(tiny_folder), options(method, ratio, tmp_path), tmp_path / "never", progress=False)
         assert main(base + ["--to", method, "--cache-ratio", str(ratio), "--out", str(tmp_path / "never")]) == 2

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from slimkv.common.files import read_json, sha256_file
-from slimkv.data import debian, texts
+from slimkv.data import corpora, debian, texts
 from slimkv.data.corpora import (
     CORPORA,
     Corpus,
@@ -24,6 +24,8 @@ from slimkv.data.corpora import (
     devil_chunks,
     dictd_entries,
     dictd_number,
+    handbook_documents,
+    html_paragraphs,
     read_compressed_data_file,
     rst_to_text,
     unlzw,
@@ -331,6 +333,39 @@ Example:
        return 2 * 3 * 4"""
 
 
+# --- handbook: HTML ----------------------------------------------------------------------------
+
+PAGE = """<?xml version="1.0"?><html><head><title>6.2. APT</title></head><body><div id="banner"><a href="x">Download the ebook</a></div>
+<ul class="docnav top"><li class="previous"><a href="p.html"><strong>Prev</strong></a></li></ul>
+<div class="section"><h2 class="title"><a id="s"></a>6.2. The <code>apt</code>
+   Command</h2><div class="para">
+   APT is the <span class="emphasis"><em>Advanced</em></span> Packaging Tool; it &amp; dpkg work together.<br/>Second line.
+   <div class="url">&#8594; <a href="https://example.org">https://example.org</a></div>
+   </div><pre class="screen"><code>$ apt update</code></pre><ul><li><p>one item</p></li></ul>
+<table><tr><td>an option table</td></tr></table></div><ul class="docnav"><li>Next</li></ul></body></html>"""
+
+
+def test_html_paragraphs_keep_prose_and_drop_code_navigation_and_urls():
+    assert html_paragraphs(PAGE) == ["6.2. The apt Command", "APT is the Advanced Packaging Tool; it & dpkg work together.", "Second line.",
+                                     "one item"]
+
+
+def test_the_handbook_holds_every_fifth_page_out(monkeypatch, tmp_path):
+    pages = []
+    for i in range(12):
+        path = tmp_path / f"page{i:02d}.html"
+        path.write_text(f"<html><body><div class='para'>{f'word{i} ' * 300}</div></body></html>", encoding="utf-8")
+        pages.append(path)
+    (tmp_path / "index.html").write_text("<html><body><div class='para'>" + "toc " * 400 + "</div></body></html>", encoding="utf-8")
+    monkeypatch.setattr(corpora, "fetch_package_texts", lambda *args: tmp_path)
+    monkeypatch.setattr(corpora, "package_files", lambda folder: [*pages, tmp_path / "index.html"])
+    train, held = handbook_documents("train"), handbook_documents("val")
+    assert [doc.split()[0] for doc in held] == ["word1", "word6", "word11"]
+    assert len(train) == 9 and not set(train) & set(held) and not any("toc" in doc for doc in train + held)
+    with pytest.raises(ValueError, match="split 'test'"):
+        handbook_documents("test")
+
+
 # --- the --calib grammar and the mixing --------------------------------------------------------
 
 
@@ -344,6 +379,7 @@ def fake_sources(monkeypatch):
     monkeypatch.setitem(CORPORA, "kjv", Corpus(lambda: documents(2000, 4, 30), "kjv", "pd"))
     monkeypatch.setitem(CORPORA, "devil", Corpus(lambda: documents(3000, 2, 50), "devil", "pd"))
     monkeypatch.setitem(CORPORA, "pydoc", Corpus(lambda: documents(4000, 5, 8), "pydoc", "psf"))
+    monkeypatch.setitem(CORPORA, "handbook", Corpus(lambda: documents(5000, 3, 20), "handbook", "gpl"))
 
 
 class WordTokenizer:
@@ -381,7 +417,7 @@ def test_calibration_sources_parses_names_paths_and_mixes(fake_sources, tmp_path
     ("austen", "evaluation text austen"),
     ("shakespeare-val", "evaluation text shakespeare-val"),
     ("shakespeare,austen", "evaluation text austen"),
-    ("kvj", r"--calib 'kvj'.*did you mean kjv.*allowed values: shakespeare, kjv, devil, pydoc"),
+    ("kvj", r"--calib 'kvj'.*did you mean kjv.*allowed values: shakespeare, kjv, devil, pydoc, handbook"),
     ("shakespeare,devill", r"'devill' is not a calibration source \(did you mean devil"),
     ("shakespeare,", r"'' is not a calibration source.*allowed values"),
     ("kjv,devil,kjv", "names kjv more than once"),
@@ -460,6 +496,7 @@ def test_evaluation_text_takes_the_new_sources(fake_sources):
 
 
 def test_the_registry_describes_every_source():
-    assert list(CORPORA) == ["kjv", "devil", "pydoc"]
+    assert list(CORPORA) == ["kjv", "devil", "pydoc", "handbook"]
     assert all(corpus.description and corpus.license for corpus in CORPORA.values())
     assert "not public domain" in CORPORA["pydoc"].description and "PSF" in CORPORA["pydoc"].license
+    assert "not public domain" in CORPORA["handbook"].description and "CC-BY-SA" in CORPORA["handbook"].license
