@@ -15,7 +15,9 @@ manifest (float32 bytes by context, beside the original's).
     .venv/bin/python benchmarks/convert_kvm.py --add --runs kvm-rope24=kvm:rope_pairs=24   # evaluate one more, keep the rows there
 
 ``--add`` keeps the rows of the results file already there (the same texts, windows and length)
-and evaluates only the runs it does not hold.
+and evaluates only the runs it does not hold. Every row records the torch threads and the load it
+was evaluated under (``--add`` rows ran later, maybe with other settings); ``settings.threads`` is
+the last run's.
 
 Writes benchmarks/results/<name>.json, .md, .png (mean NLL by position bucket, per text) and
 <name>_state.png (cache bytes against context: the original's grows, a bounded kind's stays flat).
@@ -106,7 +108,8 @@ def main() -> None:
         loaded = load_language_model(str(path))
         manifest = read_json(Path(path) / CONVERTED_MANIFEST) if label != "original" else {}
         row = {"label": label, "method": dict(runs).get(label), "cache_bytes": manifest.get("cache_bytes"),
-               "refinement": {k: v for k, v in (manifest.get("refinement") or {}).items() if k != "layers"}, "texts": {}}
+               "refinement": {k: v for k, v in (manifest.get("refinement") or {}).items() if k != "layers"}, "texts": {},
+               "threads": torch.get_num_threads(), "load_average_1min": {"before": os.getloadavg()[0]}}  # per row: --add runs differ
         for text in args.texts:
             windows = text_windows(loaded.tokenizer, text, args.seq_len, args.windows)
             started = time.perf_counter()
@@ -115,6 +118,7 @@ def main() -> None:
             row["texts"][text] = {"ppl": float(nll.mean().exp()), "mean_nll": float(nll.mean()), "tokens": nll.numel(),
                                   "buckets": bucket_means(nll, args.buckets), "seconds": time.perf_counter() - started}
             print(f"{label:>14} {text:>16}: ppl {row['texts'][text]['ppl']:.3f}", flush=True)
+        row["load_average_1min"]["after"] = os.getloadavg()[0]
         rows.append(row)
         del loaded
     base = rows[0]["texts"]

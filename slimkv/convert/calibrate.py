@@ -12,9 +12,11 @@ over calibration windows (float64):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from slimkv.compress.linalg import StatsAccumulator
@@ -54,6 +56,34 @@ def _distance_mass(q: torch.Tensor, k: torch.Tensor, group: int, causal_bias: to
 
 
 @torch.no_grad()
+def feed_windows(model: nn.Module, windows: torch.Tensor, on_input: Callable[[int, torch.Tensor], None],
+                 on_output: Callable[[int, torch.Tensor], None] | None = None, *, desc: str, progress: bool = True) -> None:
+    """Run a transformers Llama-family ``model`` on each row of ``windows`` (n, T) token ids,
+    handing every attention layer's input (1, T, d_model) to ``on_input(layer index, x)`` and, if
+    given, its output to ``on_output(layer index, y)``; the hooks are removed afterwards, whatever happens."""
+    def hooks(index: int):
+        def pre(_module, args, kwargs):
+            on_input(index, kwargs.get("hidden_states", args[0] if args else None))
+
+        def post(_module, _args, _kwargs, output):
+            on_output(index, output[0] if isinstance(output, tuple) else output)
+        return pre, post
+
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        pre, post = hooks(i)
+        handles.append(layer.self_attn.register_forward_pre_hook(pre, with_kwargs=True))
+        if on_output is not None:
+            handles.append(layer.self_attn.register_forward_hook(post, with_kwargs=True))
+    try:
+        for row in tqdm(windows, desc=desc, unit="window", disable=not progress):
+            model(row[None].to(next(model.parameters()).device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
 def layer_statistics(source: Source, windows: torch.Tensor, *, distances: bool = True, progress: bool = True) -> list[LayerStats]:
     """Statistics of every layer from the original model on ``windows`` (n, T) of token ids."""
     shape, model = source.shape, source.model
@@ -69,25 +99,16 @@ def layer_statistics(source: Source, windows: torch.Tensor, *, distances: bool =
         turn = torch.polar(torch.ones(len(pos), len(inv_freq), dtype=torch.float64), torch.outer(pos, inv_freq))
         return torch.view_as_real(torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous()) * turn).flatten(-2)
 
-    def hook(index: int):
-        def grab(_module, args, kwargs):
-            x = kwargs.get("hidden_states", args[0] if args else None)
-            accumulators[index].add(x)
-            if distances:
-                w = source.attention(index)
-                for row in x.double():
-                    q = torch.einsum("hcd,td->htc", w.q, row) + (w.q_bias[:, None] if w.q_bias is not None else 0)
-                    k = torch.einsum("gcd,td->gtc", w.k, row) + (w.k_bias[:, None] if w.k_bias is not None else 0)
-                    mass[index] += _distance_mass(rotate(q), rotate(k), shape.group, causal_bias, distance_index)
-        return grab
+    def grab(index: int, x: torch.Tensor) -> None:
+        accumulators[index].add(x)
+        if distances:
+            w = source.attention(index)
+            for row in x.double():
+                q = torch.einsum("hcd,td->htc", w.q, row) + (w.q_bias[:, None] if w.q_bias is not None else 0)
+                k = torch.einsum("gcd,td->gtc", w.k, row) + (w.k_bias[:, None] if w.k_bias is not None else 0)
+                mass[index] += _distance_mass(rotate(q), rotate(k), shape.group, causal_bias, distance_index)
 
-    handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(model.model.layers)]
-    try:
-        for row in tqdm(windows, desc="calibration", unit="window", disable=not progress):
-            model(row[None].to(next(model.parameters()).device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    feed_windows(model, windows, grab, desc="calibration", progress=progress)
     stats = []
     for index, acc in enumerate(accumulators):
         finished = acc.finish(f"layer {index} attention input")

@@ -47,17 +47,17 @@ METHOD_OPTIONS = {**KVM_LAYER_OPTIONS, **ROPE_OPTIONS, **TRANSFER_OPTIONS}
 ROPE_METHOD_OPTIONS = dict(ROPE_OPTIONS)
 
 
-def check_rope_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
-    """At least one rotated pair and at least one left without rotation (the state's keys)."""
+def check_rope_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None, *, method: str = "rope-partial") -> None:
+    """At least one rotated pair and at least one left without rotation (the state's keys); errors name ``--to METHOD``."""
     pairs = options["rope_pairs"]
     if isinstance(pairs, bool) or not isinstance(pairs, int) or not 1 <= pairs < shape.head_dim // 2:
-        raise ValueError(f"--to: rope_pairs={pairs!r} must be an integer from 1 to {shape.head_dim // 2 - 1}: the model's heads have "
+        raise ValueError(f"--to {method}: rope_pairs={pairs!r} must be an integer from 1 to {shape.head_dim // 2 - 1}: the model's heads have "
                          f"{shape.head_dim // 2} RoPE pairs and KVM's state keys keep only the pairs left without rotation")
 
 
 def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
     """Every ``--to kvm`` option, before any work: ValueError naming the option."""
-    check_rope_options(shape, options)
+    check_rope_options(shape, options, method="kvm")
     check_int("--to kvm: rows", options["rows"], 1)
     try:
         KVMSettings(**{name: options[name] for name in ("chunk_size", "window_chunks", "schedule", "sqrt_coef", "saturating_rows", "max_rows", "sink_len")},

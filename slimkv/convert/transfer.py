@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from slimkv.convert.calibrate import feed_windows
+
 PARAMETER_SETS = ("kvm", "attention")  # KVM's own parameters (LN_s, temperatures, gate) / every parameter of the layer
 
 
@@ -51,25 +53,8 @@ def capture_attention(model: nn.Module, windows: torch.Tensor, *, progress: bool
     layers = model.model.layers
     inputs: list[list[torch.Tensor]] = [[] for _ in layers]
     outputs: list[list[torch.Tensor]] = [[] for _ in layers]
-
-    def hooks(index: int):
-        def pre(_module, args, kwargs):
-            inputs[index].append(kwargs.get("hidden_states", args[0] if args else None).float().cpu())
-
-        def post(_module, _args, _kwargs, output):
-            outputs[index].append((output[0] if isinstance(output, tuple) else output).float().cpu())
-        return pre, post
-
-    handles = []
-    for i, layer in enumerate(layers):
-        pre, post = hooks(i)
-        handles += [layer.self_attn.register_forward_pre_hook(pre, with_kwargs=True), layer.self_attn.register_forward_hook(post, with_kwargs=True)]
-    try:
-        for row in tqdm(windows, desc="transfer targets", unit="window", disable=not progress):
-            model(row[None].to(next(model.parameters()).device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    feed_windows(model, windows, lambda i, x: inputs[i].append(x.float().cpu()), lambda i, y: outputs[i].append(y.float().cpu()),
+                 desc="transfer targets", progress=progress)
     return [(torch.cat(x), torch.cat(y)) for x, y in zip(inputs, outputs)]
 
 

@@ -31,7 +31,7 @@ EVAL_HANDBOOK = "handbook-val"  # the Debian handbook's held-out pages: modern E
 DOC_SEPARATOR = "\n\n"
 CALIBRATION_SOURCES = (CALIB_SHAKESPEARE, *CORPORA)  # names --calib takes, alone or mixed
 EVALUATION_ONLY = (EVAL_SHAKESPEARE, AUSTEN, EVAL_HANDBOOK)  # never calibration text
-MIXED_CALIBRATION = "shakespeare,kjv,devil,pydoc"  # every calibration source, equal shares
+MIXED_CALIBRATION = "shakespeare,kjv,devil,pydoc,handbook"  # every calibration source, equal shares
 
 
 def _shakespeare(split: str) -> list[str]:

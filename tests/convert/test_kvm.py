@@ -78,7 +78,8 @@ def test_kvm_end_to_end_transfer_lowers_every_layers_error_and_the_state_stays_f
 
 
 @pytest.mark.parametrize("method, ratio, message", [
-    ("kvm:rope_pairs=6", None, r"rope_pairs=6 must be an integer from 1 to 5"),
+    ("kvm:rope_pairs=6", None, r"--to kvm: rope_pairs=6 must be an integer from 1 to 5"),
+    ("rope-partial:rope_pairs=6", None, r"--to rope-partial: rope_pairs=6 must be an integer from 1 to 5"),
     ("kvm:rope_pairs=0", None, r"rope_pairs=0 must be an integer from 1 to 5"),
     ("kvm:rope_pairs=3,rows=0", None, r"rows must be an integer >= 1"),
     ("kvm:rope_pairs=3,chunk_size=64", None, r"the window \(chunk_size x window_chunks = 128 tokens\) must be shorter than the model's 128 positions"),
@@ -88,6 +89,9 @@ def test_kvm_end_to_end_transfer_lowers_every_layers_error_and_the_state_stays_f
     ("kvm:rope_pairs=3", 0.5, r"--to kvm takes no --cache-ratio"),
     ("mla", None, r"--to mla needs --cache-ratio"),
     ("mla:rank=3", 0.5, r"'rank' is not an option of mla.*it takes no options"),
+    ("latent:weighting=plain", 0.5, r"--to latent: weighting='plain' is not allowed.*output, rootcov"),
+    ("latent:kv_balance=0", 0.5, r"--to latent: kv_balance must be"),
+    ("latent", None, r"--to latent needs --cache-ratio"),
 ])
 def test_bad_options_fail_before_any_work(tiny_folder, tmp_path, method, ratio, message):
     with pytest.raises(ValueError, match=message):

@@ -396,10 +396,10 @@ def source_of(window: torch.Tensor) -> int:
 
 
 def test_calibration_sources_parses_names_paths_and_mixes(fake_sources, tmp_path, monkeypatch):
-    assert MIXED_CALIBRATION == "shakespeare,kjv,devil,pydoc"
+    assert MIXED_CALIBRATION == "shakespeare,kjv,devil,pydoc,handbook"
     mixed = calibration_sources(MIXED_CALIBRATION)
-    assert [name for name, _ in mixed] == ["shakespeare", "kjv", "devil", "pydoc"]
-    assert [len(docs) for _, docs in mixed] == [3, 4, 2, 5]
+    assert [name for name, _ in mixed] == ["shakespeare", "kjv", "devil", "pydoc", "handbook"]
+    assert [len(docs) for _, docs in mixed] == [3, 4, 2, 5, 3]
     assert [name for name, _ in calibration_sources(" devil , kjv")] == ["devil", "kjv"]
     assert calibration_documents("kjv,devil") == CORPORA["kjv"].documents() + CORPORA["devil"].documents()
     assert calibration_documents("shakespeare") == texts._shakespeare("train")
