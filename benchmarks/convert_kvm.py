@@ -109,6 +109,7 @@ def main() -> None:
         manifest = read_json(Path(path) / CONVERTED_MANIFEST) if label != "original" else {}
         row = {"label": label, "method": dict(runs).get(label), "cache_bytes": manifest.get("cache_bytes"),
                "refinement": {k: v for k, v in (manifest.get("refinement") or {}).items() if k != "layers"}, "texts": {},
+               "healing": healing_summary(manifest.get("healing")),
                "threads": torch.get_num_threads(), "load_average_1min": {"before": os.getloadavg()[0]}}  # per row: --add runs differ
         for text in args.texts:
             windows = text_windows(loaded.tokenizer, text, args.seq_len, args.windows)
@@ -134,6 +135,16 @@ def main() -> None:
     print(format_markdown(settings, rows))
 
 
+def healing_summary(healing: dict | None) -> dict | None:
+    """What a results row keeps of a conversion's healing record (``slimkv convert --heal-tokens``)."""
+    if not healing:
+        return None
+    config = healing.get("heal_config", {})
+    return {"status": healing.get("status"), "tokens_seen": healing.get("tokens_seen"), "train_seconds": healing.get("train_seconds"),
+            "threads": healing.get("threads"), "text": config.get("text"), "seq_len": config.get("seq_len"), "lr": config.get("lr"),
+            "params": config.get("params"), "val_kl": healing.get("val_kl")}
+
+
 def format_markdown(settings: dict, rows: list[dict]) -> str:
     texts = settings["texts"]
     lines = [f"# Bounded-memory conversions of SmolLM2-135M ({settings['windows']} windows of {settings['seq_len']} tokens per text)", "",
@@ -143,7 +154,9 @@ def format_markdown(settings: dict, rows: list[dict]) -> str:
     for row in rows:
         at8k = next((c["ratio"] for c in row["cache_bytes"] or [] if c["context"] == 8192), 1.0)
         cells = [f"{row['texts'][t]['ppl']:.2f} ({row['texts'][t]['ppl_vs_original']:.3f})" for t in texts]
-        lines.append(f"| {row['label']} | {row['method'] or '-'} | " + " | ".join(cells) + f" | {at8k:.3f} |")
+        healed = row.get("healing")
+        method = (row["method"] or "-") + (f", healed on {healed['tokens_seen']:,} tokens ({healed['train_seconds'] / 60:.0f} min)" if healed else "")
+        lines.append(f"| {row['label']} | {method} | " + " | ".join(cells) + f" | {at8k:.3f} |")
     for text in texts:
         edges = [f"{b['start']}-{b['end']}" for b in rows[0]["texts"][text]["buckets"]]
         lines += ["", f"Mean NLL by position, {text}:", "", "| model | " + " | ".join(map(str, edges)) + " |", "| --- |" + " ---: |" * len(edges)]

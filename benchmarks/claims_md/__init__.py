@@ -2,7 +2,7 @@
 
 ``render`` reads the JSON files of benchmarks/results/ (``text.load``) and joins the sections: the
 header (``header``), one module per paper (``lrkv``, ``kvm``, ``latentllm``), the calibration
-of a conversion (``calibration``) and the speed measurements (``speed``). The verdict rules are
+of a conversion (``calibration``), the RoPE price of a latent cache (``latent``) and the speed measurements (``speed``). The verdict rules are
 ``rules``; ``results`` holds the views of the two trained-model frontiers.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from .calibration import calibration_section
 from .header import header
 from .kvm import kvm_section
+from .latent import latent_section
 from .latentllm import latentllm_section
 from .lrkv import lrkv_section
 from .results import Frontier, Recall
@@ -30,6 +31,7 @@ def render() -> str:
         lrkv_section(recall, frontier, load("convert_oneshot_smollm2.json")),
         calibration_section({name: load(name) for name in ("convert_oneshot_smollm2.json", "convert_oneshot_mix_smollm2.json")},
                             {name: load(name) for name in ("convert_heldout_plays_smollm2.json", "convert_heldout_mix3_smollm2.json")}),
+        latent_section(load("convert_latent_smollm2.json")),
         kvm_section(recall, frontier, load("needles_mha_4000steps.json"), load("needles_recipe_probes.json"), load("niah_kvm.json"), decode,
                     load("kvm_speed.json"), load("kvm_speed_backward.json")),
         latentllm_section(load("compress_sweep_smollm2.json"), load("compress_prefill_latentllm03.json")),

@@ -20,6 +20,12 @@ def _rows(runs: list[dict[str, Any]], texts: list[str]) -> list[list[str]]:
     return rows
 
 
+def _sentence(parts: list[str]) -> str:
+    """Clauses joined by semicolons, the first letter capitalised (nothing else)."""
+    text = "; ".join(parts) or "no cache ratio has both methods"
+    return text[0].upper() + text[1:]
+
+
 def latent_section(oneshot: dict[str, Any], healed: list[dict[str, Any]] = ()) -> str:
     """The table of every run (one-shot, then healed), the change from ``mla`` to ``latent`` at each
     cache ratio both were run at, and the one-shot target at R = 0.5."""
@@ -51,6 +57,6 @@ between them is what `mla`'s treatment of RoPE costs. SmolLM2-135M, calibrated o
 `{oneshot['calib']}`, perplexity on {oneshot['eval_tokens']:,} tokens per text in
 {oneshot['seq_len']}-token windows (the original: {originals}; {sources}):
 
-{table(header, _rows([oneshot, *healed], texts), right=set(range(1, len(header))))}
+{table(header, _rows([oneshot, *healed], texts), right={1, *range(3, len(header))})}
 
-{'; '.join(changes).capitalize() if changes else 'No cache ratio has both methods'}.{target}"""
+{_sentence(changes)}.{target}"""
