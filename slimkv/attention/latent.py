@@ -139,6 +139,7 @@ register_attention(
     description="cached joint K/V latent, keys rebuilt then rotated (exact RoPE, no absorption): the latent cache's quality ceiling",
     presets=Presets(
         comparable=lambda shape, explicit: (_latent_at(shape, 0.5), "kv_rank = half of MHA's cache"),
+        decode=lambda shape: [("latent", _latent_at(shape, 0.5))],
         sizes=lambda shape: [(f"latent:kv_rank={_latent_at(shape, f)['kv_rank']}", _latent_at(shape, f)) for f in (0.25, 0.5)],
     ),
 )

@@ -489,8 +489,12 @@ def test_calibration_tokens_beyond_the_text_are_refused_not_resampled(fake_sourc
         calibration_sources("austen", option="--heal-text")
 
 
-def test_evaluation_text_takes_the_new_sources(fake_sources):
+def test_evaluation_text_takes_the_new_sources(fake_sources, monkeypatch):
     assert evaluation_text("devil") == DOC_SEPARATOR.join(CORPORA["devil"].documents())
+    monkeypatch.setattr(texts, "handbook_documents", lambda split="train": [f"{split} page one", f"{split} page two"])
+    assert evaluation_text("handbook-val") == "val page one\n\nval page two"
+    with pytest.raises(ValueError, match="names evaluation text handbook-val"):
+        calibration_sources("kjv,handbook-val")
     with pytest.raises(ValueError, match="calibration split"):
         evaluation_text("shakespeare")
 
