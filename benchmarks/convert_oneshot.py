@@ -52,13 +52,15 @@ def converted_folder(work: Path, options: ConvertOptions, heal: HealConfig | Non
     """The conversion's folder (reused if it holds the same finished conversion), its manifest and
     the seconds a new conversion (and healing) took."""
     calib = options.calib.replace(",", "+").replace("/", "_")
-    out = work / (f"{options.method}_{options.cache_ratio}_{calib}" + (f"_heal{heal.tokens}_{heal.text.replace(',', '+')}" if heal else ""))
+    out = work / (f"{options.method}_{options.cache_ratio}_{calib}" + (f"_seed{options.seed}" if options.seed else "")
+                  + (f"_heal{heal.tokens}_{heal.text.replace(',', '+')}" if heal else ""))
     manifest_path = out / "slimkv_conversion.json"
     if manifest_path.exists():
         manifest = read_json(manifest_path, expect=dict)
         healing = manifest.get("healing") or {}
         same_healing = (healing.get("status") == "finished" and healing.get("text") == heal.text) if heal else not healing
-        if (manifest.get("method"), manifest.get("cache_ratio"), manifest["calibration"]["source"]) == (options.method, options.cache_ratio, options.calib) and same_healing:
+        done = (manifest["options"]["method"], manifest.get("cache_ratio"), manifest["calibration"]["source"], manifest["calibration"]["seed"])
+        if done == (options.method, options.cache_ratio, options.calib, options.seed) and same_healing:
             return out, manifest, None
     started = time.perf_counter()
     _, manifest = convert_pretrained("smollm2", options, out, heal_cfg=heal, progress=progress)
@@ -99,6 +101,7 @@ def main() -> None:
     parser.add_argument("--calib", default=ConvertOptions.calib, help=f"calibration text, as convert's --calib (default {ConvertOptions.calib})")
     parser.add_argument("--heal-tokens", type=int, default=0, help="heal every conversion on this many tokens of --heal-text (default 0: one-shot)")
     parser.add_argument("--heal-text", default=HealConfig.text, help=f"healing text, as convert's --heal-text (default {HealConfig.text})")
+    parser.add_argument("--seed", type=int, default=0, help="calibration (and healing) seed of every conversion (default 0)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--name", default="convert_oneshot_smollm2")
     parser.add_argument("--no-progress", action="store_true")
@@ -112,9 +115,9 @@ def main() -> None:
         return
     runs = [parse_run(r) for r in args.runs]
     fetch_smollm2()
-    heal = HealConfig(tokens=args.heal_tokens, text=args.heal_text) if args.heal_tokens else None
+    heal = HealConfig(tokens=args.heal_tokens, text=args.heal_text, seed=args.seed) if args.heal_tokens else None
     for method, ratio in runs:  # every entry checked before the first conversion
-        check_before_work("smollm2", ConvertOptions(method, ratio, calib=args.calib), None, heal)
+        check_before_work("smollm2", ConvertOptions(method, ratio, calib=args.calib, seed=args.seed), None, heal)
     torch.set_num_threads(args.threads)
     texts = {name: evaluation_text(name) for name in args.texts}
     work = Path(args.work)
@@ -126,7 +129,7 @@ def main() -> None:
     rows = []
     for method, ratio in runs:
         load_before = os.getloadavg()[0]
-        out, manifest, seconds = converted_folder(work, ConvertOptions(method, ratio, calib=args.calib), heal, not args.no_progress)
+        out, manifest, seconds = converted_folder(work, ConvertOptions(method, ratio, calib=args.calib, seed=args.seed), heal, not args.no_progress)
         loaded = load_language_model(str(out))
         ppl = {name: perplexity(loaded.model, loaded.tokenizer, text, 1024, args.eval_tokens)["ppl"] for name, text in texts.items()}
         del loaded
@@ -140,7 +143,7 @@ def main() -> None:
         print(f"{method:<10} R={ratio:<5} live cache {row['live_cache_ratio']:.3f}: " + ", ".join(
             f"{n} {p:.2f} ({row['ppl_over_original'][n]:.2f}x)" for n, p in ppl.items()), flush=True)
 
-    payload = {"model": "smollm2", "threads": args.threads, "calib": args.calib, "heal_tokens": args.heal_tokens, "heal_text": args.heal_text if heal else None,
+    payload = {"model": "smollm2", "threads": args.threads, "calib": args.calib, "seed": args.seed, "heal_tokens": args.heal_tokens, "heal_text": args.heal_text if heal else None,
                "eval_tokens": args.eval_tokens, "seq_len": 1024, "context": args.context,
                "texts": args.texts, "original_ppl": baseline, "rows": rows}
     path = write_results(args.name, payload, RESULTS, plot([payload]))
