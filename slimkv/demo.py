@@ -48,8 +48,8 @@ from slimkv.train.config import TrainConfig
 
 DEMO_PARTS = ("compare", "convert", "retrieval", "compress", "recall")
 DEMO_CONVERSION = ("mla", 0.5)  # method and cache ratio of the conversion demo (the recommended method)
-DEMO_CONVERSION_CALIB_TOKENS = 2048
-DEMO_CONVERSION_CALIB_SEQ_LEN = 512  # 4 windows: one from each source of the default calibration mix
+DEMO_CONVERSION_CALIB_TOKENS = 2560
+DEMO_CONVERSION_CALIB_SEQ_LEN = 512  # 5 windows: one from each source of the default calibration mix
 DEMO_CONVERSION_EVAL_TOKENS = 2048
 DEMO_COMPRESSION_EVAL_TOKENS = 2048  # per evaluation text
 DEMO_STEPS = 100  # per entry: the default recipe, shortened so the whole demo fits 10 minutes on 2 cores (docs/timings.md)

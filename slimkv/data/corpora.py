@@ -16,8 +16,10 @@ with ``shakespeare``) and to ``--text``.
 * ``handbook``: The Debian Administrator's Handbook (``debian-handbook``, 34.8 MB .deb; its
   English HTML, 127 pages): modern English prose (2010s-2020s, technical), one document per page
   with its paragraphs, headings and list items (code listings, navigation and URLs dropped).
-  Every ``HANDBOOK_HELD_OUT``-th page (sorted by name, starting with the second) is held out as
-  ``handbook-val``: evaluation text that no calibration or healing mix ever reads.
+
+Every source is split by document (``split_documents``): every ``HELD_OUT_EVERY``-th document,
+starting with the second, is held out (``NAME-val``: evaluation text that no calibration or healing
+mix ever reads); calibration reads the others.
 """
 
 from __future__ import annotations
@@ -261,7 +263,6 @@ def pydoc_documents() -> list[str]:
 HANDBOOK_PACKAGE = "debian-handbook"
 HANDBOOK_PAGES = "usr/share/doc/debian-handbook/html/en-US/"
 HANDBOOK_LICENSE = "GPL-2+ or CC-BY-SA-3.0 (Raphael Hertzog, Roland Mas): redistributable, not public domain"
-HANDBOOK_HELD_OUT = 5  # every 5th page is evaluation text only (``handbook-val``)
 HANDBOOK_MIN_CHARS = 1000
 HTML_SKIPPED = frozenset({"pre", "script", "style", "head", "table"})  # code listings, metadata, tables of options
 HTML_SKIPPED_CLASSES = frozenset({"docnav", "toc", "url", "banner", "title-page", "legalnotice", "index"})
@@ -327,21 +328,38 @@ def html_paragraphs(page: str) -> list[str]:
     return parser.paragraphs
 
 
-def handbook_documents(split: str = "train") -> list[str]:
+def handbook_documents() -> list[str]:
     """The Debian Administrator's Handbook, one document per page of at least HANDBOOK_MIN_CHARS
-    characters; ``split`` "train" (calibration) or "val" (every HANDBOOK_HELD_OUT-th page, evaluation only)."""
-    if split not in ("train", "val"):
-        raise ValueError(f"split {split!r}: expected 'train' or 'val'")
+    characters, pages sorted by file name (the table of contents, ``index.html``, left out)."""
     folder = fetch_package_texts(_source_dir("handbook"), HANDBOOK_PACKAGE, _build_handbook, HANDBOOK_LICENSE)
     texts = ("\n".join(html_paragraphs(path.read_text(encoding="utf-8"))) for path in package_files(folder) if path.name != "index.html")
-    pages = [text for text in texts if len(text) >= HANDBOOK_MIN_CHARS]
-    return [page for i, page in enumerate(pages) if (i % HANDBOOK_HELD_OUT == 1) == (split == "val")]
+    return [text for text in texts if len(text) >= HANDBOOK_MIN_CHARS]
+
+
+# --- held-out splits ---------------------------------------------------------------------------
+
+HELD_OUT_EVERY = 5  # every 5th document of a source is evaluation text only (``NAME-val``)
+SPLITS = ("train", "val")
+
+
+def split_documents(documents: list[str], split: str) -> list[str]:
+    """``split`` "val": every HELD_OUT_EVERY-th document starting with the second (index 1, 6, 11,
+    ...; a source of one document has none); "train": the others, in order."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
+    return [doc for i, doc in enumerate(documents) if (i % HELD_OUT_EVERY == 1) == (split == "val")]
 
 
 class Corpus(NamedTuple):
+    """A source: every document (``documents``), a description, its license. ``split`` gives the
+    calibration part ("train") or the held-out part ("val", ``split_documents``)."""
+
     documents: Callable[[], list[str]]
     description: str
     license: str
+
+    def split(self, split: str) -> list[str]:
+        return split_documents(self.documents(), split)
 
 
 CORPORA: dict[str, Corpus] = {
@@ -351,5 +369,5 @@ CORPORA: dict[str, Corpus] = {
     "pydoc": Corpus(pydoc_documents, "Python 3.11 documentation (reST sources as text, PSF license, not public domain; "
                     "Debian python3.11-doc)", PYDOC_LICENSE),
     "handbook": Corpus(handbook_documents, "The Debian Administrator's Handbook (modern English prose, GPL-2+/CC-BY-SA-3.0, not public domain; "
-                       "Debian debian-handbook), its calibration pages (handbook-val holds the others out)", HANDBOOK_LICENSE),
+                       "Debian debian-handbook)", HANDBOOK_LICENSE),
 }

@@ -3,9 +3,10 @@
 ``shakespeare`` is the text of the training plays (calibration), ``shakespeare-val`` the text of
 the held-out plays (evaluation), ``austen`` Jane Austen's novels (out-of-domain evaluation,
 ``slimkv.data.austen``), ``kjv``, ``devil``, ``pydoc`` and ``handbook`` Debian-packaged texts
-(``slimkv.data.corpora``, calibration or evaluation), ``handbook-val`` the handbook's held-out
-pages (modern English, evaluation only), anything else a local text file or a folder of ``*.txt``
-files. ``--calib`` also takes a comma-separated mix of named sources
+(``slimkv.data.corpora``: calibration reads their "train" split; as ``--text`` the whole text),
+``kjv-val``, ``devil-val``, ``pydoc-val`` and ``handbook-val`` their held-out documents
+(evaluation only: no calibration or healing mix reads them), anything else a local text file or
+a folder of ``*.txt`` files. ``--calib`` also takes a comma-separated mix of named sources
 (``shakespeare,kjv``), each getting an equal share of the calibration windows.
 Documents are joined with a blank line ("\\n\\n").
 """
@@ -21,16 +22,17 @@ import torch
 
 from slimkv.common.checks import close_matches
 from slimkv.data.austen import austen_documents
-from slimkv.data.corpora import CORPORA, handbook_documents
+from slimkv.data.corpora import CORPORA
 from slimkv.data.shakespeare import shakespeare_plays, shakespeare_split
 
 CALIB_SHAKESPEARE = "shakespeare"
 EVAL_SHAKESPEARE = "shakespeare-val"
 AUSTEN = "austen"  # Jane Austen's novels: the out-of-domain evaluation text (slimkv.data.austen)
-EVAL_HANDBOOK = "handbook-val"  # the Debian handbook's held-out pages: modern English, evaluation only (slimkv.data.corpora)
+HELD_OUT_SUFFIX = "-val"  # NAME-val: the held-out documents of a Debian source (slimkv.data.corpora.split_documents)
+EVAL_HANDBOOK = "handbook-val"  # the Debian handbook's held-out pages: modern English, the out-of-domain text of the mix era
 DOC_SEPARATOR = "\n\n"
 CALIBRATION_SOURCES = (CALIB_SHAKESPEARE, *CORPORA)  # names --calib takes, alone or mixed
-EVALUATION_ONLY = (EVAL_SHAKESPEARE, AUSTEN, EVAL_HANDBOOK)  # never calibration text
+EVALUATION_ONLY = (EVAL_SHAKESPEARE, AUSTEN, *(name + HELD_OUT_SUFFIX for name in CORPORA))  # never calibration text
 MIXED_CALIBRATION = "shakespeare,kjv,devil,pydoc,handbook"  # every calibration source, equal shares
 
 
@@ -74,7 +76,7 @@ def _local_documents(spec: str) -> list[str]:
 
 
 def _named_documents(name: str) -> list[str]:
-    return _shakespeare("train") if name == CALIB_SHAKESPEARE else CORPORA[name].documents()
+    return _shakespeare("train") if name == CALIB_SHAKESPEARE else CORPORA[name].split("train")
 
 
 def _looks_like_path(item: str) -> bool:
@@ -126,8 +128,9 @@ def calibration_documents(spec: str) -> list[str]:
 
 
 def evaluation_text(spec: str) -> str:
-    """``shakespeare-val`` (the held-out plays), ``austen`` (out of domain), ``handbook-val`` (the
-    handbook's held-out pages), ``kjv``, ``devil``, ``pydoc``, ``handbook`` or a local PATH, documents joined with a blank line. A run must not be evaluated on
+    """``shakespeare-val`` (the held-out plays), ``austen`` (out of domain), ``NAME-val`` (the
+    held-out documents of a Debian source), ``kjv``, ``devil``, ``pydoc``, ``handbook`` (the whole
+    text, held-out documents included) or a local PATH, documents joined with a blank line. A run must not be evaluated on
     a text it was calibrated on (``kjv`` after ``--calib shakespeare,kjv``): its scores would not
     measure generalisation; only the calibration split ``shakespeare`` is refused here."""
     if spec == CALIB_SHAKESPEARE:
@@ -135,8 +138,8 @@ def evaluation_text(spec: str) -> str:
         raise ValueError(f"--text {spec!r} is the calibration split; use {others} or a PATH")
     if spec == AUSTEN:
         return DOC_SEPARATOR.join(austen_documents())
-    if spec == EVAL_HANDBOOK:
-        return DOC_SEPARATOR.join(handbook_documents("val"))
+    if spec.endswith(HELD_OUT_SUFFIX) and spec.removesuffix(HELD_OUT_SUFFIX) in CORPORA:
+        return DOC_SEPARATOR.join(CORPORA[spec.removesuffix(HELD_OUT_SUFFIX)].split("val"))
     if spec in CORPORA:
         return DOC_SEPARATOR.join(CORPORA[spec].documents())
     return DOC_SEPARATOR.join(_shakespeare("val") if spec == EVAL_SHAKESPEARE else _local_documents(spec))

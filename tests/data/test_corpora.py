@@ -28,6 +28,7 @@ from slimkv.data.corpora import (
     html_paragraphs,
     read_compressed_data_file,
     rst_to_text,
+    split_documents,
     unlzw,
 )
 from slimkv.data.debian import deb_member, deb_members, download_deb, fetch_package_texts, package_files
@@ -350,20 +351,37 @@ def test_html_paragraphs_keep_prose_and_drop_code_navigation_and_urls():
                                      "one item"]
 
 
-def test_the_handbook_holds_every_fifth_page_out(monkeypatch, tmp_path):
+def test_the_handbook_is_its_pages_without_the_table_of_contents(monkeypatch, tmp_path):
     pages = []
     for i in range(12):
         path = tmp_path / f"page{i:02d}.html"
-        path.write_text(f"<html><body><div class='para'>{f'word{i} ' * 300}</div></body></html>", encoding="utf-8")
+        path.write_text(f"<html><body><div class='para'>{f'word{i} ' * (300 if i != 3 else 10)}</div></body></html>", encoding="utf-8")
         pages.append(path)
     (tmp_path / "index.html").write_text("<html><body><div class='para'>" + "toc " * 400 + "</div></body></html>", encoding="utf-8")
     monkeypatch.setattr(corpora, "fetch_package_texts", lambda *args: tmp_path)
     monkeypatch.setattr(corpora, "package_files", lambda folder: [*pages, tmp_path / "index.html"])
-    train, held = handbook_documents("train"), handbook_documents("val")
-    assert [doc.split()[0] for doc in held] == ["word1", "word6", "word11"]
-    assert len(train) == 9 and not set(train) & set(held) and not any("toc" in doc for doc in train + held)
+    documents = handbook_documents()
+    assert [doc.split()[0] for doc in documents] == [f"word{i}" for i in range(12) if i != 3]  # page 3 is too short
+
+
+def test_every_source_holds_every_fifth_document_out():
+    documents = [f"doc{i}" for i in range(12)]
+    held = split_documents(documents, "val")
+    assert held == ["doc1", "doc6", "doc11"]
+    assert split_documents(documents, "train") == [d for d in documents if d not in held]
+    assert split_documents(["only"], "val") == [] and split_documents(["only"], "train") == ["only"]
     with pytest.raises(ValueError, match="split 'test'"):
-        handbook_documents("test")
+        split_documents(documents, "test")
+
+
+def test_calibration_reads_the_train_split_and_evaluation_the_held_out_one(fake_sources):
+    kjv = CORPORA["kjv"].documents()
+    assert calibration_sources("kjv")[0][1] == [kjv[0], *kjv[2:]] and kjv[1] == "held 1"
+    assert evaluation_text("kjv-val") == kjv[1]
+    assert evaluation_text("kjv") == DOC_SEPARATOR.join(kjv)  # the whole text, when asked for by name
+    for name in CORPORA:
+        with pytest.raises(ValueError, match=f"names evaluation text {name}-val"):
+            calibration_sources(f"shakespeare,{name}-val")
 
 
 # --- the --calib grammar and the mixing --------------------------------------------------------
@@ -371,15 +389,23 @@ def test_the_handbook_holds_every_fifth_page_out(monkeypatch, tmp_path):
 
 @pytest.fixture
 def fake_sources(monkeypatch):
-    """Every named source replaced by a few documents of numbered words (no downloads)."""
+    """Every named source replaced by a few documents of numbered words (no downloads); a Debian
+    source's calibration split is ``documents(...)``, with one held-out document ("held ...") in
+    the places ``split_documents`` holds out."""
     def documents(base: int, count: int, words: int) -> list[str]:
         return [" ".join(str(base + 100 * d + w) for w in range(words)) for d in range(count)]
 
+    def with_held_out(train: list[str]) -> list[str]:
+        full, rest = [], list(train)
+        while rest:
+            full.append(f"held {len(full)}" if len(full) % 5 == 1 else rest.pop(0))
+        return full
+
     monkeypatch.setattr(texts, "_shakespeare", lambda split: documents(1000 if split == "train" else 9000, 3, 40))
-    monkeypatch.setitem(CORPORA, "kjv", Corpus(lambda: documents(2000, 4, 30), "kjv", "pd"))
-    monkeypatch.setitem(CORPORA, "devil", Corpus(lambda: documents(3000, 2, 50), "devil", "pd"))
-    monkeypatch.setitem(CORPORA, "pydoc", Corpus(lambda: documents(4000, 5, 8), "pydoc", "psf"))
-    monkeypatch.setitem(CORPORA, "handbook", Corpus(lambda: documents(5000, 3, 20), "handbook", "gpl"))
+    monkeypatch.setitem(CORPORA, "kjv", Corpus(lambda: with_held_out(documents(2000, 4, 30)), "kjv", "pd"))
+    monkeypatch.setitem(CORPORA, "devil", Corpus(lambda: with_held_out(documents(3000, 2, 50)), "devil", "pd"))
+    monkeypatch.setitem(CORPORA, "pydoc", Corpus(lambda: with_held_out(documents(4000, 5, 8)), "pydoc", "psf"))
+    monkeypatch.setitem(CORPORA, "handbook", Corpus(lambda: with_held_out(documents(5000, 3, 20)), "handbook", "gpl"))
 
 
 class WordTokenizer:
@@ -401,7 +427,7 @@ def test_calibration_sources_parses_names_paths_and_mixes(fake_sources, tmp_path
     assert [name for name, _ in mixed] == ["shakespeare", "kjv", "devil", "pydoc", "handbook"]
     assert [len(docs) for _, docs in mixed] == [3, 4, 2, 5, 3]
     assert [name for name, _ in calibration_sources(" devil , kjv")] == ["devil", "kjv"]
-    assert calibration_documents("kjv,devil") == CORPORA["kjv"].documents() + CORPORA["devil"].documents()
+    assert calibration_documents("kjv,devil") == CORPORA["kjv"].split("train") + CORPORA["devil"].split("train")
     assert calibration_documents("shakespeare") == texts._shakespeare("train")
 
     odd = tmp_path / "a,b.txt"
@@ -409,7 +435,7 @@ def test_calibration_sources_parses_names_paths_and_mixes(fake_sources, tmp_path
     assert calibration_sources(str(odd)) == [(str(odd), ["local text, with a comma in its name"])]
     monkeypatch.chdir(tmp_path)
     (tmp_path / "kjv").write_text("a file named like a source")
-    assert calibration_sources("kjv")[0][1] == CORPORA["kjv"].documents()
+    assert calibration_sources("kjv")[0][1] == CORPORA["kjv"].split("train")
     assert calibration_sources("./kjv")[0][1] == ["a file named like a source"]
 
 
@@ -491,8 +517,7 @@ def test_calibration_tokens_beyond_the_text_are_refused_not_resampled(fake_sourc
 
 def test_evaluation_text_takes_the_new_sources(fake_sources, monkeypatch):
     assert evaluation_text("devil") == DOC_SEPARATOR.join(CORPORA["devil"].documents())
-    monkeypatch.setattr(texts, "handbook_documents", lambda split="train": [f"{split} page one", f"{split} page two"])
-    assert evaluation_text("handbook-val") == "val page one\n\nval page two"
+    assert evaluation_text("handbook-val") == "held 1"
     with pytest.raises(ValueError, match="names evaluation text handbook-val"):
         calibration_sources("kjv,handbook-val")
     with pytest.raises(ValueError, match="calibration split"):
