@@ -32,7 +32,9 @@ from slimkv.convert.pairs import pair_energy, to_complex
 from slimkv.convert.source import Shape
 
 WEIGHTINGS = ("output", "rootcov")
-METHOD_OPTIONS = {"weighting": "output", "kv_balance": KV_BALANCE}
+ALLOCATIONS = ("uniform", "spectrum")
+METHOD_OPTIONS = {"weighting": "output", "kv_balance": KV_BALANCE, "allocation": "uniform"}
+MIN_LAYER_SHARE = 0.5  # ``allocation=spectrum``: every layer keeps at least this share of the uniform latent
 
 
 def min_ratio(shape: Shape) -> float:
@@ -41,18 +43,43 @@ def min_ratio(shape: Shape) -> float:
 
 
 def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
-    """``weighting`` one of WEIGHTINGS, ``kv_balance`` > 0: ValueError naming the option."""
+    """``weighting`` one of WEIGHTINGS, ``kv_balance`` > 0, ``allocation`` one of ALLOCATIONS: ValueError naming the option."""
     check_choice("--to latent: weighting", options["weighting"], WEIGHTINGS)
+    check_choice("--to latent: allocation", options["allocation"], ALLOCATIONS)
     check_float("--to latent: kv_balance", options["kv_balance"], 0.0, open_low=True)
 
 
 def plan(layers: list[LayerContext], ratio: float, **options: Any) -> tuple[list[dict[str, Any]], str]:
-    """Every layer's whole budget is its latent."""
+    """Every layer's whole budget is its latent: the same in every layer (``allocation=uniform``),
+    or the model's total spread by the spectra (``spectrum``): starting from MIN_LAYER_SHARE of the
+    uniform latent in every layer, each further channel goes to the layer whose next channel
+    removes the largest share of its own weighted error (the next eigenvalue of L T C T^T L^T over
+    their sum, the measure of ``latent_relative_error``), at most 2 G d_h per layer."""
     shape = layers[0].shape
     rank = layer_budget(shape, ratio)
-    return [{"kv_rank": rank, **options} for _ in layers], (
-        f"uniform: every layer caches a latent of {rank} (= floor(ratio x {shape.cache_elements})); keys rebuilt and rotated exactly, "
-        f"{options['weighting']} weighting")
+    if options["allocation"] == "uniform":
+        return [{"kv_rank": rank, **options} for _ in layers], (
+            f"uniform: every layer caches a latent of {rank} (= floor(ratio x {shape.cache_elements})); keys rebuilt and rotated exactly, "
+            f"{options['weighting']} weighting")
+    shares = [_error_shares(layer, options) for layer in layers]  # per layer: each channel's share of the weighted error, descending
+    floor = max(1, int(MIN_LAYER_SHARE * rank))
+    ranks = [min(floor, len(s)) for s in shares]
+    candidates = sorted(((float(s[k]), i) for i, s in enumerate(shares) for k in range(ranks[i], len(s))), reverse=True)
+    for _, i in candidates[: rank * len(layers) - sum(ranks)]:
+        ranks[i] += 1
+    return [{"kv_rank": r, **options} for r in ranks], (
+        f"spectrum: {rank * len(layers)} latent channels in all (floor(ratio x {shape.cache_elements}) per layer on average), at least {floor} "
+        f"per layer, the rest to the largest shares of each layer's weighted error; latents from {min(ranks)} to {max(ranks)}")
+
+
+def _error_shares(layer: LayerContext, options: dict[str, Any]) -> torch.Tensor:
+    """The eigenvalues of the layer's weighted target second moment over their sum (descending):
+    what each further latent channel removes of the layer's relative weighted error."""
+    s, a = layer.shape, layer.affine()
+    target = torch.cat((a.k.flatten(0, 1), a.v.flatten(0, 1)))
+    weighted = target if options["weighting"] == "rootcov" else output_weight(a, s, options["kv_balance"]) @ target
+    values = torch.linalg.eigvalsh(weighted @ a.cov @ weighted.T).flip(0).clamp_min(0)
+    return values / values.sum().clamp_min(1e-300)
 
 
 def fit_layer(layer: LayerContext, options: dict[str, Any]) -> LayerFit:

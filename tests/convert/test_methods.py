@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slimkv.convert import gqa, lowrank, mla, pairs
+from slimkv.convert import gqa, latent, lowrank, mla, pairs
 from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.context import layer_budget
-from slimkv.convert.methods import CONVERSIONS, LayerContext, get_conversion
+from slimkv.convert.methods import CONVERSIONS, LayerContext, get_conversion, parse_method
 from slimkv.convert.pipeline import build_converted, convert_pretrained
 from slimkv.convert.source import Source
 from slimkv.eval.cache import cache_report
@@ -194,3 +194,19 @@ def test_the_calibration_records_the_mean_for_biases():
     augmented = stats.augmented_cov()
     assert augmented.shape == (49, 49) and augmented[-1, -1] == 1 and torch.equal(augmented[:-1, -1], stats.mean)
     assert layers[0].affine().q.shape == (4, 12, 49) and torch.equal(layers[0].affine().q[..., -1], layers[0].weights.q_bias)
+
+
+def test_latent_spectrum_allocation_spreads_the_same_total():
+    """``latent:allocation=spectrum`` moves latent channels between layers, never more in all than
+    the uniform plan, every layer at least half the uniform latent."""
+    original = perturbed(tiny_model("llama"))
+    source, layers = contexts(original)
+    _, uniform = parse_method("latent")
+    _, spread = parse_method("latent:allocation=spectrum")
+    even, _ = latent.plan(layers, 0.3, **uniform)
+    planned, why = latent.plan(layers, 0.3, **spread)
+    ranks = [p["kv_rank"] for p in planned]
+    assert sum(ranks) == sum(p["kv_rank"] for p in even) and min(ranks) >= even[0]["kv_rank"] // 2
+    assert "spectrum" in why
+    model, _, _ = build_converted(source, get_conversion("latent"), layers, planned)
+    assert [block.attn.kv_rank for block in model.model.layers] == ranks
