@@ -29,7 +29,7 @@ import torch
 from slimkv.common.files import read_json, save_figure
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
-from slimkv.convert.heal import HealConfig
+from slimkv.convert.heal import PARAMETER_SETS, HealConfig
 from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained
 from slimkv.data.texts import evaluation_text
 from slimkv.eval.cache import cache_report
@@ -53,12 +53,14 @@ def converted_folder(work: Path, options: ConvertOptions, heal: HealConfig | Non
     the seconds a new conversion (and healing) took."""
     calib = options.calib.replace(",", "+").replace("/", "_")
     out = work / (f"{options.method}_{options.cache_ratio}_{calib}" + (f"_seed{options.seed}" if options.seed else "")
-                  + (f"_heal{heal.tokens}_{heal.text.replace(',', '+')}" if heal else ""))
+                  + (f"_heal{heal.tokens}_{heal.text.replace(',', '+')}" if heal else "")
+                  + (f"_{heal.params}" if heal and heal.params != HealConfig.params else ""))
     manifest_path = out / "slimkv_conversion.json"
     if manifest_path.exists():
         manifest = read_json(manifest_path, expect=dict)
         healing = manifest.get("healing") or {}
-        same_healing = (healing.get("status") == "finished" and healing.get("text") == heal.text) if heal else not healing
+        same_healing = (healing.get("status") == "finished" and healing.get("text") == heal.text
+                        and healing.get("heal_config", {}).get("params") == heal.params) if heal else not healing
         done = (manifest["options"]["method"], manifest.get("cache_ratio"), manifest["calibration"]["source"], manifest["calibration"]["seed"])
         if done == (options.method, options.cache_ratio, options.calib, options.seed) and same_healing:
             return out, manifest, None
@@ -100,6 +102,8 @@ def main() -> None:
     parser.add_argument("--work", default="runs/convert_oneshot", help="where converted folders are written and reused")
     parser.add_argument("--calib", default=ConvertOptions.calib, help=f"calibration text, as convert's --calib (default {ConvertOptions.calib})")
     parser.add_argument("--heal-tokens", type=int, default=0, help="heal every conversion on this many tokens of --heal-text (default 0: one-shot)")
+    parser.add_argument("--heal-params", default=HealConfig.params, choices=PARAMETER_SETS,
+                        help=f"what healing trains, as convert's --heal-params (default {HealConfig.params})")
     parser.add_argument("--heal-text", default=HealConfig.text, help=f"healing text, as convert's --heal-text (default {HealConfig.text})")
     parser.add_argument("--seed", type=int, default=0, help="calibration (and healing) seed of every conversion (default 0)")
     parser.add_argument("--threads", type=int, default=2)
@@ -115,7 +119,7 @@ def main() -> None:
         return
     runs = [parse_run(r) for r in args.runs]
     fetch_smollm2()
-    heal = HealConfig(tokens=args.heal_tokens, text=args.heal_text, seed=args.seed) if args.heal_tokens else None
+    heal = HealConfig(tokens=args.heal_tokens, text=args.heal_text, params=args.heal_params, seed=args.seed) if args.heal_tokens else None
     for method, ratio in runs:  # every entry checked before the first conversion
         check_before_work("smollm2", ConvertOptions(method, ratio, calib=args.calib, seed=args.seed), None, heal)
     torch.set_num_threads(args.threads)
@@ -143,7 +147,7 @@ def main() -> None:
         print(f"{method:<10} R={ratio:<5} live cache {row['live_cache_ratio']:.3f}: " + ", ".join(
             f"{n} {p:.2f} ({row['ppl_over_original'][n]:.2f}x)" for n, p in ppl.items()), flush=True)
 
-    payload = {"model": "smollm2", "threads": args.threads, "calib": args.calib, "seed": args.seed, "heal_tokens": args.heal_tokens, "heal_text": args.heal_text if heal else None,
+    payload = {"model": "smollm2", "threads": args.threads, "calib": args.calib, "seed": args.seed, "heal_tokens": args.heal_tokens, "heal_text": args.heal_text if heal else None, "heal_params": args.heal_params if heal else None,
                "eval_tokens": args.eval_tokens, "seq_len": 1024, "context": args.context,
                "texts": args.texts, "original_ppl": baseline, "rows": rows}
     path = write_results(args.name, payload, RESULTS, plot([payload]))
