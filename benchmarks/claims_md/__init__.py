@@ -31,7 +31,7 @@ def render() -> str:
         lrkv_section(recall, frontier, load("convert_oneshot_smollm2.json")),
         calibration_section({name: load(name) for name in ("convert_oneshot_smollm2.json", "convert_oneshot_mix_smollm2.json")},
                             {name: load(name) for name in ("convert_heldout_plays_smollm2.json", "convert_heldout_mix3_smollm2.json")}),
-        latent_section(load("convert_latent_smollm2.json")),
+        latent_section(load("convert_latent_smollm2.json"), [load("convert_latent_healed_smollm2.json")]),
         kvm_section(recall, frontier, load("needles_mha_4000steps.json"), load("needles_recipe_probes.json"), load("niah_kvm.json"), decode,
                     load("kvm_speed.json"), load("kvm_speed_backward.json")),
         latentllm_section(load("compress_sweep_smollm2.json"), load("compress_prefill_latentllm03.json")),
