@@ -50,3 +50,16 @@ def run_in_calls(attn, x: torch.Tensor, sizes: list[int], check=None) -> torch.T
         if check is not None:
             check(cache)
     return torch.cat(outs, dim=1)
+
+
+def assert_paths_agree(attn, x: torch.Tensor, expected: torch.Tensor, paths: tuple[str, ...] = ("absorbed", "expanded"),
+                       splits: tuple[list[int], ...] = (), tol: float = 1e-10) -> None:
+    """Every ``decode_path`` of ``attn`` computes ``expected`` on ``x`` in one call and in each of
+    ``splits`` (lists of call sizes, the cache carrying the rest): the shared runner of the kinds
+    with two exact decode paths (mla, latent)."""
+    with torch.no_grad():
+        for path in paths:
+            attn.decode_path = path
+            assert rel_rmse(attn(x), expected) < tol, path
+            for sizes in splits:
+                assert rel_rmse(run_in_calls(attn, x, list(sizes)), expected) < tol, (path, sizes)

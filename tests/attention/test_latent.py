@@ -11,7 +11,7 @@ import torch
 
 from slimkv.attention import build_attention
 from slimkv.ops.rope import Rotary
-from tests.helpers import rel_rmse, run_in_calls
+from tests.helpers import assert_paths_agree
 
 D_MODEL, N_HEADS, HEAD_DIM, SEQ_LEN = 24, 4, 6, 19
 CONFIGS = {
@@ -50,28 +50,12 @@ def spec_latent(attn, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_module_equals_the_spec_written_out(name):
+def test_both_paths_equal_the_spec_written_out_in_every_split(name):
     attn = make(**CONFIGS[name])
     x = torch.randn(2, SEQ_LEN, D_MODEL, dtype=torch.float64)
     with torch.no_grad():
         expected = spec_latent(attn, x)
-        for path in ("absorbed", "expanded"):
-            attn.decode_path = path
-            assert rel_rmse(attn(x), expected) < 1e-10, path
-
-
-@pytest.mark.parametrize("name", CONFIGS)
-def test_absorbed_equals_expanded_in_every_split(name):
-    attn = make(**CONFIGS[name])
-    x = torch.randn(2, SEQ_LEN, D_MODEL, dtype=torch.float64)
-    outputs = {}
-    with torch.no_grad():
-        for path in ("absorbed", "expanded"):
-            attn.decode_path = path
-            outputs[path] = [attn(x), run_in_calls(attn, x, [7, 1, 4, 1, 6]), run_in_calls(attn, x, [1] * SEQ_LEN)]
-    for absorbed, expanded in zip(outputs["absorbed"], outputs["expanded"]):
-        assert rel_rmse(absorbed, expanded) < 1e-10
-    assert rel_rmse(outputs["expanded"][2], outputs["expanded"][0]) < 1e-10
+    assert_paths_agree(attn, x, expected, splits=([7, 1, 4, 1, 6], [1] * SEQ_LEN))
 
 
 def test_auto_absorbs_decode_steps_and_expands_prefill():

@@ -14,7 +14,7 @@ import torch
 from slimkv.attention import build_attention
 from slimkv.attention.mla import absorbed_is_cheaper
 from slimkv.ops.attention import attend, reference_attention
-from tests.helpers import rel_rmse, run_in_calls
+from tests.helpers import assert_paths_agree, rel_rmse, run_in_calls
 
 D_MODEL, N_HEADS, HEAD_DIM, SEQ_LEN = 24, 3, 4, 19
 
@@ -97,9 +97,7 @@ def test_module_equals_the_spec_written_out(name):
     x = torch.randn(2, SEQ_LEN, D_MODEL, dtype=torch.float64)
     with torch.no_grad():
         expected = spec_mla(attn, x)
-        for path in ("absorbed", "expanded"):
-            attn.decode_path = path
-            assert rel_rmse(attn(x), expected) < 1e-10, path
+    assert_paths_agree(attn, x, expected)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
