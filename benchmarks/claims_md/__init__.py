@@ -18,6 +18,8 @@ from .results import Frontier, Recall
 from .speed import speed_section
 from .text import load
 
+LATENT_RUNS = ("convert_latent_healed_smollm2.json",)  # the latent section's files beside the one-shot comparison
+
 
 def render() -> str:
     """The whole of claims.md from the committed JSON."""
@@ -32,7 +34,7 @@ def render() -> str:
         calibration_section({name: load(name) for name in ("convert_oneshot_smollm2.json", "convert_oneshot_mix_smollm2.json")},
                             {name: load(name) for name in ("convert_heldout_plays_smollm2.json", "convert_heldout_mix3_smollm2.json")},
                             {name: load(name) for name in ("convert_latent_smollm2.json", "convert_latent_mix5_smollm2.json")}),
-        latent_section(load("convert_latent_smollm2.json"), [load("convert_latent_healed_smollm2.json")]),
+        latent_section(load("convert_latent_smollm2.json"), [load(name) for name in LATENT_RUNS]),
         kvm_section(recall, frontier, load("needles_mha_4000steps.json"), load("needles_recipe_probes.json"), load("niah_kvm.json"), decode,
                     load("kvm_speed.json"), load("kvm_speed_backward.json")),
         latentllm_section(load("compress_sweep_smollm2.json"), load("compress_prefill_latentllm03.json")),

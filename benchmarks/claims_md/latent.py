@@ -23,9 +23,24 @@ def _rows(runs: list[dict[str, Any]], texts: list[str]) -> list[list[str]]:
     rows = []
     for d in runs:
         for r in d["rows"]:
-            rows.append([f"`{r['method']}`", f"{r['cache_ratio']}", f"{len(d['calib'].split(','))} texts", _healing(r)]
+            rows.append([f"`{r['method']}`", f"{r['cache_ratio']}", f"{len(d['calib'].split(','))} texts", str(d.get("seed", 0)), _healing(r)]
                         + [f"{ppl(r['ppl'][t])} ({times(r['ppl_over_original'][t])})" for t in texts])
     return rows
+
+
+def _compare(d: dict[str, Any], method: str, other: str, texts: list[str]) -> list[str]:
+    """One clause per cache ratio at which run file ``d`` holds one-shot rows of both methods:
+    ``method`` against ``other``, the verdict (``rules.ppl_verdict``) and the change per text."""
+    found = {(r["method"], r["cache_ratio"]): r for r in d["rows"] if not r.get("healing")}
+    clauses = []
+    for (name, ratio), row in found.items():
+        if name != method or (other, ratio) not in found:
+            continue
+        base = found[(other, ratio)]
+        gaps = ", ".join(f"{pct1(row['ppl'][t] / base['ppl'][t] - 1)} on {t}" for t in texts)
+        verdict = word(ppl_verdict(row["ppl"], base["ppl"]), "worse than", "better than", "level with")
+        clauses.append(f"at R = {ratio}, `{method}` is {verdict} `{other}` ({gaps})")
+    return clauses
 
 
 def _healed_target(healed: list[dict[str, Any]], texts: list[str]) -> str:
@@ -51,29 +66,27 @@ def _sentence(parts: list[str]) -> str:
     return text[0].upper() + text[1:]
 
 
-def latent_section(oneshot: dict[str, Any], healed: list[dict[str, Any]] = ()) -> str:
-    """The table of every run (one-shot, then healed), the change from ``mla`` to ``latent`` at each
-    cache ratio both were run at, and the one-shot target at R = 0.5."""
+def latent_section(oneshot: dict[str, Any], others: list[dict[str, Any]] = ()) -> str:
+    """The table of every run (``oneshot``, then ``others``: healed runs, other calibration seeds,
+    the spectrum allocation), ``latent`` against ``mla`` at each cache ratio of each file that has
+    both, the spectrum allocation against the uniform one, and the one-shot and healed targets at R = 0.5."""
     texts = list(oneshot["original_ppl"])
-    found = {(r["method"], r["cache_ratio"]): r for r in oneshot["rows"]}
-    changes = []
-    for (method, ratio), row in found.items():
-        if method != "latent" or ("mla", ratio) not in found:
-            continue
-        other = found[("mla", ratio)]
-        gaps = ", ".join(f"{pct1(row['ppl'][t] / other['ppl'][t] - 1)} on {t}" for t in texts)
-        verdict = word(ppl_verdict(row["ppl"], other["ppl"]), "worse than", "better than", "level with")
-        changes.append(f"at R = {ratio}, `latent` is {verdict} `mla` ({gaps})")
-    at_half = found.get(("latent", 0.5))
+    main = _compare(oneshot, "latent", "mla", texts)
+    seeds = [f"with calibration seed {d.get('seed', 0)} on the {len(d['calib'].split(','))}-text mix, {clause}"
+             for d in others for clause in _compare(d, "latent", "mla", texts)]
+    spread = [clause for d in others for clause in _compare(d, "latent:allocation=spectrum", "latent", texts)]
+    at_half = {(r["method"], r["cache_ratio"]): r for r in oneshot["rows"]}.get(("latent", 0.5))
     target = ""
     if at_half is not None:
         missed = [t for t in texts if at_half["ppl_over_original"][t] > ONE_SHOT_TARGET]
         target = (f" The one-shot target at R = 0.5 (at most {ONE_SHOT_TARGET}x the original on every text) is "
                   + (f"**missed** by `latent` on {join_words(missed)}." if missed else "**met** by `latent` on every text."))
-    sources = ", ".join(f"{link(d['benchmark'] + '.json')}: {when(d)}" for d in [oneshot, *healed])
-    header = ["method", "R", "calibration", "healing"] + [f"{t} (x original)" for t in texts]
-    mixes = sorted({d["calib"] for d in [oneshot, *healed]}, key=len)
+    runs = [oneshot, *others]
+    sources = ", ".join(f"{link(d['benchmark'] + '.json')}: {when(d)}" for d in runs)
+    header = ["method", "R", "calibration", "seed", "healing"] + [f"{t} (x original)" for t in texts]
+    mixes = sorted({d["calib"] for d in runs}, key=len)
     originals = ", ".join(f"{t} {ppl(p)}" for t, p in oneshot["original_ppl"].items())
+    allocation = f"\n\nAllocation by the spectra: {_sentence(spread)}." if spread else ""
     return f"""## The RoPE price of a latent cache
 
 `mla` caches a decoupled rotary key and lets the other key channels lose their rotation;
@@ -83,6 +96,6 @@ between them is what `mla`'s treatment of RoPE costs. SmolLM2-135M, calibrated (
 {join_words([f"`{m}`" for m in mixes])} (the calibration column counts the texts), perplexity on {oneshot['eval_tokens']:,} tokens per text in
 {oneshot['seq_len']}-token windows (the original: {originals}; {sources}):
 
-{table(header, _rows([oneshot, *healed], texts), right={1, *range(4, len(header))})}
+{table(header, _rows(runs, texts), right={1, 3, *range(5, len(header))})}
 
-{_sentence(changes)}.{target}{_healed_target(list(healed), texts)}"""
+{_sentence(main + seeds)}.{target}{_healed_target(list(others), texts)}{allocation}"""
