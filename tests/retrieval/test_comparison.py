@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from slimkv.common.files import read_json
 from slimkv.retrieval.comparison import aggregate, comparison, generations_row, render_markdown, slimkv_row, winners
 
@@ -47,6 +49,7 @@ def test_a_winner_is_named_separated_only_when_the_intervals_allow():
     assert "not separated" in text and "| few | slimkv | 0.50 | 0.5000 | 50 | 1.00 (3/3, 0.44-1.00) |" in text
 
 
-def test_the_committed_comparison_is_what_its_json_renders():
-    data = read_json(RESULTS / "niah_smollm2.json", expect=dict)
-    assert (RESULTS / "niah_smollm2.md").read_text(encoding="utf-8") == render_markdown(data)
+@pytest.mark.parametrize("name", sorted(p.stem for p in RESULTS.glob("niah*_smollm2.json")))
+def test_each_committed_comparison_is_what_its_json_renders(name):
+    data = read_json(RESULTS / f"{name}.json", expect=dict)
+    assert (RESULTS / f"{name}.md").read_text(encoding="utf-8") == render_markdown(data)
