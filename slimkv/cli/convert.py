@@ -35,11 +35,14 @@ def add_commands(subparsers) -> None:
         ),
         epilog=(
             "methods:\n" + "\n".join(f"  {name:<12} {c.description}" for name, c in CONVERSIONS.items()) + "\n\n"
-            "kvm options (--to kvm:KEY=VALUE,...; defaults): " + ", ".join(f"{k}={v}" for k, v in CONVERSIONS["kvm"].settings.items()) + "\n\n"
+            "method options (--to NAME:KEY=VALUE,...; defaults):\n"
+            + "\n".join(f"  {name:<12} " + ", ".join(f"{k}={v}" for k, v in c.settings.items()) for name, c in CONVERSIONS.items() if c.settings)
+            + "\n\n"
             "examples:\n"
             "  slimkv convert --model smollm2 --to mla --cache-ratio 0.5 --out runs/smollm2-mla50\n"
             "  slimkv convert --model smollm2 --to mla --cache-ratio 0.25 --heal-tokens 500000 --out runs/smollm2-mla25\n"
             "  slimkv convert --model smollm2 --to mla-prefix --cache-ratio 0.5 --export deepseek --out runs/smollm2-ds50\n"
+            "  slimkv convert --model smollm2 --to latent --cache-ratio 0.5 --out runs/smollm2-latent50   # exact RoPE, slower long decode\n"
             "  slimkv convert --model smollm2 --to kvm:chunk_size=128,rows=256 --out runs/smollm2-kvm\n"
             "  slimkv convert --out runs/smollm2-mla25 --resume        # continue an interrupted healing (with its options)\n"
             "  slimkv eval cache --model runs/smollm2-mla50 --context 4096\n"
