@@ -18,7 +18,7 @@ from .results import Frontier, Recall
 from .speed import speed_section
 from .text import load
 
-LATENT_RUNS = ("convert_latent_healed_smollm2.json", "convert_latent25_healed_smollm2.json", "convert_latent_seed1_smollm2.json", "convert_latent_allocation_smollm2.json")  # the latent section's files beside the one-shot comparison
+LATENT_RUNS = ("convert_latent_healed_smollm2.json", "convert_latent_healed_all_smollm2.json", "convert_latent25_healed_smollm2.json", "convert_latent_seed1_smollm2.json", "convert_latent_allocation_smollm2.json")  # the latent section's files beside the one-shot comparison
 
 
 def render() -> str:
