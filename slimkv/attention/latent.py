@@ -140,6 +140,6 @@ register_attention(
     presets=Presets(
         comparable=lambda shape, explicit: (_latent_at(shape, 0.5), "kv_rank = half of MHA's cache"),
         decode=lambda shape: [("latent", _latent_at(shape, 0.5))],
-        sizes=lambda shape: [(f"latent:kv_rank={_latent_at(shape, f)['kv_rank']}", _latent_at(shape, f)) for f in (0.25, 0.5)],
+        sizes=lambda shape: [(f"latent:kv_rank={_latent_at(shape, f)['kv_rank']}", _latent_at(shape, f)) for f in (0.125, 0.25, 0.5)],
     ),
 )
