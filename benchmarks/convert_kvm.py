@@ -35,7 +35,7 @@ import torch
 from slimkv.common.files import read_json, save_figure
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
-from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained
+from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained, finished_conversion
 from slimkv.data.texts import evaluation_text, tokenize
 from slimkv.eval.models import load_language_model
 from slimkv.eval.positions import bucket_means, position_nll
@@ -54,10 +54,11 @@ def parse_run(text: str) -> tuple[str, str]:
 
 
 def converted(model: str, label: str, method: str, work: Path, seed: int) -> Path:
-    """The folder of ``method``'s conversion under ``work``, converted now unless one with the same options is there."""
+    """The folder of ``method``'s conversion under ``work``, converted now unless one with the same
+    options is there (healed or not: a healed folder is evaluated as it is)."""
     out = work / label
     options = ConvertOptions(method=method, seed=seed)
-    if (out / CONVERTED_MANIFEST).is_file() and read_json(out / CONVERTED_MANIFEST).get("options", {}).get("method") == method:
+    if finished_conversion(out, options) is not None:
         print(f"{label}: reusing {out}", flush=True)
         return out
     check_before_work(model, options, out)

@@ -30,7 +30,7 @@ from slimkv.common.files import read_json, save_figure
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
 from slimkv.convert.heal import PARAMETER_SETS, HealConfig
-from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained
+from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained, finished_conversion
 from slimkv.data.texts import evaluation_text
 from slimkv.eval.cache import cache_report
 from slimkv.eval.models import load_language_model
@@ -55,14 +55,10 @@ def converted_folder(work: Path, options: ConvertOptions, heal: HealConfig | Non
     out = work / (f"{options.method}_{options.cache_ratio}_{calib}" + (f"_seed{options.seed}" if options.seed else "")
                   + (f"_heal{heal.tokens}_{heal.text.replace(',', '+')}" if heal else "")
                   + (f"_{heal.params}" if heal and heal.params != HealConfig.params else ""))
-    manifest_path = out / "slimkv_conversion.json"
-    if manifest_path.exists():
-        manifest = read_json(manifest_path, expect=dict)
+    manifest = finished_conversion(out, options)
+    if manifest is not None:
         healing = manifest.get("healing") or {}
-        same_healing = (healing.get("status") == "finished" and healing.get("text") == heal.text
-                        and healing.get("heal_config", {}).get("params") == heal.params) if heal else not healing
-        done = (manifest["options"]["method"], manifest.get("cache_ratio"), manifest["calibration"]["source"], manifest["calibration"]["seed"])
-        if done == (options.method, options.cache_ratio, options.calib, options.seed) and same_healing:
+        if (healing.get("status") == "finished" and healing.get("config") == heal.to_dict()) if heal else not healing:
             return out, manifest, None
     started = time.perf_counter()
     _, manifest = convert_pretrained("smollm2", options, out, heal_cfg=heal, progress=progress)

@@ -22,17 +22,16 @@ Finished runs in the output folder are reused; interrupted ones resume from thei
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from slimkv.attention import ATTENTION_KINDS, kind_spec
 from slimkv.bench.compare import run_compare
 from slimkv.bench.entries import parse_entries
-from slimkv.common.files import check_folder_target, read_json, write_json
+from slimkv.common.files import check_folder_target, write_json
 from slimkv.common.workers import check_workers
 from slimkv.compress import demo_compression
-from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
+from slimkv.convert.pipeline import ConvertOptions, convert_pretrained, finished_conversion
 from slimkv.data import prepare_shakespeare
 from slimkv.eval.cache import cache_report
 from slimkv.eval.cache import format_report as format_cache
@@ -156,7 +155,7 @@ def run_conversion_demo(out_dir: Path, progress: bool, *, method: str = DEMO_CON
     print(f"\n== conversion demo (SmolLM2 -> {method} at {ratio:.0%} of its KV cache, one-shot) into {out_dir}", flush=True)
     fetch_smollm2()
     options = ConvertOptions(method, ratio, calib_tokens=DEMO_CONVERSION_CALIB_TOKENS, calib_seq_len=DEMO_CONVERSION_CALIB_SEQ_LEN)
-    if (out_dir / CONVERTED_MANIFEST).is_file() and read_json(out_dir / CONVERTED_MANIFEST).get("options") == asdict(options):
+    if finished_conversion(out_dir, options) is not None:
         print(f"reusing the conversion in {out_dir}", flush=True)
     else:
         convert_pretrained(SMOLLM2, options, out_dir, progress=progress)

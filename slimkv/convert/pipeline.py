@@ -107,9 +107,10 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
                          f"the minimum is {minimum:.4f} ({method.description})")
     with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    check_calibration_size(tokenizer, calibration_sources(options.calib), options.calib_tokens, options.calib_seq_len)
+    sources = calibration_sources(options.calib)
+    check_calibration_size(tokenizer, sources, options.calib_tokens, options.calib_seq_len)
     if method.refine_text is not None:
-        check_calibration_size(tokenizer, calibration_sources(options.calib), *method.refine_text(settings))
+        check_calibration_size(tokenizer, sources, *method.refine_text(settings))
     if heal_cfg is not None:
         check_heal_text(tokenizer, heal_cfg)
 
@@ -244,6 +245,17 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
     if not (out_dir / CONVERTED_MANIFEST).is_file():
         raise ValueError(f"--out {out_dir} holds no conversion ({CONVERTED_MANIFEST} is missing); convert a model there first")
     return read_json(out_dir / CONVERTED_MANIFEST, expect=dict)
+
+
+def finished_conversion(out_dir: str | Path, options: ConvertOptions) -> dict[str, Any] | None:
+    """The manifest of ``out_dir`` when it holds a finished conversion made with exactly
+    ``options``, else None: what the benchmarks and the demo reuse instead of converting again
+    (the manifest's ``healing`` says whether and how it was healed since)."""
+    path = Path(out_dir).expanduser() / CONVERTED_MANIFEST
+    if not path.is_file():
+        return None
+    manifest = read_json(path, expect=dict)
+    return manifest if manifest.get("options") == asdict(options) else None
 
 
 def conversion_fingerprint(out_dir: Path, manifest: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from slimkv.convert import gqa, latent, lowrank, mla, pairs
 from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.context import layer_budget
 from slimkv.convert.methods import CONVERSIONS, LayerContext, get_conversion, parse_method
-from slimkv.convert.pipeline import build_converted, convert_pretrained
+from slimkv.convert.pipeline import build_converted, convert_pretrained, finished_conversion
 from slimkv.convert.source import Source
 from slimkv.eval.cache import cache_report
 from slimkv.eval.models import load_language_model
@@ -108,6 +108,8 @@ def test_each_method_end_to_end_at_half_the_cache(method, tiny_folder, tmp_path)
     assert stored["method"] == method and stored["kind"] == CONVERSIONS[method].kind
     assert stored["achieved_cache_ratio"] <= 0.5 and stored["changed_parameters"]
     assert set(stored["seconds"]) == {"calibration", "plan", "fit", "refine", "total"} and stored["refinement"] is None
+    assert finished_conversion(out, options(method, 0.5, tmp_path)) == stored  # what the benchmarks and the demo reuse
+    assert finished_conversion(out, options(method, 0.4, tmp_path)) is None and finished_conversion(tmp_path / "none", options(method, 0.5, tmp_path)) is None
     reloaded = load_language_model(str(out))
     ids = torch.randint(3, 99, (1, 24))
     with torch.no_grad():
