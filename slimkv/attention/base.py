@@ -29,7 +29,7 @@ from slimkv.attention.cache import AttentionCache
 from slimkv.common.checks import Checked, check_bool, check_choice, check_float, check_int, close_matches
 from slimkv.ops.attention import BACKENDS
 from slimkv.ops.norm import RMSNorm
-from slimkv.ops.rope import ROPE_MODES, Rotary, check_rope_frequencies
+from slimkv.ops.rope import ROPE_MODES, Rotary, check_rope_frequencies, rotary_dim
 
 COMMON_OPTIONS = ("rope", "rope_fraction", "rope_theta", "rope_frequencies", "qk_norm", "bias", "backend")
 
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         self.rope_mode, self.rope_fraction, self.rope_theta = rope, rope_fraction, float(rope_theta)
         # explicit frequencies of the rotated pairs (a converted layer's); with rope="none" nothing rotates and they are unused, as in mla
         self.rope_frequencies = list(rope_frequencies) if rope_frequencies is not None and rope != "none" else None
-        rot_dim = Rotary(head_dim, rope, rope_fraction).rot_dim
+        rot_dim = rotary_dim(head_dim, rope, rope_fraction)
         if self.rope_frequencies is not None and len(self.rope_frequencies) != rot_dim // 2:
             raise ValueError(f"rope_frequencies has {len(self.rope_frequencies)} values but rope={rope!r}, rope_fraction={rope_fraction} rotates "
                              f"{rot_dim // 2} pairs of a {head_dim}-wide head: give one inverse frequency per rotary pair")

@@ -52,9 +52,9 @@ def add_commands(subparsers) -> None:
     )
     p.add_argument("--model", help="`smollm2` or a local transformers folder (Llama/Mistral/Qwen2)")
     p.add_argument("--to", dest="method", metavar="METHOD[:KEY=VALUE,...]",
-                   help=f"the conversion method ({', '.join(CONVERSIONS)}; see below), with its options for kvm and rope-partial")
+                   help=f"the conversion method ({', '.join(CONVERSIONS)}; see below), with its own options where it has any (listed below)")
     p.add_argument("--cache-ratio", type=float,
-                   help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5 (not for kvm: its state is bounded by its options)")
+                   help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5 (not for kvm, rope-partial and streaming: their cache is set by their own options)")
     p.add_argument("--out", required=True, help="output folder (must be empty, new, or an earlier conversion)")
     p.add_argument("--calib", default=None, help="calibration text: `shakespeare` (the training plays), `kjv`, `devil`, `pydoc`, `handbook`, a comma-separated mix of them (equal shares) "
                    f"or a text file/folder (default: {ConvertOptions.calib})")

@@ -57,7 +57,7 @@ def _niah_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths as fractions of the haystack (default 0,0.25,0.5,0.75,1)")
     parser.add_argument("--samples", type=int, default=None, help="prompts per (length, depth) cell (default 10 for RUN_DIR, 2 for --model)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="RUN_DIR only: greedy new tokens per prompt (default 48); --model generates what each answer needs")
-    parser.add_argument("--haystack", default="shakespeare-val", help="--model only: the prose haystack (default shakespeare-val, the held-out plays; also austen, handbook-val, kjv, devil, pydoc, handbook or a PATH)")
+    parser.add_argument("--haystack", default="shakespeare-val", help="--model only: the prose haystack (default shakespeare-val, the held-out plays; also austen, kjv-val, devil-val, pydoc-val, handbook-val (held out of calibration), kjv, devil, pydoc, handbook or a PATH)")
     parser.add_argument("--seed", type=int, default=0, help="seed of keys, values and haystack positions (default 0)")
     parser.add_argument("--batch-size", type=int, default=None, help="prompts generated together (default 8 for RUN_DIR, 1 for --model)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

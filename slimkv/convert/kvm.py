@@ -44,7 +44,6 @@ ROPE_OPTIONS = {"rope_pairs": 16}
 TRANSFER_OPTIONS = {"transfer_steps": 100, "transfer_lr": 0.05, "transfer_seq_len": 2048, "transfer_windows": 8,
                     "transfer_params": "kvm"}
 METHOD_OPTIONS = {**KVM_LAYER_OPTIONS, **ROPE_OPTIONS, **TRANSFER_OPTIONS}
-ROPE_METHOD_OPTIONS = dict(ROPE_OPTIONS)
 
 
 def check_rope_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None, *, method: str = "rope-partial") -> None:
@@ -113,7 +112,8 @@ def fit_rope(layer: LayerContext, pairs: int) -> tuple[dict[str, torch.Tensor], 
     rho = rotation_expectation(layer.stats.distance, layer.inv_freq)  # (H, F)
     cost = pair_energy(q, a.cov) * pair_energy(k, a.cov)[group_of] * (1 - rho.abs() ** 2)  # (H, F)
     kept = torch.sort(torch.argsort(cost.sum(0), descending=True, stable=True)[:pairs]).values
-    rest = torch.tensor([i for i in range(q.shape[1]) if i not in set(kept.tolist())], dtype=torch.long)
+    chosen = set(kept.tolist())
+    rest = torch.tensor([i for i in range(q.shape[1]) if i not in chosen], dtype=torch.long)
     order = torch.cat((kept, rest))
     k_rows = from_complex(k[:, order])
     q_new = torch.cat((q[:, kept], rho[:, rest, None] * q[:, rest]), dim=1)

@@ -33,7 +33,7 @@ from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfig, check_heal_text, check_resumable, heal
 from slimkv.convert.methods import Conversion, LayerContext, parse_method
-from slimkv.convert.source import Source, check_convertible, copy_shared_weights, slimkv_config
+from slimkv.convert.source import Shape, Source, check_convertible, copy_shared_weights, slimkv_config
 from slimkv.data.texts import (
     MIXED_CALIBRATION,
     calibration_ids,
@@ -184,7 +184,7 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     return model, manifest
 
 
-def cache_bytes_table(model: SlimKVForCausalLM, shape: Any) -> list[dict[str, Any]]:
+def cache_bytes_table(model: SlimKVForCausalLM, shape: Shape) -> list[dict[str, Any]]:
     """float32 cache bytes of the converted model and of the original at contexts from 1K to the
     model's position limit (analytic; the state of a bounded kind stops growing here)."""
     contexts = [n for n in (1024, 2048, 4096, 8192, 16384, 32768) if n <= shape.max_position_embeddings] or [shape.max_position_embeddings]
