@@ -227,12 +227,12 @@ def write_sweep(result: dict, name: str, out_dir: str | Path) -> Path:
 
 
 def demo_compression(out_dir: str | Path, *, model: str = "smollm2", ratio: float = 0.2, methods: tuple[str, ...] = ("rootcov", "latentllm"),
-                     calib_tokens: int = 2048, calib_seq_len: int = 512, eval_tokens: int = 4096, seq_len: int = 1024, seed: int = 0) -> dict[str, Any]:
+                     calib_tokens: int = 2560, calib_seq_len: int = 512, eval_tokens: int = 4096, seq_len: int = 1024, seed: int = 0) -> dict[str, Any]:
     """The ``make demo`` step: compress SmolLM2 at ``ratio`` with each method, print perplexities beside
     the dense model's (same run, same held-out tokens), write ``compression_demo.{json,md,png}``.
 
     Small on purpose (a few minutes on 2 CPU cores): ``calib_tokens`` calibration tokens in
-    ``calib_seq_len`` windows (four windows: one per source of the default mix) and the first
+    ``calib_seq_len`` windows (five windows: one per source of the default mix) and the first
     ``eval_tokens`` tokens of each evaluation text; the full sweep (``slimkv compress-sweep``) uses more.
     """
     if model == SMOLLM2:

@@ -189,6 +189,10 @@ def check_calibration_size(tokenizer, sources: list[str] | list[tuple[str, list[
     groups, named = _groups(sources)
     caches = [{} for _ in groups] if caches is None else caches
     windows = math.ceil(tokens / seq_len)
+    if windows < len(groups):
+        raise ValueError(f"--calib-tokens {tokens} in windows of --calib-seq-len {seq_len} gives {windows} windows, fewer than the "
+                         f"{len(groups)} sources of the mix ({', '.join(name for name, _ in groups)}): each needs a window; "
+                         f"give --calib-tokens at least {len(groups) * seq_len} or fewer sources")
     for i, (name, documents) in enumerate(groups):
         share = len(range(i, windows, len(groups)))
         needed, have = share * seq_len, 0

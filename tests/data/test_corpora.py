@@ -529,3 +529,9 @@ def test_the_registry_describes_every_source():
     assert all(corpus.description and corpus.license for corpus in CORPORA.values())
     assert "not public domain" in CORPORA["pydoc"].description and "PSF" in CORPORA["pydoc"].license
     assert "not public domain" in CORPORA["handbook"].description and "CC-BY-SA" in CORPORA["handbook"].license
+
+
+def test_a_mix_with_more_sources_than_windows_is_refused_naming_the_tokens_it_needs(fake_sources):
+    """Each source of a mix gets a share of the windows; with fewer windows than sources one would get none."""
+    with pytest.raises(ValueError, match=r"gives 4 windows, fewer than the 5 sources of the mix .*at least 80"):
+        check_calibration_size(WordTokenizer(), calibration_sources("shakespeare,kjv,devil,pydoc,handbook"), 64, 16)
