@@ -55,6 +55,9 @@ class LayerContext:
     weights: LayerWeights
     stats: LayerStats
     inv_freq: torch.Tensor  # (head_dim / 2,) RoPE frequency of each adjacent pair
+    # per probed plan, the KL (nats/token) of the model with this layer alone converted as that plan
+    # says (``slimkv.convert.sensitivity``); measured only for a method whose settings ask for it
+    sensitivity: list[float] | None = None
 
     def affine(self) -> AffineLayer:
         """The layer's projections as maps of x' = [x; 1] with their moments (module docstring);

@@ -32,9 +32,9 @@ from slimkv.convert.pairs import pair_energy, to_complex
 from slimkv.convert.source import Shape
 
 WEIGHTINGS = ("output", "rootcov")
-ALLOCATIONS = ("uniform", "spectrum")
+ALLOCATIONS = ("uniform", "spectrum", "sensitivity")
 METHOD_OPTIONS = {"weighting": "output", "kv_balance": KV_BALANCE, "allocation": "uniform"}
-MIN_LAYER_SHARE = 0.5  # ``allocation=spectrum``: every layer keeps at least this share of the uniform latent
+MIN_LAYER_SHARE = 0.5  # ``allocation=spectrum|sensitivity``: every layer keeps at least this share of the uniform latent
 
 
 def min_ratio(shape: Shape) -> float:
@@ -50,36 +50,61 @@ def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | Non
 
 
 def plan(layers: list[LayerContext], ratio: float, **options: Any) -> tuple[list[dict[str, Any]], str]:
-    """Every layer's whole budget is its latent: the same in every layer (``allocation=uniform``),
-    or the model's total spread by the spectra (``spectrum``): starting from MIN_LAYER_SHARE of the
-    uniform latent in every layer, each further channel goes to the layer whose next channel
-    removes the largest share of its own weighted error (the next eigenvalue of L T C T^T L^T over
-    their sum, the measure of ``latent_relative_error``), at most 2 G d_h per layer."""
+    """Every layer's whole budget is its latent, the model's total = floor(ratio x 2 G d_h) per
+    layer on average:
+
+    * ``allocation=uniform``: the same latent in every layer;
+    * ``spectrum``: each channel beyond MIN_LAYER_SHARE of the uniform latent goes to the layer whose
+      next channel removes the largest share of its OWN weighted error (the next eigenvalue of
+      L T C T^T L^T over their sum, the measure of ``latent_relative_error``): every layer's
+      relative error counts the same;
+    * ``sensitivity``: the same greedy rule on what each channel is worth to the MODEL: the
+      layer's measured KL alone at the uniform latent (``LayerContext.sensitivity[0]``) spread over
+      its channels in proportion to their eigenvalues (the weighted error the channel removes),
+      scaled so that the channels the uniform latent leaves out sum to that KL.
+
+    A layer never gets more than 2 G d_h channels."""
     shape = layers[0].shape
     rank = layer_budget(shape, ratio)
     if options["allocation"] == "uniform":
         return [{"kv_rank": rank, **options} for _ in layers], (
             f"uniform: every layer caches a latent of {rank} (= floor(ratio x {shape.cache_elements})); keys rebuilt and rotated exactly, "
             f"{options['weighting']} weighting")
-    shares = [_error_shares(layer, options) for layer in layers]  # per layer: each channel's share of the weighted error, descending
+    if options["allocation"] == "spectrum":
+        values = [spectrum / spectrum.sum().clamp_min(1e-300) for spectrum in (_weighted_spectrum(layer, options) for layer in layers)]
+        rule = "the largest shares of each layer's weighted error"
+    else:
+        if any(layer.sensitivity is None for layer in layers):
+            raise RuntimeError("latent:allocation=sensitivity needs every layer's measured sensitivity (the pipeline's probe did not run)")
+        values = []
+        for layer in layers:
+            spectrum = _weighted_spectrum(layer, options)
+            values.append(spectrum * (layer.sensitivity[0] / float(spectrum[rank:].sum().clamp_min(1e-300))))
+        rule = "the layers whose measured KL per unit of weighted error is largest"
     floor = max(1, int(MIN_LAYER_SHARE * rank))
-    ranks = [min(floor, len(s)) for s in shares]
-    candidates = sorted(((float(s[k]), i) for i, s in enumerate(shares) for k in range(ranks[i], len(s))), reverse=True)
+    ranks = [min(floor, len(v)) for v in values]
+    candidates = sorted(((float(v[k]), i) for i, v in enumerate(values) for k in range(ranks[i], len(v))), reverse=True)
     for _, i in candidates[: rank * len(layers) - sum(ranks)]:
         ranks[i] += 1
     return [{"kv_rank": r, **options} for r in ranks], (
-        f"spectrum: {rank * len(layers)} latent channels in all (floor(ratio x {shape.cache_elements}) per layer on average), at least {floor} "
-        f"per layer, the rest to the largest shares of each layer's weighted error; latents from {min(ranks)} to {max(ranks)}")
+        f"{options['allocation']}: {rank * len(layers)} latent channels in all (floor(ratio x {shape.cache_elements}) per layer on average), "
+        f"at least {floor} per layer, the rest to {rule}; latents from {min(ranks)} to {max(ranks)}")
 
 
-def _error_shares(layer: LayerContext, options: dict[str, Any]) -> torch.Tensor:
-    """The eigenvalues of the layer's weighted target second moment over their sum (descending):
-    what each further latent channel removes of the layer's relative weighted error."""
+def probe_plans(layers: list[LayerContext], ratio: float, **options: Any) -> list[list[dict[str, Any]]] | None:
+    """``allocation=sensitivity`` measures every layer alone at the uniform latent; nothing otherwise."""
+    if options["allocation"] != "sensitivity":
+        return None
+    return [plan(layers, ratio, **{**options, "allocation": "uniform"})[0]]
+
+
+def _weighted_spectrum(layer: LayerContext, options: dict[str, Any]) -> torch.Tensor:
+    """The eigenvalues of the layer's weighted target second moment L T C T^T L^T, descending: the
+    weighted error each further latent channel removes."""
     s, a = layer.shape, layer.affine()
     target = torch.cat((a.k.flatten(0, 1), a.v.flatten(0, 1)))
     weighted = target if options["weighting"] == "rootcov" else output_weight(a, s, options["kv_balance"]) @ target
-    values = torch.linalg.eigvalsh(weighted @ a.cov @ weighted.T).flip(0).clamp_min(0)
-    return values / values.sum().clamp_min(1e-300)
+    return torch.linalg.eigvalsh(weighted @ a.cov @ weighted.T).flip(0).clamp_min(0)
 
 
 def fit_layer(layer: LayerContext, options: dict[str, Any]) -> LayerFit:

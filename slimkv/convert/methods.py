@@ -12,6 +12,10 @@ names and defaults, ``check(shape, settings)`` validates them before any work, a
 receives them as keyword arguments), be sized by its options instead of a cache ratio
 (``sized_by_ratio=False``: KVM's state is bounded, not a fraction of the original's), and
 ``refine`` the built model from the original (KVM's attention transfer, ``convert.transfer``).
+A method whose plan reads measured per-layer sensitivities gives ``probe_plans(layers, ratio,
+**settings)``: the plans of the models to probe (``None`` when the settings do not ask for it);
+each of their layers alone is then swapped into the original (``convert.sensitivity``) and
+``plan`` reads ``LayerContext.sensitivity`` (one KL per probed plan).
 
 ``LayerContext`` hands a method one source layer in slimkv's conventions (``slimkv.convert.source``)
 with its calibration statistics. The numerics of the built-in methods live in their own modules
@@ -52,6 +56,7 @@ class Conversion:
     refine: Callable[..., dict[str, Any]] | None = None
     refine_text: Callable[[dict[str, Any]], tuple[int, int]] | None = None  # (tokens, window) ``refine`` samples from the calibration text
     distances: bool = True  # whether the fit reads the attention-distance statistics (the costly part of calibration)
+    probe_plans: Callable[..., list[list[dict[str, Any]]] | None] | None = None  # plans whose layers are probed one by one
 
 
 CONVERSIONS: dict[str, Conversion] = {}
@@ -61,11 +66,13 @@ def register_conversion(name: str, *, kind: str, plan: Callable, fit: Callable, 
                         options: Callable[[Shape], dict[str, Any]] = lambda shape: {}, description: str = "",
                         settings: dict[str, Any] | None = None, check: Callable[[Shape, dict[str, Any]], None] | None = None,
                         sized_by_ratio: bool = True, refine: Callable[..., dict[str, Any]] | None = None,
-                        refine_text: Callable[[dict[str, Any]], tuple[int, int]] | None = None, distances: bool = True) -> None:
+                        refine_text: Callable[[dict[str, Any]], tuple[int, int]] | None = None, distances: bool = True,
+                        probe_plans: Callable[..., list[list[dict[str, Any]]] | None] | None = None) -> None:
     """Add a conversion method (``slimkv convert --to NAME``; the module docstring)."""
     if name in CONVERSIONS:
         raise ValueError(f"conversion method {name!r} is already registered")
-    CONVERSIONS[name] = Conversion(name, kind, min_ratio, plan, fit, options, description, dict(settings or {}), check, sized_by_ratio, refine, refine_text, distances)
+    CONVERSIONS[name] = Conversion(name, kind, min_ratio, plan, fit, options, description, dict(settings or {}), check, sized_by_ratio, refine, refine_text, distances,
+                                   probe_plans)
 
 
 def get_conversion(name: str) -> Conversion:
@@ -95,7 +102,7 @@ def parse_method(text: str) -> tuple[Conversion, dict[str, Any]]:
 
 register_conversion(
     "mla", kind="mla", min_ratio=mla.min_ratio, plan=mla.plan_uniform, fit=mla.fit_layer,
-    options=lambda shape: {"latent_norm": False},
+    options=lambda shape: {"latent_norm": False}, settings=mla.METHOD_OPTIONS, check=mla.check_options, probe_plans=mla.probe_plans,
     description="multi-head latent attention: rotated pairs chosen by the error their loss leaves, the rest in a balanced latent (recommended)",
 )
 register_conversion(
@@ -107,7 +114,7 @@ register_conversion(
 )
 register_conversion(
     "latent", kind="latent", min_ratio=latent.min_ratio, plan=latent.plan, fit=latent.fit_layer, settings=latent.METHOD_OPTIONS,
-    check=latent.check_options, distances=False,
+    check=latent.check_options, distances=False, probe_plans=latent.probe_plans,
     description="one cached K/V latent, keys rebuilt then rotated: RoPE exact (the quality ceiling of a latent cache; decode rebuilds keys)",
 )
 register_conversion(

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from slimkv.common.checks import check_choice
 from slimkv.convert.context import AffineLayer, LayerContext, LayerFit, layer_budget, linear_state, output_state
 from slimkv.convert.lowrank import damped_sqrt, weighted_error, weighted_factors
 from slimkv.convert.pairs import from_complex, mix_pairs, pair_energy, rotation_expectation, to_complex
@@ -37,6 +38,9 @@ from slimkv.convert.source import Shape
 KV_BALANCE = 0.3  # weight of key rows against value rows in the latent fit (chosen on dev windows, docs/conversion.md)
 WEIGHT_DAMPING = 1e-4  # relative damping of the latent's row weights
 SELECTIONS = ("error", "prefix")  # which pairs keep their rotation (module docstring)
+PAIR_CHOICES = ("rule", "measured")  # how many pairs each layer rotates (``plan_uniform``)
+PAIR_OFFSETS = (-8, -4, 0, 4, 8)  # ``pairs=measured``: the counts tried around the rule's
+METHOD_OPTIONS = {"pairs": "rule"}
 
 
 def rope_pairs_for(shape: Shape, ratio: float, budget: int, *, prefix: bool = False) -> int:
@@ -54,15 +58,52 @@ def min_ratio(shape: Shape) -> float:
     return 3 / shape.cache_elements
 
 
-def plan_uniform(layers: list[LayerContext], ratio: float, *, prefix: bool = False) -> tuple[list[dict[str, Any]], str]:
-    """The same rope pairs and latent width in every layer (per-layer allocations by spectrum were worse)."""
+def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
+    """``pairs`` one of PAIR_CHOICES: ValueError naming the option."""
+    check_choice("--to mla: pairs", options["pairs"], PAIR_CHOICES)
+
+
+def pair_candidates(shape: Shape, ratio: float) -> list[int]:
+    """The rotated-pair counts ``pairs=measured`` tries in every layer: the rule's
+    (``rope_pairs_for``) moved by PAIR_OFFSETS, each leaving at least one latent channel."""
+    budget = layer_budget(shape, ratio)
+    top = min((budget - 1) // 2, shape.head_dim // 2 * shape.n_kv_heads)
+    base = rope_pairs_for(shape, ratio, budget)
+    return sorted({min(top, max(1, base + offset)) for offset in PAIR_OFFSETS})
+
+
+def _split(budget: int, pairs: int) -> dict[str, int]:
+    return {"kv_rank": budget - 2 * pairs, "rope_dim": 2 * pairs}
+
+
+def plan_uniform(layers: list[LayerContext], ratio: float, *, prefix: bool = False, pairs: str = "rule") -> tuple[list[dict[str, Any]], str]:
+    """Every layer's cache is floor(ratio x 2 G d_h): ``pairs=rule`` keeps the same rope pairs and
+    latent width in every layer (``rope_pairs_for``; per-layer allocations by spectrum were worse);
+    ``pairs=measured`` gives each layer the count of ``pair_candidates`` whose layer, converted
+    alone, moved the model least (``LayerContext.sensitivity``, one KL per candidate)."""
     shape = layers[0].shape
     budget = layer_budget(shape, ratio)
-    pairs = rope_pairs_for(shape, ratio, budget, prefix=prefix)
-    options = {"kv_rank": budget - 2 * pairs, "rope_dim": 2 * pairs}
-    return [dict(options) for _ in layers], (
-        f"uniform: every layer keeps {pairs} rotated pairs ({'the fastest frequencies' if prefix else 'chosen by the error their loss leaves'}) "
-        f"and a latent of {budget - 2 * pairs} (cache {budget} = floor(ratio x {shape.cache_elements}) per layer)")
+    chosen = "the fastest frequencies" if prefix else "chosen by the error their loss leaves"
+    if pairs == "measured":
+        if any(layer.sensitivity is None for layer in layers):
+            raise RuntimeError("mla:pairs=measured needs every layer's measured sensitivity (the pipeline's probe did not run)")
+        candidates = pair_candidates(shape, ratio)
+        counts = [candidates[min(range(len(candidates)), key=layer.sensitivity.__getitem__)] for layer in layers]
+        return [_split(budget, n) for n in counts], (
+            f"measured: each layer keeps the number of rotated pairs ({chosen}) of {candidates} whose layer alone moved the model least "
+            f"(from {min(counts)} to {max(counts)}), the rest of its cache ({budget} = floor(ratio x {shape.cache_elements})) in the latent")
+    count = rope_pairs_for(shape, ratio, budget, prefix=prefix)
+    return [_split(budget, count) for _ in layers], (
+        f"uniform: every layer keeps {count} rotated pairs ({chosen}) "
+        f"and a latent of {budget - 2 * count} (cache {budget} = floor(ratio x {shape.cache_elements}) per layer)")
+
+
+def probe_plans(layers: list[LayerContext], ratio: float, *, pairs: str = "rule") -> list[list[dict[str, Any]]] | None:
+    """``pairs=measured``: one uniform plan per candidate count; nothing otherwise."""
+    if pairs != "measured":
+        return None
+    budget = layer_budget(layers[0].shape, ratio)
+    return [[_split(budget, n) for _ in layers] for n in pair_candidates(layers[0].shape, ratio)]
 
 
 def fit_layer(layer: LayerContext, options: dict[str, Any], *, select: str = "error", kv_balance: float = KV_BALANCE) -> LayerFit:

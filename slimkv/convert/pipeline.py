@@ -29,11 +29,12 @@ from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import OutputFolder, read_json, write_json
 from slimkv.common.quiet import quiet_transformers
 from slimkv.common.version import VERSION
+from slimkv.convert import sensitivity
 from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfig, check_heal_text, check_resumable, heal
 from slimkv.convert.methods import Conversion, LayerContext, parse_method
-from slimkv.convert.source import Shape, Source, check_convertible, copy_shared_weights, slimkv_config
+from slimkv.convert.source import Shape, Source, check_convertible, copy_shared_weights, exact_copy, slimkv_config
 from slimkv.data.texts import (
     MIXED_CALIBRATION,
     calibration_ids,
@@ -144,6 +145,7 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     calibrated = time.perf_counter()
     inv_freq = source.rotary_inv_freq()
     layers = [LayerContext(i, shape, source.attention(i), stats[i], inv_freq) for i in range(shape.n_layers)]
+    measured_sensitivity = measure_sensitivity(source, method, layers, options.cache_ratio, settings, windows, progress)
     plan, allocation = method.plan(layers, options.cache_ratio, **settings)
     planned = time.perf_counter()
     model, layer_info, changed = build_converted(source, method, layers, plan)
@@ -162,6 +164,7 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
         "cache_bytes": cache_bytes_table(model, shape),
         "refinement": refined,
         "allocation": allocation,
+        "sensitivity": measured_sensitivity,
         "layers": layer_info,
         "changed_parameters": changed,
         "calibration": {
@@ -182,6 +185,28 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
         "healing": None,
     }
     return model, manifest
+
+
+def measure_sensitivity(source: Source, method: Conversion, layers: list[LayerContext], ratio: float | None, settings: dict[str, Any],
+                        windows: torch.Tensor, progress: bool) -> dict[str, Any] | None:
+    """When the method's settings ask for it (``Conversion.probe_plans``): build each probe plan's
+    model in turn, measure every layer's KL alone (``slimkv.convert.sensitivity``) into
+    ``LayerContext.sensitivity``, and return what the manifest records; otherwise None."""
+    probes = method.probe_plans(layers, ratio, **settings) if method.probe_plans is not None else None
+    if probes is None:
+        return None
+    started = time.perf_counter()
+    exact = exact_copy(source)
+    measured = []  # (plan, layer) -> KL
+    for probe in probes:
+        converted, _, _ = build_converted(source, method, layers, probe)
+        measured.append(sensitivity.layer_sensitivity(exact, converted, windows, progress=progress))
+        del converted
+    for i, layer in enumerate(layers):
+        layer.sensitivity = [values[i] for values in measured]
+    return {"measure": "KL(original || original with this layer alone converted as the probe plan says), nats per token",
+            "probe_plans": probes, "tokens": int(windows[:sensitivity.WINDOWS, :sensitivity.SEQ_LEN].numel()), "kl_per_plan_and_layer": measured,
+            "seconds": time.perf_counter() - started}
 
 
 def cache_bytes_table(model: SlimKVForCausalLM, shape: Shape) -> list[dict[str, Any]]:
