@@ -7,10 +7,13 @@ the held-out plays (in domain) and of Austen's novels (out of domain, never cali
 - ``curve``: latentllm at ratio 0.2 against calibration tokens and calibration mix
   (``compress_calibration_curve.{json,md}``);
 - ``ablation``: each method change switched against the defaults (``compress_robustness_ablation.{json,md}``);
+- ``sources``: latentllm at 0.2 and 0.3 calibrated on the four-text mix and on the library's mix
+  (the four plus the Debian handbook, modern English), measured also on the handbook's held-out
+  pages: what the added source buys (``compress_calibration_sources.{json,md}``);
 - ``asvd``: the ASVD audit: slimkv's asvd, its scaling exponent, calibration on the dense model
   (as the paper does) and the paper's sensitivity-based rank search (``compress_asvd_audit.{json,md}``).
 
-Usage: .venv/bin/python benchmarks/compress_robustness.py --threads 2 --parts curve,ablation,asvd
+Usage: .venv/bin/python benchmarks/compress_robustness.py --threads 2 --parts curve,ablation,asvd,sources
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from slimkv.common.files import save_figure
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
-from slimkv.compress.sweep import markdown_table, parse_methods, run_sweep
+from slimkv.compress.sweep import DEFAULT_TEXTS, markdown_table, parse_methods, run_sweep
 from slimkv.compress.workflow import DEFAULT_CALIB
 from slimkv.data.texts import MIXED_CALIBRATION
 from slimkv.pretrained import fetch_smollm2, load_pretrained
@@ -42,6 +45,8 @@ ABLATION = [
     ("latentllm+joint_mlp_check=false", (0.2, 0.4)),
     ("latentllm-no-joint-mlp", (0.4,)),
 ]
+FOUR_TEXT_MIX = "shakespeare,kjv,devil,pydoc"  # the mix before the handbook joined it
+SOURCES_TEXTS = ("shakespeare-val", "austen", "handbook-val")
 # the ASVD audit at ratio 0.2: slimkv's asvd, the scaling exponent, the paper's calibration on the
 # dense model, and the paper's sensitivity-based rank search (probes cost ~1,900 forwards)
 ASVD = [
@@ -80,17 +85,18 @@ def write_part(name: str, results: list[dict], several: bool) -> None:
     if several:
         merged["calibration"] = {"source": "each row's (in its label)", "tokens": "each row's"}
     payload = {"part": name, "threads": torch.get_num_threads(), "load_average_1min_end": os.getloadavg()[0], "result": merged}
-    path = write_results(name, payload, RESULTS, figure=plot_curve(merged) if several else None)
+    path = write_results(name, payload, RESULTS, figure=plot_curve(merged) if name == "compress_calibration_curve" else None)
     path.with_suffix(".md").write_text(markdown_table(merged))
 
 
-def run(base, name: str, plan: list[tuple[str, tuple[float, ...]]], calibs: list[tuple[str, int]], args, dense=None) -> dict:
+def run(base, name: str, plan: list[tuple[str, tuple[float, ...]]], calibs: list[tuple[str, int]], args, dense=None,
+        texts: tuple[str, ...] = DEFAULT_TEXTS) -> dict:
     """Every (calibration, tokens) x (label, ratios); one JSON + markdown table per part."""
     results = []
     for calib, tokens in calibs:
         for label, ratios in plan:
             result = run_sweep(base, parse_methods(label), list(ratios), calib=calib, calib_tokens=tokens, max_tokens=args.max_tokens, repeats=0,
-                               dense=dense)
+                               dense=dense, texts=texts)
             dense = result["dense"]
             print(markdown_table(result), flush=True)
             results.append(result)
@@ -118,7 +124,7 @@ def replot_curve() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--parts", default="ablation,asvd,curve", help="parts to run, in this order: ablation, asvd, curve")
+    parser.add_argument("--parts", default="ablation,asvd,curve", help="parts to run, in this order: ablation, asvd, curve, sources")
     parser.add_argument("--calib", default=None, help="calibration of the ablation and the audit (default: the library default)")
     parser.add_argument("--calib-tokens", type=int, default=8192)
     parser.add_argument("--curve", default="shakespeare:8192,MIX:2048,MIX:32768",
@@ -144,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     if "curve" in parts:
         calibs = [(MIXED_CALIBRATION if source == "MIX" else source, int(tokens)) for source, tokens in (p.rsplit(":", 1) for p in args.curve.split(","))]
         dense = run(base, "compress_calibration_curve", [("latentllm", (0.2,))], calibs, args, dense)
+    if "sources" in parts:
+        run(base, "compress_calibration_sources", [("latentllm", (0.2, 0.3))], [(FOUR_TEXT_MIX, args.calib_tokens), (MIXED_CALIBRATION, args.calib_tokens)],
+            args, None, texts=SOURCES_TEXTS)
     return 0
 
 

@@ -13,6 +13,8 @@ Jane Austen, out of domain) in 1024-token windows, and its live cache is measure
     .venv/bin/python benchmarks/convert_oneshot.py --calib shakespeare --name convert_oneshot_plays_smollm2
     .venv/bin/python benchmarks/convert_oneshot.py --runs mla:0.5 --heal-tokens 100000 --name convert_healed_smollm2
     .venv/bin/python benchmarks/convert_oneshot.py --name convert_smollm2 --plot-from benchmarks/results/convert_{oneshot,healed}_smollm2.json
+    .venv/bin/python benchmarks/convert_oneshot.py --runs latent:0.5 --heal-tokens 30000 --name heal_curve_latent05_30000   # one curve point
+    .venv/bin/python benchmarks/convert_oneshot.py --name heal_curve_latent_smollm2 --curve-from benchmarks/results/heal_curve_*.json ...
 
 Writes benchmarks/results/<name>.json, .md and .png (perplexity / original's against live cache ratio).
 """
@@ -89,6 +91,24 @@ def plot(results: list[dict]):
     return figure
 
 
+def curve_plot(results: list[dict]):
+    """Perplexity / original's against healing tokens (0: one-shot) of the ``latent`` rows of
+    ``results`` (``claims_md.healing.curve_points``): colour = cache ratio, marker = text."""
+    from claims_md.healing import curve_points  # benchmarks/claims_md, beside this script
+
+    figure, ax = new_figure()
+    for i, (ratio, points) in enumerate(sorted(curve_points(results).items(), reverse=True)):
+        tokens = sorted(points)
+        for name, marker in zip(results[0]["texts"], "os^v"):
+            ax.plot(tokens, [points[t][0]["ppl_over_original"][name] for t in tokens], marker=marker, color=f"C{i}", label=f"R = {ratio}, {name}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("healing tokens (0: one-shot)")
+    ax.set_ylabel("perplexity / original's")
+    ax.set_title("SmolLM2-135M -> latent: perplexity against healing tokens")
+    ax.legend(fontsize=7)
+    return figure
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, help=f"METHOD:RATIO entries (default {' '.join(DEFAULT_RUNS)})")
@@ -107,10 +127,13 @@ def main() -> None:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",
                         help="only redraw one figure from result files of this script (e.g. one-shot and healed) into <--name>.png")
+    parser.add_argument("--curve-from", nargs="+", default=None, metavar="JSON",
+                        help="only draw perplexity against healing tokens of the latent rows of these result files into <--name>.png")
     args = parser.parse_args()
-    if args.plot_from:
+    if args.plot_from or args.curve_from:
         path = RESULTS / f"{args.name}.png"
-        save_figure(plot([read_json(p, expect=dict) for p in args.plot_from]), path)
+        draw = plot if args.plot_from else curve_plot
+        save_figure(draw([read_json(p, expect=dict) for p in args.plot_from or args.curve_from]), path)
         print(f"wrote {path}")
         return
     runs = [parse_run(r) for r in args.runs]

@@ -10,6 +10,13 @@ from .text import join_words, link, pct1, ppl, table, times, when
 ONE_SHOT_TARGET = 1.15  # the conversion target at R = 0.5 one-shot: perplexity / the original's on every text
 # healed targets per cache ratio: (in domain (the first text), out of domain (the others)), minutes of healing allowed
 HEALED_TARGETS = {0.5: ((1.03, 1.08), 30), 0.25: ((1.3, 1.3), 60)}
+# per-layer plans compared with the uniform one in the same file: (title, method, its uniform baseline)
+VARIANTS = (
+    ("Allocation by the spectra", "latent:allocation=spectrum", "latent"),
+    ("Allocation by measured sensitivity (each layer's KL alone at the uniform latent, spread by its spectrum)", "latent:allocation=sensitivity", "latent"),
+    ("Rotated pairs per layer by measurement (of five counts at the same cache, the one whose layer alone moves the model least)",
+     "mla:pairs=measured", "mla"),
+)
 
 
 def _healing(row: dict[str, Any]) -> str:
@@ -71,13 +78,17 @@ def _sentence(parts: list[str]) -> str:
 
 def latent_section(oneshot: dict[str, Any], others: list[dict[str, Any]] = ()) -> str:
     """The table of every run (``oneshot``, then ``others``: healed runs, other calibration seeds,
-    the spectrum allocation), ``latent`` against ``mla`` at each cache ratio of each file that has
-    both, the spectrum allocation against the uniform one, and the one-shot and healed targets at R = 0.5."""
+    the per-layer plans), ``latent`` against ``mla`` at each cache ratio of each file that has
+    both, each of ``VARIANTS`` against its uniform plan, and the one-shot and healed targets."""
     texts = list(oneshot["original_ppl"])
     main = _compare(oneshot, "latent", "mla", texts)
     seeds = [f"with calibration seed {d.get('seed', 0)} on the {len(d['calib'].split(','))}-text mix, {clause}"
              for d in others for clause in _compare(d, "latent", "mla", texts)]
-    spread = [clause for d in others for clause in _compare(d, "latent:allocation=spectrum", "latent", texts)]
+    variants = []  # (title, clauses): the per-layer allocations against the uniform plans
+    for title, method, base in VARIANTS:
+        clauses = [clause for d in others for clause in _compare(d, method, base, texts)]
+        if clauses:
+            variants.append(f"\n\n{title}: {_sentence(clauses)}.")
     at_half = {(r["method"], r["cache_ratio"]): r for r in oneshot["rows"]}.get(("latent", 0.5))
     target = ""
     if at_half is not None:
@@ -89,7 +100,6 @@ def latent_section(oneshot: dict[str, Any], others: list[dict[str, Any]] = ()) -
     header = ["method", "R", "calibration", "seed", "healing"] + [f"{t} (x original)" for t in texts]
     mixes = sorted({d["calib"] for d in runs}, key=len)
     originals = ", ".join(f"{t} {ppl(p)}" for t, p in oneshot["original_ppl"].items())
-    allocation = f"\n\nAllocation by the spectra: {_sentence(spread)}." if spread else ""
     return f"""## The RoPE price of a latent cache
 
 `mla` caches a decoupled rotary key and lets the other key channels lose their rotation;
@@ -101,4 +111,4 @@ between them is what `mla`'s treatment of RoPE costs. SmolLM2-135M, calibrated (
 
 {table(header, _rows(runs, texts), right={1, 3, *range(5, len(header))})}
 
-{_sentence(main + seeds)}.{target}{_healed_target(list(others), texts)}{allocation}"""
+{_sentence(main + seeds)}.{target}{_healed_target(list(others), texts)}{"".join(variants)}"""
