@@ -2,7 +2,8 @@
 
 ``render`` reads the JSON files of benchmarks/results/ (``text.load``) and joins the sections: the
 header (``header``), one module per paper (``lrkv``, ``kvm``, ``latentllm``), the calibration
-of a conversion (``calibration``), the RoPE price of a latent cache (``latent``) and the speed measurements (``speed``). The verdict rules are
+of a conversion (``calibration``), the RoPE price of a latent cache (``latent``), how much healing
+it needs (``healing``) and the speed measurements (``speed``). The verdict rules are
 ``rules``; ``results`` holds the views of the two trained-model frontiers.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from .calibration import calibration_section
 from .header import header
+from .healing import healing_curve_section
 from .kvm import kvm_section
 from .latent import latent_section
 from .latentllm import latentllm_section
@@ -19,6 +21,11 @@ from .speed import speed_section
 from .text import load
 
 LATENT_RUNS = ("convert_latent_healed_smollm2.json", "convert_latent_healed_all_smollm2.json", "convert_latent25_healed_smollm2.json", "convert_latent_seed1_smollm2.json", "convert_latent_allocation_smollm2.json")  # the latent section's files beside the one-shot comparison
+
+HEALING_RUNS = ("convert_latent_mix5_smollm2.json", "convert_latent_healed_smollm2.json", "convert_latent25_healed_smollm2.json",
+                "heal_curve_latent05_15000.json", "heal_curve_latent05_30000.json", "heal_curve_latent05_60000.json",
+                "heal_curve_latent025_30000.json", "heal_curve_latent025_60000.json", "heal_curve_latent025_120000.json")
+HEALING_FIGURE = "heal_curve_latent_smollm2.png"  # convert_oneshot.py --curve-from HEALING_RUNS
 
 
 def render() -> str:
@@ -35,6 +42,7 @@ def render() -> str:
                             {name: load(name) for name in ("convert_heldout_plays_smollm2.json", "convert_heldout_mix3_smollm2.json")},
                             {name: load(name) for name in ("convert_latent_smollm2.json", "convert_latent_mix5_smollm2.json")}),
         latent_section(load("convert_latent_smollm2.json"), [load(name) for name in LATENT_RUNS]),
+        healing_curve_section([load(name) for name in HEALING_RUNS], HEALING_FIGURE),
         kvm_section(recall, frontier, load("needles_mha_4000steps.json"), load("needles_recipe_probes.json"), load("niah_kvm.json"), decode,
                     load("kvm_speed.json"), load("kvm_speed_backward.json")),
         latentllm_section(load("compress_sweep_smollm2.json"), load("compress_prefill_latentllm03.json")),

@@ -33,9 +33,10 @@ def _recovered(one_shot: dict[str, Any], row: dict[str, Any], texts: list[str]) 
     return ", ".join(f"{pct(s)} on {t}" for s, t in zip(shares, texts))
 
 
-def healing_curve_section(runs: list[dict[str, Any]]) -> str:
+def healing_curve_section(runs: list[dict[str, Any]], figure: str) -> str:
     """The table of every (ratio, tokens) point of ``runs`` and, per ratio, what the smallest and
-    the largest healing budget remove of the one-shot excess."""
+    the largest healing budget remove of the one-shot excess; ``figure`` is the plot of the same
+    points (``convert_oneshot.py --curve-from``)."""
     texts = list(runs[0]["original_ppl"])
     mixed = {(d["calib"], d.get("seed", 0), tuple(d["texts"])) for d in runs}
     if len(mixed) > 1:
@@ -71,4 +72,6 @@ windows ({len(files)} files, {threads} thread, load {min(loads):.2f} to {max(loa
 
 {table(header, rows, right={0, 1, 2, *range(4, len(header))})}
 
-{(summary[0].upper() + summary[1:] + ".") if summary else "No ratio has both a one-shot and a healed point."}"""
+{(summary[0].upper() + summary[1:] + ".") if summary else "No ratio has both a one-shot and a healed point."}
+
+![perplexity against healing tokens]({figure})"""
