@@ -19,6 +19,9 @@ channels of a pair means something); for values W_o,h^T W_o,h summed over the gr
 * **Alternating fit** (``ALTERNATING_STEPS``): W_s = (sum M_g)^-1 sum M_g (T_g - B_g A_g) (exact given
   the residuals), then each group's residual by the weighted low-rank fit; the relative
   objective falls monotonically (recorded in the manifest).
+* **Key/value split** of each group's residual width: 2:1 for keys by default (``split=rule``);
+  ``split=measured`` tries the shares of ``KEY_SHARES`` and gives each layer the one whose layer,
+  converted alone, moved the model least (``convert.sensitivity``), at the same cache.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from slimkv.attention.lrkv import LowRankKVAttention, resolve_positions
 from slimkv.attention.mha import MultiHeadAttention
+from slimkv.common.checks import check_choice
 from slimkv.convert.context import AffineLayer, LayerContext, LayerFit, layer_budget, linear_state, output_state
 from slimkv.convert.lowrank import damped_sqrt, weighted_factors
 from slimkv.convert.pairs import from_complex, mix_pairs, pair_energy, to_complex
@@ -36,6 +40,9 @@ from slimkv.convert.source import Shape
 
 ALTERNATING_STEPS = 10
 ALIGN_MAX_CONDITION = 1e4  # a group whose value map is worse conditioned stays unaligned
+SPLIT_CHOICES = ("rule", "measured")  # how each layer splits its residual width between keys and values
+KEY_SHARES = (1 / 3, 1 / 2, 2 / 3, 5 / 6, 1.0)  # ``split=measured``: the keys' shares of the residual width tried
+METHOD_OPTIONS = {"split": "rule"}
 
 
 def min_ratio(shape: Shape) -> float:
@@ -51,14 +58,48 @@ def ranks_for(shape: Shape, budget: int) -> tuple[int, int]:
     return rank_k, total - rank_k
 
 
-def plan_uniform(layers: list[LayerContext], ratio: float) -> tuple[list[dict[str, Any]], str]:
+def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
+    """``split`` one of SPLIT_CHOICES: ValueError naming the option."""
+    check_choice("--to lrkv: split", options["split"], SPLIT_CHOICES)
+
+
+def split_candidates(shape: Shape, ratio: float) -> list[int]:
+    """The key ranks ``split=measured`` tries in every layer: KEY_SHARES of the residual width
+    (``ranks_for``'s total), each once."""
+    rank_k, rank_v = ranks_for(shape, layer_budget(shape, ratio))
+    return sorted({round(share * (rank_k + rank_v)) for share in KEY_SHARES})
+
+
+def plan_uniform(layers: list[LayerContext], ratio: float, *, split: str = "rule") -> tuple[list[dict[str, Any]], str]:
+    """Every layer keeps the shared key and value and the same residual width per K/V group;
+    ``split=rule`` divides it 2:1 for keys in every layer (``ranks_for``), ``split=measured`` gives
+    each layer the key rank of ``split_candidates`` whose layer alone moved the model least
+    (``LayerContext.sensitivity``, one KL per candidate)."""
     shape = layers[0].shape
     budget = layer_budget(shape, ratio)
     rank_k, rank_v = ranks_for(shape, budget)
-    cache = 2 * shape.head_dim + shape.n_kv_heads * (rank_k + rank_v)
+    width = rank_k + rank_v
+    cache = 2 * shape.head_dim + shape.n_kv_heads * width
+    if split == "measured":
+        if any(layer.sensitivity is None for layer in layers):
+            raise RuntimeError("lrkv:split=measured needs every layer's measured sensitivity (the pipeline's probe did not run)")
+        candidates = split_candidates(shape, ratio)
+        ranks = [candidates[min(range(len(candidates)), key=layer.sensitivity.__getitem__)] for layer in layers]
+        return [{"rank_k": r, "rank_v": width - r} for r in ranks], (
+            f"measured: every layer keeps the shared key and value and a residual of {width} per K/V group, split between keys and "
+            f"values by the key rank of {candidates} whose layer alone moved the model least (rank_k from {min(ranks)} to {max(ranks)}; "
+            f"cache {cache} <= floor(ratio x {shape.cache_elements}) per layer)")
     return [{"rank_k": rank_k, "rank_v": rank_v} for _ in layers], (
         f"uniform: every layer keeps the shared key and value and rank_k={rank_k}, rank_v={rank_v} per K/V group "
         f"(cache {cache} <= floor(ratio x {shape.cache_elements}) per layer)")
+
+
+def probe_plans(layers: list[LayerContext], ratio: float, *, split: str = "rule") -> list[list[dict[str, Any]]] | None:
+    """``split=measured``: one uniform plan per candidate key rank; nothing otherwise."""
+    if split != "measured":
+        return None
+    width = sum(ranks_for(layers[0].shape, layer_budget(layers[0].shape, ratio)))
+    return [[{"rank_k": r, "rank_v": width - r} for _ in layers] for r in split_candidates(layers[0].shape, ratio)]
 
 
 def fit_layer(layer: LayerContext, options: dict[str, Any], *, align: bool = True, steps: int = ALTERNATING_STEPS) -> LayerFit:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from slimkv.convert import latent, mla
+from slimkv.convert import latent, lrkv, mla
 from slimkv.convert.context import layer_budget
 from slimkv.convert.methods import get_conversion, parse_method
 from slimkv.convert.pipeline import build_converted, check_before_work, convert_pretrained
@@ -101,7 +101,28 @@ def test_mla_measured_pairs_take_each_layers_best_candidate_at_the_same_cache():
     assert sum(model.cache_elements_per_token()) == budget * len(layers)
 
 
+def test_lrkv_measured_split_takes_each_layers_best_key_rank_at_the_same_cache():
+    source, layers = contexts(perturbed(tiny_model("llama")))
+    _, settings = parse_method("lrkv:split=measured")
+    probes = lrkv.probe_plans(layers, 0.6, **settings)
+    candidates = lrkv.split_candidates(layers[0].shape, 0.6)
+    assert len(probes) == len(candidates) > 1 and lrkv.probe_plans(layers, 0.6, **parse_method("lrkv")[1]) is None
+    rule = lrkv.plan_uniform(layers, 0.6)[0]
+    width = rule[0]["rank_k"] + rule[0]["rank_v"]
+    assert rule[0]["rank_k"] in candidates and all(o["rank_k"] + o["rank_v"] == width for probe in probes for o in probe)
+    with pytest.raises(RuntimeError, match="split=measured"):
+        lrkv.plan_uniform(layers, 0.6, **settings)
+    for i, layer in enumerate(layers):  # layer i is best at candidate len - 1 - i (mod the count)
+        layer.sensitivity = [0.0 if k == (len(candidates) - 1 - i) % len(candidates) else 1.0 for k in range(len(candidates))]
+    planned, why = lrkv.plan_uniform(layers, 0.6, **settings)
+    assert [o["rank_k"] for o in planned] == [candidates[(len(candidates) - 1 - i) % len(candidates)] for i in range(len(layers))]
+    assert "measured" in why
+    model, _, _ = build_converted(source, get_conversion("lrkv"), layers, planned)
+    rule_model, _, _ = build_converted(source, get_conversion("lrkv"), layers, rule)
+    assert model.cache_elements_per_token() == rule_model.cache_elements_per_token()
+
+
 def test_bad_measurement_options_are_refused_naming_the_option(tiny_folder, tmp_path):
-    for method, option in (("mla:pairs=best", "pairs"), ("latent:allocation=kl", "allocation")):
+    for method, option in (("mla:pairs=best", "pairs"), ("latent:allocation=kl", "allocation"), ("lrkv:split=2:1", "split")):
         with pytest.raises(ValueError, match=f"--to {method.partition(':')[0]}: {option}"):
             check_before_work(str(tiny_folder), options(method, 0.5, tmp_path), None)
