@@ -14,6 +14,7 @@ Jane Austen, out of domain) in 1024-token windows, and its live cache is measure
     .venv/bin/python benchmarks/convert_oneshot.py --runs mla:0.5 --heal-tokens 100000 --name convert_healed_smollm2
     .venv/bin/python benchmarks/convert_oneshot.py --name convert_smollm2 --plot-from benchmarks/results/convert_{oneshot,healed}_smollm2.json
     .venv/bin/python benchmarks/convert_oneshot.py --runs latent:0.5 --heal-tokens 30000 --name heal_curve_latent05_30000   # one curve point
+    .venv/bin/python benchmarks/convert_oneshot.py --runs latent:0.25 --heal-tokens 30000 --heal-lr 3e-4 --name heal_lr_latent025_3e-4   # learning rate
     .venv/bin/python benchmarks/convert_oneshot.py --name heal_curve_latent_smollm2 --curve-from benchmarks/results/heal_curve_*.json ...
 
 Writes benchmarks/results/<name>.json, .md and .png (perplexity / original's against live cache ratio).
@@ -56,7 +57,8 @@ def converted_folder(work: Path, options: ConvertOptions, heal: HealConfig | Non
     calib = options.calib.replace(",", "+").replace("/", "_")
     out = work / (f"{options.method}_{options.cache_ratio}_{calib}" + (f"_seed{options.seed}" if options.seed else "")
                   + (f"_heal{heal.tokens}_{heal.text.replace(',', '+')}" if heal else "")
-                  + (f"_{heal.params}" if heal and heal.params != HealConfig.params else ""))
+                  + (f"_{heal.params}" if heal and heal.params != HealConfig.params else "")
+                  + (f"_lr{heal.lr:g}" if heal and heal.lr != HealConfig.lr else ""))
     manifest = finished_conversion(out, options)
     if manifest is not None:
         healing = manifest.get("healing") or {}
@@ -121,6 +123,7 @@ def main() -> None:
     parser.add_argument("--heal-params", default=HealConfig.params, choices=PARAMETER_SETS,
                         help=f"what healing trains, as convert's --heal-params (default {HealConfig.params})")
     parser.add_argument("--heal-text", default=HealConfig.text, help=f"healing text, as convert's --heal-text (default {HealConfig.text})")
+    parser.add_argument("--heal-lr", type=float, default=HealConfig.lr, help=f"peak healing learning rate, as convert's --heal-lr (default {HealConfig.lr:g})")
     parser.add_argument("--seed", type=int, default=0, help="calibration (and healing) seed of every conversion (default 0)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--name", default="convert_oneshot_smollm2")
@@ -138,7 +141,7 @@ def main() -> None:
         return
     runs = [parse_run(r) for r in args.runs]
     fetch_smollm2()
-    heal = HealConfig(tokens=args.heal_tokens, text=args.heal_text, params=args.heal_params, seed=args.seed) if args.heal_tokens else None
+    heal = HealConfig(tokens=args.heal_tokens, text=args.heal_text, params=args.heal_params, lr=args.heal_lr, seed=args.seed) if args.heal_tokens else None
     for method, ratio in runs:  # every entry checked before the first conversion
         check_before_work("smollm2", ConvertOptions(method, ratio, calib=args.calib, seed=args.seed), None, heal)
     torch.set_num_threads(args.threads)
@@ -160,17 +163,18 @@ def main() -> None:
         row = {"method": method, "cache_ratio": ratio, "achieved_cache_ratio": manifest["achieved_cache_ratio"],
                "live_cache_ratio": live["ratio_to_original"], "live_bytes_per_token": live["model"]["bytes_per_token"],
                "ppl": ppl, "ppl_over_original": {n: p / baseline[n] for n, p in ppl.items()}, "convert_seconds": seconds,
-               "healing": manifest.get("healing"),
+               "healing": manifest.get("healing"), "plan": manifest.get("allocation"), "sensitivity": manifest.get("sensitivity"),
+               "layer_options": [entry["options"] for entry in manifest["layers"]],
                "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}, "folder": str(out)}
         rows.append(row)
         print(f"{method:<10} R={ratio:<5} live cache {row['live_cache_ratio']:.3f}: " + ", ".join(
             f"{n} {p:.2f} ({row['ppl_over_original'][n]:.2f}x)" for n, p in ppl.items()), flush=True)
 
-    payload = {"model": "smollm2", "threads": args.threads, "calib": args.calib, "seed": args.seed, "heal_tokens": args.heal_tokens, "heal_text": args.heal_text if heal else None, "heal_params": args.heal_params if heal else None,
+    payload = {"model": "smollm2", "threads": args.threads, "calib": args.calib, "seed": args.seed, "heal_tokens": args.heal_tokens, "heal_text": args.heal_text if heal else None, "heal_params": args.heal_params if heal else None, "heal_lr": args.heal_lr if heal else None,
                "eval_tokens": args.eval_tokens, "seq_len": 1024, "context": args.context,
                "texts": args.texts, "original_ppl": baseline, "rows": rows}
     path = write_results(args.name, payload, RESULTS, plot([payload]))
-    what = f"healed on {args.heal_tokens:,} tokens of {args.heal_text}" if args.heal_tokens else "one-shot"
+    what = (f"healed on {args.heal_tokens:,} tokens of {args.heal_text}, peak learning rate {args.heal_lr:g}" if args.heal_tokens else "one-shot")
     lines = [f"# Conversion of SmolLM2-135M, calibrated on {args.calib}, {what} ({args.eval_tokens} tokens per text, 1024-token windows, {args.threads} threads)", "",
              "original: " + ", ".join(f"{n} {p:.2f}" for n, p in baseline.items()), "",
              "| method | R asked | live cache ratio | " + " | ".join(f"{n} ppl (x original)" for n in texts) + " |",
