@@ -20,11 +20,13 @@ from .results import Frontier, Recall
 from .speed import speed_section
 from .text import load
 
-LATENT_RUNS = ("convert_latent_healed_smollm2.json", "convert_latent_healed_all_smollm2.json", "convert_latent25_healed_smollm2.json", "convert_latent_seed1_smollm2.json", "convert_latent_allocation_smollm2.json")  # the latent section's files beside the one-shot comparison
+LATENT_RUNS = ("convert_latent_healed_smollm2.json", "convert_latent_healed_all_smollm2.json", "convert_latent25_healed_smollm2.json", "convert_latent_seed1_smollm2.json", "convert_latent_allocation_smollm2.json",
+               "convert_measured_allocation_smollm2.json")  # the latent section's files beside the one-shot comparison
 
 HEALING_RUNS = ("convert_latent_mix5_smollm2.json", "convert_latent_healed_smollm2.json", "convert_latent25_healed_smollm2.json",
                 "heal_curve_latent05_15000.json", "heal_curve_latent05_30000.json", "heal_curve_latent05_60000.json",
                 "heal_curve_latent025_30000.json", "heal_curve_latent025_60000.json", "heal_curve_latent025_120000.json")
+HEALING_LR_RUNS = ("heal_lr_latent025_30000_lr3e-4.json", "heal_lr_latent025_30000_lr1e-3.json")  # the learning-rate sweep
 HEALING_FIGURE = "heal_curve_latent_smollm2.png"  # convert_oneshot.py --curve-from HEALING_RUNS
 
 
@@ -42,7 +44,7 @@ def render() -> str:
                             {name: load(name) for name in ("convert_heldout_plays_smollm2.json", "convert_heldout_mix3_smollm2.json")},
                             {name: load(name) for name in ("convert_latent_smollm2.json", "convert_latent_mix5_smollm2.json")}),
         latent_section(load("convert_latent_smollm2.json"), [load(name) for name in LATENT_RUNS]),
-        healing_curve_section([load(name) for name in HEALING_RUNS], HEALING_FIGURE),
+        healing_curve_section([load(name) for name in HEALING_RUNS], HEALING_FIGURE, [load(name) for name in HEALING_LR_RUNS]),
         kvm_section(recall, frontier, load("needles_mha_4000steps.json"), load("needles_recipe_probes.json"), load("niah_kvm.json"), decode,
                     load("kvm_speed.json"), load("kvm_speed_backward.json")),
         latentllm_section(load("compress_sweep_smollm2.json"), load("compress_prefill_latentllm03.json")),

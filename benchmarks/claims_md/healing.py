@@ -7,17 +7,18 @@ from typing import Any
 from .text import join_words, link, pct, ppl, table, times
 
 METHOD = "latent"
+CURVE_LR = 1e-4  # the peak learning rate of the curve's runs (convert's default when they ran); other rates are the sweep's
 
 
 def curve_points(runs: list[dict[str, Any]]) -> dict[float, dict[int, tuple[dict[str, Any], dict[str, Any]]]]:
     """Per cache ratio, per healing tokens seen (0: one-shot): the ``latent`` row (uniform
-    allocation, the default parameter set) and the file it comes from. Two files with the same
+    allocation, the default parameter set, peak learning rate ``CURVE_LR``) and the file it comes from. Two files with the same
     point are refused (the curve would depend on their order)."""
     points: dict[float, dict[int, tuple[dict[str, Any], dict[str, Any]]]] = {}
     for d in runs:
         for r in d["rows"]:
             healing = r.get("healing") or {}
-            if r["method"] != METHOD or (healing and healing["config"]["params"] != "changed"):
+            if r["method"] != METHOD or (healing and (healing["config"]["params"] != "changed" or healing["config"]["lr"] != CURVE_LR)):
                 continue
             tokens = healing.get("tokens_seen", 0)
             if tokens in points.setdefault(r["cache_ratio"], {}):
@@ -33,10 +34,35 @@ def _recovered(one_shot: dict[str, Any], row: dict[str, Any], texts: list[str]) 
     return ", ".join(f"{pct(s)} on {t}" for s, t in zip(shares, texts))
 
 
-def healing_curve_section(runs: list[dict[str, Any]], figure: str) -> str:
+def learning_rate_rows(runs: list[dict[str, Any]], sweep: list[dict[str, Any]], texts: list[str]) -> tuple[list[list[str]], list[str]]:
+    """The sweep's healed ``latent`` rows beside the curve's point at the same ratio and tokens,
+    and per (ratio, tokens) the rate with the lowest perplexity on every text (or none)."""
+    points = curve_points(runs)
+    by_point: dict[tuple[float, int], list[tuple[float, dict[str, Any], dict[str, Any]]]] = {}
+    for d in sweep:
+        for r in d["rows"]:
+            if r["method"] == METHOD and r.get("healing"):
+                by_point.setdefault((r["cache_ratio"], r["healing"]["tokens_seen"]), []).append((r["healing"]["config"]["lr"], r, d))
+    rows, best = [], []
+    for (ratio, tokens), entries in sorted(by_point.items(), reverse=True):
+        if tokens in points.get(ratio, {}):
+            entries.append((CURVE_LR, *points[ratio][tokens]))
+        entries.sort(key=lambda e: e[0])
+        for lr, r, d in entries:
+            rows.append([str(ratio), f"{tokens:,}", f"{lr:g}", link(d["benchmark"] + ".json")]
+                        + [f"{ppl(r['ppl'][t])} ({times(r['ppl_over_original'][t])})" for t in texts])
+        winners = {t: min(entries, key=lambda e: e[1]["ppl"][t])[0] for t in texts}
+        lrs = set(winners.values())
+        best.append(f"at R = {ratio} and {tokens:,} tokens, " + (f"{lrs.pop():g} is best on every text" if len(lrs) == 1 else
+                    "the best rate differs by text (" + ", ".join(f"{lr:g} on {t}" for t, lr in winners.items()) + ")"))
+    return rows, best
+
+
+def healing_curve_section(runs: list[dict[str, Any]], figure: str, sweep: list[dict[str, Any]] = ()) -> str:
     """The table of every (ratio, tokens) point of ``runs`` and, per ratio, what the smallest and
     the largest healing budget remove of the one-shot excess; ``figure`` is the plot of the same
-    points (``convert_oneshot.py --curve-from``)."""
+    points (``convert_oneshot.py --curve-from``); ``sweep``: runs at other peak learning rates,
+    each beside the curve's point with the same ratio and tokens."""
     texts = list(runs[0]["original_ppl"])
     mixed = {(d["calib"], d.get("seed", 0), tuple(d["texts"])) for d in runs}
     if len(mixed) > 1:
@@ -74,4 +100,20 @@ windows ({len(files)} files, {threads} thread, load {min(loads):.2f} to {max(loa
 
 {(summary[0].upper() + summary[1:] + ".") if summary else "No ratio has both a one-shot and a healed point."}
 
-![perplexity against healing tokens]({figure})"""
+![perplexity against healing tokens]({figure}){_learning_rate_part(runs, list(sweep), texts)}"""
+
+
+def _learning_rate_part(runs: list[dict[str, Any]], sweep: list[dict[str, Any]], texts: list[str]) -> str:
+    """The learning-rate table and its verdicts (nothing without a sweep)."""
+    if not sweep:
+        return ""
+    rows, best = learning_rate_rows(runs, sweep, texts)
+    header = ["R", "healing tokens", "peak learning rate", "file"] + [f"{t} (x original)" for t in texts]
+    summary = "; ".join(best)
+    return f"""
+
+The peak learning rate (the curve above used {CURVE_LR:g}), the same healing otherwise:
+
+{table(header, rows, right={0, 1, 2, *range(4, len(header))})}
+
+{summary[0].upper() + summary[1:]}."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from .rules import ppl_verdict, word
-from .text import join_words, link, pct1, ppl, table, times, when
+from .text import join_words, link, pct, pct1, ppl, table, times, when
 
 ONE_SHOT_TARGET = 1.15  # the conversion target at R = 0.5 one-shot: perplexity / the original's on every text
+ONE_SHOT_VARIANTS = ("latent:allocation=sensitivity",)  # per-layer plans the one-shot target is also checked for
 # healed targets per cache ratio: (in domain (the first text), out of domain (the others)), minutes of healing allowed
 HEALED_TARGETS = {0.5: ((1.03, 1.08), 30), 0.25: ((1.3, 1.3), 60)}
 # per-layer plans compared with the uniform one in the same file: (title, method, its uniform baseline)
@@ -16,6 +17,10 @@ VARIANTS = (
     ("Allocation by measured sensitivity (each layer's KL alone at the uniform latent, spread by its spectrum)", "latent:allocation=sensitivity", "latent"),
     ("Rotated pairs per layer by measurement (of five counts at the same cache, the one whose layer alone moves the model least)",
      "mla:pairs=measured", "mla"),
+    ("The price of `lrkv`'s structure (shared key and value plus per-group residuals, against one free latent of the same cache)",
+     "lrkv", "latent"),
+    ("`lrkv`'s key/value split per layer by measurement (of five splits of the same residual width, the one whose layer alone moves the model least)",
+     "lrkv:split=measured", "lrkv"),
 )
 
 
@@ -70,6 +75,41 @@ def _healed_target(healed: list[dict[str, Any]], texts: list[str]) -> str:
     return "".join(out)
 
 
+def _probed_kl(d: dict[str, Any], method: str, probed_by: str) -> list[float] | None:
+    """Each layer's KL with that layer alone converted as ``method``'s one-shot row of run file
+    ``d`` plans it: the probe plan of ``probed_by``'s measured sensitivity equal to the row's
+    per-layer options (``None`` when the file has no such pair)."""
+    rows = {r["method"]: r for r in d["rows"] if not r.get("healing")}
+    row, probed = rows.get(method), rows.get(probed_by)
+    if row is None or probed is None or not probed.get("sensitivity") or not row.get("layer_options"):
+        return None
+    measured = probed["sensitivity"]
+    for plan, values in zip(measured["probe_plans"], measured["kl_per_plan_and_layer"]):
+        if all(all(options.get(k) == v for k, v in p.items()) for p, options in zip(plan, row["layer_options"])):
+            return values
+    return None
+
+
+def _where_lost(runs: list[dict[str, Any]]) -> str:
+    """Where ``lrkv`` loses against ``latent`` at the same cache, layer by layer, from the KLs the
+    measured plans probed (``lrkv:split=measured`` probes lrkv's rule, ``latent:allocation=
+    sensitivity`` the uniform latent)."""
+    for d in runs:
+        structured, free = _probed_kl(d, "lrkv", "lrkv:split=measured"), _probed_kl(d, "latent", "latent:allocation=sensitivity")
+        if structured is None or free is None:
+            continue
+        excess = sorted(range(len(free)), key=lambda i: free[i] - structured[i])[:3]
+        layers = ", ".join(f"{i} ({structured[i]:.3f} against {free[i]:.3f})" for i in excess)
+        half = len(free) // 2
+        late = sum(structured[half:]) - sum(free[half:])
+        total = sum(structured) - sum(free)
+        return (f"\n\nWhere `lrkv` loses against `latent` ({link(d['benchmark'] + '.json')}, each layer converted alone into the original, "
+                f"KL to it in nats per token on the calibration probe): summed over the layers {sum(structured):.3f} against "
+                f"{sum(free):.3f}; the largest excesses are at layers {layers}; the later half of the layers holds {pct(late / total)} "
+                "of the summed excess." if total > 0 else "")
+    return ""
+
+
 def _sentence(parts: list[str]) -> str:
     """Clauses joined by semicolons, the first letter capitalised (nothing else)."""
     text = "; ".join(parts) or "no cache ratio has both methods"
@@ -95,6 +135,12 @@ def latent_section(oneshot: dict[str, Any], others: list[dict[str, Any]] = ()) -
         missed = [t for t in texts if at_half["ppl_over_original"][t] > ONE_SHOT_TARGET]
         target = (f" The one-shot target at R = 0.5 (at most {ONE_SHOT_TARGET}x the original on every text) is "
                   + (f"**missed** by `latent` on {join_words(missed)}." if missed else "**met** by `latent` on every text."))
+    for d in others:
+        for r in d["rows"]:
+            if r["method"] in ONE_SHOT_VARIANTS and r["cache_ratio"] == 0.5 and not r.get("healing"):
+                missed = [t for t in texts if r["ppl_over_original"][t] > ONE_SHOT_TARGET]
+                target += (f" By `{r['method']}` ({link(d['benchmark'] + '.json')}) it is "
+                           + (f"**missed** on {join_words(missed)}" if missed else "**met** on every text") + ".")
     runs = [oneshot, *others]
     sources = ", ".join(f"{link(d['benchmark'] + '.json')}: {when(d)}" for d in runs)
     header = ["method", "R", "calibration", "seed", "healing"] + [f"{t} (x original)" for t in texts]
@@ -111,4 +157,4 @@ between them is what `mla`'s treatment of RoPE costs. SmolLM2-135M, calibrated (
 
 {table(header, _rows(runs, texts), right={1, 3, *range(5, len(header))})}
 
-{_sentence(main + seeds)}.{target}{_healed_target(list(others), texts)}{"".join(variants)}"""
+{_sentence(main + seeds)}.{target}{_healed_target(list(others), texts)}{"".join(variants)}{_where_lost(runs)}"""
