@@ -77,15 +77,15 @@ def _healed_target(healed: list[dict[str, Any]], texts: list[str]) -> str:
 
 def _probed_kl(d: dict[str, Any], method: str, probed_by: str) -> list[float] | None:
     """Each layer's KL with that layer alone converted as ``method``'s one-shot row of run file
-    ``d`` plans it: the probe plan of ``probed_by``'s measured sensitivity equal to the row's
-    per-layer options (``None`` when the file has no such pair)."""
+    ``d`` plans it: the probe plan of ``probed_by``'s measured sensitivity that agrees with the
+    row's per-layer options on every key both have (``None`` when the file has no such pair)."""
     rows = {r["method"]: r for r in d["rows"] if not r.get("healing")}
     row, probed = rows.get(method), rows.get(probed_by)
     if row is None or probed is None or not probed.get("sensitivity") or not row.get("layer_options"):
         return None
     measured = probed["sensitivity"]
     for plan, values in zip(measured["probe_plans"], measured["kl_per_plan_and_layer"]):
-        if all(all(options.get(k) == v for k, v in p.items()) for p, options in zip(plan, row["layer_options"])):
+        if all(all(options.get(k, v) == v for k, v in p.items()) for p, options in zip(plan, row["layer_options"])):
             return values
     return None
 
