@@ -26,7 +26,8 @@ LATENT_RUNS = ("convert_latent_healed_smollm2.json", "convert_latent_healed_all_
 HEALING_RUNS = ("convert_latent_mix5_smollm2.json", "convert_latent_healed_smollm2.json", "convert_latent25_healed_smollm2.json",
                 "heal_curve_latent05_15000.json", "heal_curve_latent05_30000.json", "heal_curve_latent05_60000.json",
                 "heal_curve_latent025_30000.json", "heal_curve_latent025_60000.json", "heal_curve_latent025_120000.json")
-HEALING_LR_RUNS = ("heal_lr_latent025_30000_lr3e-4.json", "heal_lr_latent025_30000_lr1e-3.json")  # the learning-rate sweep
+HEALING_LR_RUNS = ("heal_lr_latent025_30000_lr3e-4.json", "heal_lr_latent025_30000_lr1e-3.json", "heal_lr_latent025_30000_lr3e-3.json",
+                   "heal_lr_latent05_30000_lr1e-3.json")  # the learning-rate sweep
 HEALING_FIGURE = "heal_curve_latent_smollm2.png"  # convert_oneshot.py --curve-from HEALING_RUNS
 
 
