@@ -32,27 +32,49 @@ def _healing(row: dict[str, Any]) -> str:
     return f"healed: {h['tokens_seen']:,} tokens, {h['train_seconds'] / 60:.0f} min, `{h['heal_config']['params']}`"
 
 
-def _rows(runs: list[dict[str, Any]], texts: list[str]) -> list[list[str]]:
-    rows = []
+def _first_showings(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(file, row) of every row of ``runs`` in order, a conversion folder measured again by a
+    later file with the same perplexities (the same model, deterministic evaluation) kept only at
+    its first showing."""
+    seen, out = set(), []
     for d in runs:
         for r in d["rows"]:
-            rows.append([f"`{r['method']}`", f"{r['cache_ratio']}", f"{len(d['calib'].split(','))} texts", str(d.get("seed", 0)), _healing(r)]
-                        + [f"{ppl(r['ppl'][t])} ({times(r['ppl_over_original'][t])})" for t in texts])
+            key = (r.get("folder"), tuple(sorted(r["ppl"].items())))
+            if r.get("folder") is not None and key in seen:
+                continue
+            seen.add(key)
+            out.append((d, r))
+    return out
+
+
+def _rows(runs: list[dict[str, Any]], texts: list[str]) -> list[list[str]]:
+    rows = []
+    for d, r in _first_showings(runs):
+        rows.append([f"`{r['method']}`", f"{r['cache_ratio']}", f"{len(d['calib'].split(','))} texts", str(d.get("seed", 0)), _healing(r)]
+                    + [f"{ppl(r['ppl'][t])} ({times(r['ppl_over_original'][t])})" for t in texts])
     return rows
 
 
-def _compare(d: dict[str, Any], method: str, other: str, texts: list[str]) -> list[str]:
+def _compare(d: dict[str, Any], method: str, other: str, texts: list[str], seen: set[tuple[str, str]] | None = None) -> list[str]:
     """One clause per cache ratio at which run file ``d`` holds one-shot rows of both methods:
-    ``method`` against ``other``, the verdict (``rules.ppl_verdict``) and the change per text."""
+    ``method`` against ``other``, the verdict (``rules.ppl_verdict``) and the change per text
+    (with the calibration seed when not 0). ``seen``: the pairs of conversion folders already
+    compared, skipped and extended."""
     found = {(r["method"], r["cache_ratio"]): r for r in d["rows"] if not r.get("healing")}
     clauses = []
     for (name, ratio), row in found.items():
         if name != method or (other, ratio) not in found:
             continue
         base = found[(other, ratio)]
+        if seen is not None:
+            pair = (str(row.get("folder")), str(base.get("folder")))
+            if pair in seen:
+                continue
+            seen.add(pair)
         gaps = ", ".join(f"{pct1(row['ppl'][t] / base['ppl'][t] - 1)} on {t}" for t in texts)
         verdict = word(ppl_verdict(row["ppl"], base["ppl"]), "worse than", "better than", "level with")
-        clauses.append(f"at R = {ratio}, `{method}` is {verdict} `{other}` ({gaps})")
+        seed = f" with calibration seed {d['seed']}" if d.get("seed") else ""
+        clauses.append(f"at R = {ratio}{seed}, `{method}` is {verdict} `{other}` ({gaps})")
     return clauses
 
 
@@ -126,7 +148,8 @@ def latent_section(oneshot: dict[str, Any], others: list[dict[str, Any]] = ()) -
              for d in others for clause in _compare(d, "latent", "mla", texts)]
     variants = []  # (title, clauses): the per-layer allocations against the uniform plans
     for title, method, base in VARIANTS:
-        clauses = [clause for d in others for clause in _compare(d, method, base, texts)]
+        seen: set[tuple[str, str]] = set()
+        clauses = [clause for d in others for clause in _compare(d, method, base, texts, seen)]
         if clauses:
             variants.append(f"\n\n{title}: {_sentence(clauses)}.")
     at_half = {(r["method"], r["cache_ratio"]): r for r in oneshot["rows"]}.get(("latent", 0.5))
@@ -135,12 +158,11 @@ def latent_section(oneshot: dict[str, Any], others: list[dict[str, Any]] = ()) -
         missed = [t for t in texts if at_half["ppl_over_original"][t] > ONE_SHOT_TARGET]
         target = (f" The one-shot target at R = 0.5 (at most {ONE_SHOT_TARGET}x the original on every text) is "
                   + (f"**missed** by `latent` on {join_words(missed)}." if missed else "**met** by `latent` on every text."))
-    for d in others:
-        for r in d["rows"]:
-            if r["method"] in ONE_SHOT_VARIANTS and r["cache_ratio"] == 0.5 and not r.get("healing"):
-                missed = [t for t in texts if r["ppl_over_original"][t] > ONE_SHOT_TARGET]
-                target += (f" By `{r['method']}` ({link(d['benchmark'] + '.json')}) it is "
-                           + (f"**missed** on {join_words(missed)}" if missed else "**met** on every text") + ".")
+    for d, r in _first_showings(list(others)):
+        if r["method"] in ONE_SHOT_VARIANTS and r["cache_ratio"] == 0.5 and not r.get("healing"):
+            missed = [t for t in texts if r["ppl_over_original"][t] > ONE_SHOT_TARGET]
+            target += (f" By `{r['method']}` ({link(d['benchmark'] + '.json')}) it is "
+                       + (f"**missed** on {join_words(missed)}" if missed else "**met** on every text") + ".")
     runs = [oneshot, *others]
     sources = ", ".join(f"{link(d['benchmark'] + '.json')}: {when(d)}" for d in runs)
     header = ["method", "R", "calibration", "seed", "healing"] + [f"{t} (x original)" for t in texts]
