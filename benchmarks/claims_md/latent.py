@@ -29,7 +29,7 @@ def _healing(row: dict[str, Any]) -> str:
     h = row.get("healing")
     if not h:
         return "one-shot"
-    return f"healed: {h['tokens_seen']:,} tokens, {h['train_seconds'] / 60:.0f} min, `{h['heal_config']['params']}`"
+    return f"healed: {h['tokens_seen']:,} tokens, {h['train_seconds'] / 60:.0f} min, `{h['heal_config']['params']}`, lr {h['heal_config']['lr']:g}"
 
 
 def _first_showings(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -79,12 +79,12 @@ def _compare(d: dict[str, Any], method: str, other: str, texts: list[str], seen:
 
 
 def _healed_target(healed: list[dict[str, Any]], texts: list[str]) -> str:
-    """The healed target of every healed ``latent`` row at a ratio of ``HEALED_TARGETS``: met or
+    """The healed target of every healed ``latent`` row (any plan) at a ratio of ``HEALED_TARGETS``: met or
     missed per text, and whether the healing took longer than the target allows."""
     out = []
     for d in healed:
         for r in d["rows"]:
-            if r["method"] != "latent" or r["cache_ratio"] not in HEALED_TARGETS or not r.get("healing"):
+            if r["method"].partition(":")[0] != "latent" or r["cache_ratio"] not in HEALED_TARGETS or not r.get("healing"):
                 continue
             (inside, outside), minutes = HEALED_TARGETS[r["cache_ratio"]]
             limits = {t: inside if i == 0 else outside for i, t in enumerate(texts)}
@@ -92,7 +92,7 @@ def _healed_target(healed: list[dict[str, Any]], texts: list[str]) -> str:
             took = r["healing"]["train_seconds"] / 60
             out.append(f" The healed target at R = {r['cache_ratio']} (at most {inside}x in domain and {outside}x out of domain, within "
                        f"{minutes} minutes of healing) is " + (f"**missed** on {join_words(missed)}" if missed else "**met** on every text")
-                       + f" by `latent` healed on {r['healing']['tokens_seen']:,} tokens ({took:.0f} minutes"
+                       + f" by `{r['method']}` healed on {r['healing']['tokens_seen']:,} tokens ({took:.0f} minutes"
                        + (", longer than allowed" if took > minutes else "") + f", {r['healing']['threads']} thread).")
     return "".join(out)
 
