@@ -82,6 +82,16 @@ def test_a_sensitivity_conversion_records_what_it_measured(tiny_folder, tmp_path
     assert convert_pretrained(str(tiny_folder), options("latent", 0.5, tmp_path), None, progress=False)[1]["sensitivity"] is None
 
 
+def _plan_with_best(layers, best: list[int], count: int, plan):
+    """The plan ``plan()`` makes when layer i measured best (KL 0, the others 1) at candidate
+    ``best[i]`` of ``count``; it must say it was measured."""
+    for layer, b in zip(layers, best):
+        layer.sensitivity = [0.0 if k == b else 1.0 for k in range(count)]
+    planned, why = plan()
+    assert "measured" in why
+    return planned
+
+
 def test_mla_measured_pairs_take_each_layers_best_candidate_at_the_same_cache():
     source, layers = contexts(perturbed(tiny_model("llama")))
     _, settings = parse_method("mla:pairs=measured")
@@ -92,11 +102,9 @@ def test_mla_measured_pairs_take_each_layers_best_candidate_at_the_same_cache():
     assert all(o["kv_rank"] + o["rope_dim"] == budget for probe in probes for o in probe)
     with pytest.raises(RuntimeError, match="pairs=measured"):
         mla.plan_uniform(layers, 0.5, **settings)
-    for i, layer in enumerate(layers):  # layer i is best at candidate i (mod the count)
-        layer.sensitivity = [0.0 if k == i % len(candidates) else 1.0 for k in range(len(candidates))]
-    planned, why = mla.plan_uniform(layers, 0.5, **settings)
-    assert [o["rope_dim"] // 2 for o in planned] == [candidates[i % len(candidates)] for i in range(len(layers))]
-    assert "measured" in why
+    best = [i % len(candidates) for i in range(len(layers))]
+    planned = _plan_with_best(layers, best, len(candidates), lambda: mla.plan_uniform(layers, 0.5, **settings))
+    assert [o["rope_dim"] // 2 for o in planned] == [candidates[b] for b in best]
     model, _, _ = build_converted(source, get_conversion("mla"), layers, planned)
     assert sum(model.cache_elements_per_token()) == budget * len(layers)
 
@@ -112,11 +120,9 @@ def test_lrkv_measured_split_takes_each_layers_best_key_rank_at_the_same_cache()
     assert rule[0]["rank_k"] in candidates and all(o["rank_k"] + o["rank_v"] == width for probe in probes for o in probe)
     with pytest.raises(RuntimeError, match="split=measured"):
         lrkv.plan_uniform(layers, 0.6, **settings)
-    for i, layer in enumerate(layers):  # layer i is best at candidate len - 1 - i (mod the count)
-        layer.sensitivity = [0.0 if k == (len(candidates) - 1 - i) % len(candidates) else 1.0 for k in range(len(candidates))]
-    planned, why = lrkv.plan_uniform(layers, 0.6, **settings)
-    assert [o["rank_k"] for o in planned] == [candidates[(len(candidates) - 1 - i) % len(candidates)] for i in range(len(layers))]
-    assert "measured" in why
+    best = [(len(candidates) - 1 - i) % len(candidates) for i in range(len(layers))]
+    planned = _plan_with_best(layers, best, len(candidates), lambda: lrkv.plan_uniform(layers, 0.6, **settings))
+    assert [o["rank_k"] for o in planned] == [candidates[b] for b in best]
     model, _, _ = build_converted(source, get_conversion("lrkv"), layers, planned)
     rule_model, _, _ = build_converted(source, get_conversion("lrkv"), layers, rule)
     assert model.cache_elements_per_token() == rule_model.cache_elements_per_token()
