@@ -109,6 +109,20 @@ def output_state(o: torch.Tensor, bias: bool) -> dict[str, torch.Tensor]:
     return state
 
 
+def measured_sensitivities(layers: list[LayerContext], option: str) -> list[list[float]]:
+    """Every layer's measured KLs (one per probed plan), or RuntimeError naming the method option
+    that needs them (``--to NAME:KEY=VALUE``) when the pipeline's probe did not run."""
+    if any(layer.sensitivity is None for layer in layers):
+        raise RuntimeError(f"{option} needs every layer's measured sensitivity (the pipeline's probe did not run)")
+    return [layer.sensitivity for layer in layers]
+
+
+def least_sensitive(layers: list[LayerContext], candidates: list[Any], option: str) -> list[Any]:
+    """Per layer, the candidate whose probe plan (one per candidate, in order) moved the model
+    least with that layer alone converted (``measured_sensitivities``)."""
+    return [candidates[min(range(len(candidates)), key=kl.__getitem__)] for kl in measured_sensitivities(layers, option)]
+
+
 def layer_budget(shape: Shape, ratio: float) -> int:
     """Cache elements per token each layer keeps when every layer gets the same size: floor(ratio x original)."""
     return int(math.floor(ratio * shape.cache_elements + 1e-9))

@@ -25,7 +25,15 @@ from typing import Any
 import torch
 
 from slimkv.common.checks import check_choice, check_float
-from slimkv.convert.context import AffineLayer, LayerContext, LayerFit, layer_budget, linear_state, output_state
+from slimkv.convert.context import (
+    AffineLayer,
+    LayerContext,
+    LayerFit,
+    layer_budget,
+    linear_state,
+    measured_sensitivities,
+    output_state,
+)
 from slimkv.convert.lowrank import damped_sqrt, weighted_error, weighted_factors
 from slimkv.convert.mla import KV_BALANCE, WEIGHT_DAMPING
 from slimkv.convert.pairs import pair_energy, to_complex
@@ -74,12 +82,10 @@ def plan(layers: list[LayerContext], ratio: float, **options: Any) -> tuple[list
         values = [spectrum / spectrum.sum().clamp_min(1e-300) for spectrum in (_weighted_spectrum(layer, options) for layer in layers)]
         rule = "the largest shares of each layer's weighted error"
     else:
-        if any(layer.sensitivity is None for layer in layers):
-            raise RuntimeError("latent:allocation=sensitivity needs every layer's measured sensitivity (the pipeline's probe did not run)")
         values = []
-        for layer in layers:
+        for layer, kl in zip(layers, measured_sensitivities(layers, "latent:allocation=sensitivity")):
             spectrum = _weighted_spectrum(layer, options)
-            values.append(spectrum * (layer.sensitivity[0] / float(spectrum[rank:].sum().clamp_min(1e-300))))
+            values.append(spectrum * (kl[0] / float(spectrum[rank:].sum().clamp_min(1e-300))))
         rule = "the layers whose measured KL per unit of weighted error is largest"
     floor = max(1, int(MIN_LAYER_SHARE * rank))
     ranks = [min(floor, len(v)) for v in values]

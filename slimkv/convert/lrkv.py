@@ -33,7 +33,7 @@ import torch
 from slimkv.attention.lrkv import LowRankKVAttention, resolve_positions
 from slimkv.attention.mha import MultiHeadAttention
 from slimkv.common.checks import check_choice
-from slimkv.convert.context import AffineLayer, LayerContext, LayerFit, layer_budget, linear_state, output_state
+from slimkv.convert.context import AffineLayer, LayerContext, LayerFit, layer_budget, least_sensitive, linear_state, output_state
 from slimkv.convert.lowrank import damped_sqrt, weighted_factors
 from slimkv.convert.pairs import from_complex, mix_pairs, pair_energy, to_complex
 from slimkv.convert.source import Shape
@@ -63,11 +63,15 @@ def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | Non
     check_choice("--to lrkv: split", options["split"], SPLIT_CHOICES)
 
 
+def residual_width(shape: Shape, ratio: float) -> int:
+    """rank_k + rank_v per K/V group at ``ratio`` (``ranks_for``'s total)."""
+    return sum(ranks_for(shape, layer_budget(shape, ratio)))
+
+
 def split_candidates(shape: Shape, ratio: float) -> list[int]:
-    """The key ranks ``split=measured`` tries in every layer: KEY_SHARES of the residual width
-    (``ranks_for``'s total), each once."""
-    rank_k, rank_v = ranks_for(shape, layer_budget(shape, ratio))
-    return sorted({round(share * (rank_k + rank_v)) for share in KEY_SHARES})
+    """The key ranks ``split=measured`` tries in every layer: KEY_SHARES of the residual width, each once."""
+    width = residual_width(shape, ratio)
+    return sorted({round(share * width) for share in KEY_SHARES})
 
 
 def plan_uniform(layers: list[LayerContext], ratio: float, *, split: str = "rule") -> tuple[list[dict[str, Any]], str]:
@@ -81,10 +85,8 @@ def plan_uniform(layers: list[LayerContext], ratio: float, *, split: str = "rule
     width = rank_k + rank_v
     cache = 2 * shape.head_dim + shape.n_kv_heads * width
     if split == "measured":
-        if any(layer.sensitivity is None for layer in layers):
-            raise RuntimeError("lrkv:split=measured needs every layer's measured sensitivity (the pipeline's probe did not run)")
         candidates = split_candidates(shape, ratio)
-        ranks = [candidates[min(range(len(candidates)), key=layer.sensitivity.__getitem__)] for layer in layers]
+        ranks = least_sensitive(layers, candidates, "lrkv:split=measured")
         return [{"rank_k": r, "rank_v": width - r} for r in ranks], (
             f"measured: every layer keeps the shared key and value and a residual of {width} per K/V group, split between keys and "
             f"values by the key rank of {candidates} whose layer alone moved the model least (rank_k from {min(ranks)} to {max(ranks)}; "
@@ -98,7 +100,7 @@ def probe_plans(layers: list[LayerContext], ratio: float, *, split: str = "rule"
     """``split=measured``: one uniform plan per candidate key rank; nothing otherwise."""
     if split != "measured":
         return None
-    width = sum(ranks_for(layers[0].shape, layer_budget(layers[0].shape, ratio)))
+    width = residual_width(layers[0].shape, ratio)
     return [[{"rank_k": r, "rank_v": width - r} for _ in layers] for r in split_candidates(layers[0].shape, ratio)]
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from slimkv.common.checks import check_choice
-from slimkv.convert.context import AffineLayer, LayerContext, LayerFit, layer_budget, linear_state, output_state
+from slimkv.convert.context import AffineLayer, LayerContext, LayerFit, layer_budget, least_sensitive, linear_state, output_state
 from slimkv.convert.lowrank import damped_sqrt, weighted_error, weighted_factors
 from slimkv.convert.pairs import from_complex, mix_pairs, pair_energy, rotation_expectation, to_complex
 from slimkv.convert.source import Shape
@@ -85,10 +85,8 @@ def plan_uniform(layers: list[LayerContext], ratio: float, *, prefix: bool = Fal
     budget = layer_budget(shape, ratio)
     chosen = "the fastest frequencies" if prefix else "chosen by the error their loss leaves"
     if pairs == "measured":
-        if any(layer.sensitivity is None for layer in layers):
-            raise RuntimeError("mla:pairs=measured needs every layer's measured sensitivity (the pipeline's probe did not run)")
         candidates = pair_candidates(shape, ratio)
-        counts = [candidates[min(range(len(candidates)), key=layer.sensitivity.__getitem__)] for layer in layers]
+        counts = least_sensitive(layers, candidates, "mla:pairs=measured")
         return [_split(budget, n) for n in counts], (
             f"measured: each layer keeps the number of rotated pairs ({chosen}) of {candidates} whose layer alone moved the model least "
             f"(from {min(counts)} to {max(counts)}), the rest of its cache ({budget} = floor(ratio x {shape.cache_elements})) in the latent")
