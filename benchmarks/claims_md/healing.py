@@ -83,6 +83,11 @@ def healing_curve_section(runs: list[dict[str, Any]], figure: str, sweep: list[d
             if len(healed) > 1:
                 clause += f", and {healed[-1]:,} tokens {_recovered(one_shot, last, texts)}"
             clauses.append(clause)
+    recipes = {(r["healing"]["config"]["seq_len"], r["healing"]["config"]["batch_size"]) for ratio in points
+               for r, _ in points[ratio].values() if r.get("healing")}
+    if len(recipes) != 1:
+        raise ValueError(f"the healing curve's runs differ in window length or batch size: {sorted(recipes)}")
+    [(seq_len, batch_size)] = recipes
     files = list({d["benchmark"]: d for ratio in points for _, d in points[ratio].values()}.values())
     loads = [d["machine"]["load_average"][0] for d in files]
     threads = join_words(sorted({str(d["threads"]) for d in files}))
@@ -91,7 +96,7 @@ def healing_curve_section(runs: list[dict[str, Any]], figure: str, sweep: list[d
     return f"""## How much healing a latent conversion needs
 
 `latent` at two cache ratios, healed by distillation (the parameters the conversion changed, on
-the calibration mix, 512-token windows, batch 4, learning rate 1e-4 with cosine decay) for
+the calibration mix, {seq_len}-token windows, batch {batch_size}, peak learning rate {CURVE_LR:g} with cosine decay) for
 different budgets; each budget is its own run with its own schedule, from the same one-shot
 conversion, calibrated on `{runs[0]['calib']}`. Perplexity on {runs[0]['eval_tokens']:,} tokens per text, {runs[0]['seq_len']}-token
 windows ({len(files)} files, {threads} thread, load {min(loads):.2f} to {max(loads):.2f} when written; minutes: healing alone):

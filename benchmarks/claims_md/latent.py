@@ -125,10 +125,12 @@ def _where_lost(runs: list[dict[str, Any]]) -> str:
         half = len(free) // 2
         late = sum(structured[half:]) - sum(free[half:])
         total = sum(structured) - sum(free)
+        if total <= 0:
+            return f"\n\nLayer by layer ({link(d['benchmark'] + '.json')}), `lrkv` loses nothing against `latent` in summed KL."
         return (f"\n\nWhere `lrkv` loses against `latent` ({link(d['benchmark'] + '.json')}, each layer converted alone into the original, "
                 f"KL to it in nats per token on the calibration probe): summed over the layers {sum(structured):.3f} against "
                 f"{sum(free):.3f}; the largest excesses are at layers {layers}; the later half of the layers holds {pct(late / total)} "
-                "of the summed excess." if total > 0 else "")
+                "of the summed excess.")
     return ""
 
 
