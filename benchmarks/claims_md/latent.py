@@ -134,6 +134,37 @@ def _where_lost(runs: list[dict[str, Any]]) -> str:
     return ""
 
 
+def _decoupled(runs: list[dict[str, Any]], texts: list[str]) -> str:
+    """``lrkv:rope=decoupled`` (rotation in the shared key, exact factored decode) against ``lrkv``
+    (full RoPE, keys rebuilt at every step) at R = 0.5: the one-shot rows by rotated pairs (read
+    from each row's per-layer options), the best of them against ``lrkv``, and every healed row."""
+    base, sweep, healed = None, [], []
+    for d, r in _first_showings(runs):
+        if r["cache_ratio"] != 0.5:
+            continue
+        if r["method"] == "lrkv" and not r.get("healing"):
+            base = r
+        elif r["method"].startswith("lrkv:rope=decoupled"):
+            pairs = len(r["layer_options"][0]["rope_frequencies"]) if r.get("layer_options") else None
+            (healed if r.get("healing") else sweep).append((pairs, d, r))
+    if base is None or not sweep:
+        return ""
+
+    def ratios(r: dict[str, Any]) -> str:
+        return " / ".join(times(r["ppl_over_original"][t]) for t in texts)
+
+    ladder = "; ".join(f"{pairs}: {ratios(r)}" for pairs, _, r in sorted(sweep, key=lambda x: x[0] or 0))
+    best_pairs, _, best = min(sweep, key=lambda x: sum(x[2]["ppl_over_original"].values()))
+    verdict = word(ppl_verdict(best["ppl"], base["ppl"]), "worse than", "better than", "level with")
+    gaps = ", ".join(f"{pct1(best['ppl'][t] / base['ppl'][t] - 1)} on {t}" for t in texts)
+    text = (f"\n\n`lrkv` with its rotation decoupled (`lrkv:rope=decoupled`: the shared key carries the rotated pairs, the residual keys none, "
+            f"so decode reads the compact cache without rebuilding a key) at R = 0.5, one-shot, by rotated pairs ({' / '.join(texts)}): {ladder}. "
+            f"The best, {best_pairs} pairs, is {verdict} `lrkv` with full RoPE ({ratios(base)}; {gaps})")
+    for _, d, r in healed:
+        text += f"; healed ({_healing(r)}, {link(d['benchmark'] + '.json')}): {ratios(r)}"
+    return text + "."
+
+
 def _sentence(parts: list[str]) -> str:
     """Clauses joined by semicolons, the first letter capitalised (nothing else)."""
     text = "; ".join(parts) or "no cache ratio has both methods"
@@ -181,4 +212,4 @@ between them is what `mla`'s treatment of RoPE costs. SmolLM2-135M, calibrated (
 
 {table(header, _rows(runs, texts), right={1, 3, *range(5, len(header))})}
 
-{_sentence(main + seeds)}.{target}{_healed_target(list(others), texts)}{"".join(variants)}{_where_lost(runs)}"""
+{_sentence(main + seeds)}.{target}{_healed_target(list(others), texts)}{"".join(variants)}{_where_lost(runs)}{_decoupled(runs, texts)}"""

@@ -25,6 +25,36 @@ def dtype_table(f32: dict[str, Any], bf16: dict[str, Any]) -> tuple[int, str]:
     return last, table(header_cells, rows, right=set(range(1, len(header_cells))))
 
 
+EXACT_COPY = "slimkv exact copy (gqa)"  # decode_smollm2.py's label of slimkv's copy of the original
+CONVERSION_SPEED_TARGET = 1.3  # every conversion at cache 0.5: tokens/s over the exact copy's in the same dtype, at the longest context
+BF16_SPEED_TARGET = 1.6  # the exact copy in bfloat16 over itself in float32
+
+
+def smollm2_targets(smollm2: dict[str, Any]) -> str:
+    """The decode targets at the longest context of decode_smollm2.py's run: each converted model's
+    tokens/s over the exact copy's in the same dtype, and the exact copy's bfloat16 speed-up."""
+    last = smollm2["settings"]["contexts"][-1]
+    rows = [r for r in smollm2["rows"] if r["context"] == last]
+    exact = {r["dtype"]: r["tokens_per_s"] for r in rows if r["model"].removesuffix(f" {r['dtype']}") == EXACT_COPY}
+    clauses = []
+    for dtype, base in exact.items():
+        ratios = [(r["model"].removesuffix(f" {dtype}").removeprefix("slimkv "), r["tokens_per_s"] / base) for r in rows
+                  if r["dtype"] == dtype and r["model"].startswith("slimkv ") and r["model"].removesuffix(f" {dtype}") != EXACT_COPY]
+        if not ratios:
+            continue
+        missed = [name for name, x in ratios if x < CONVERSION_SPEED_TARGET]
+        listed = ", ".join(f"`{name}` {f2(x)}x" for name, x in ratios)
+        clauses.append(f"in {dtype}, {listed} the exact copy's tokens/s (target {CONVERSION_SPEED_TARGET}x: "
+                       + (f"**missed** by {len(missed)} of {len(ratios)})" if missed else "**met** by every one)"))
+    if "float32" in exact and "bfloat16" in exact:
+        gain = exact["bfloat16"] / exact["float32"]
+        clauses.append(f"the exact copy in bfloat16 runs {f2(gain)}x its float32 speed (target {BF16_SPEED_TARGET}x: "
+                       + ("**met**)" if gain >= BF16_SPEED_TARGET else "**missed**)"))
+    if not clauses:
+        return ""
+    return f"\n\nAt {last // 1024}K: " + "; ".join(clauses) + "."
+
+
 def speed_section(decode: dict[str, dict[str, Any]], native: dict[str, dict[str, Any]], smollm2: dict[str, Any]) -> str:
     """Decode speed on the development machine: one layer per variant, the native kernel, both dtypes, SmolLM2."""
     d1, d2 = decode["decode_all_1thread.json"], decode["decode_all_2thread.json"]
@@ -82,4 +112,4 @@ row, which makes it compute-bound on a CPU ("roofline" in docs/evaluation.md).
 SmolLM2-135M decode, tokens per second after a prefill of each context, models interleaved
 ({link('decode_smollm2_1thread.json')}, {when(smollm2)}):
 
-{table(['model'] + [f'{c // 1024}K' for c in contexts], s_rows, right=set(range(1, len(contexts) + 1)))}"""
+{table(['model'] + [f'{c // 1024}K' for c in contexts], s_rows, right=set(range(1, len(contexts) + 1)))}{smollm2_targets(smollm2)}"""

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from slimkv.common.buffer import GrowableBuffer, TimeLastBuffer
+from slimkv.common.buffer import GrowableBuffer
 
 
 class AttentionCache:
@@ -73,17 +73,16 @@ class AttentionCache:
 
 class LRKVEntries(NamedTuple):
     """What LRKV caches per token; used for the new tokens of a call and for views of the whole
-    cache alike. The latents are time-last ("channel-major"): for one head the r x L block is
-    contiguous along time, so the decode products q_lat Z^T and a Z are plain streaming GEMMs
-    (faster on CPU than the (L, r) layout when the layout was chosen; benchmarks/decode_all.py
-    times the whole decode step, ``lrkv`` and ``lrkv-expanded``).
+    cache alike. The latents are time-last: for one group an r x L block whose channel rows are
+    read as the right operand of q_lat Z (in the cache they are strided views of the token rows,
+    ``LRKVCache``).
 
     shared_k:  (batch, 1, time, head_dim)  shared key; in ``decoupled`` mode its rotary channels are
                already scaled by the qk-norm gain (if any) and rotated
     shared_v:  (batch, 1, time, head_dim)  shared value
-    latent_k:  (batch, heads, rank_k, time)  z^K_h = x U^K_h
-    latent_v:  (batch, heads, rank_v, time)  z^V_h = x U^V_h
-    key_scale: (batch, heads, time, 1)  s = 1 / rms(k_h) with ``qk_norm``, else None
+    latent_k:  (batch, groups, rank_k, time)  z^K_g = x U^K_g
+    latent_v:  (batch, groups, rank_v, time)  z^V_g = x U^V_g
+    key_scale: (batch, groups, time, 1)  s = 1 / rms(k_g) with ``qk_norm``, else None
     """
 
     shared_k: torch.Tensor
@@ -104,32 +103,55 @@ class LRKVEntries(NamedTuple):
 
 
 class LRKVCache(AttentionCache):
-    """Shared keys/values, per-head latents and (with qk_norm) per-head key scales of every past token."""
+    """Every past token's LRKV entries as one row of ``row_width`` elements in a buffer of kernel
+    layout (batch, 1, time, row_width): [shared key | G key latents | shared value | G value latents]
+    (group-major), and (with qk_norm) the per-group key scales beside it. A decode step can then
+    read the rows as the keys (the first ``key_width`` elements) and the values (the rest) of one
+    key/value head shared by every query head (``LowRankKVAttention._decode_rows``); ``entries``
+    gives the same storage as ``LRKVEntries`` views."""
 
-    def __init__(self, owner_spec: tuple, batch_size: int, n_heads: int, head_dim: int, rank_k: int, rank_v: int, key_scale: bool, *, dtype, device) -> None:
+    def __init__(self, owner_spec: tuple, batch_size: int, groups: int, head_dim: int, rank_k: int, rank_v: int, key_scale: bool, *, dtype, device) -> None:
         super().__init__(owner_spec, batch_size, dtype, device)
-        kw = {"dtype": dtype, "device": device}
-        self.shared_k = GrowableBuffer(batch_size, 1, head_dim, **kw)
-        self.shared_v = GrowableBuffer(batch_size, 1, head_dim, **kw)
-        self.latent_k = TimeLastBuffer(batch_size, n_heads, rank_k, **kw)
-        self.latent_v = TimeLastBuffer(batch_size, n_heads, rank_v, **kw)
-        self.key_scale = GrowableBuffer(batch_size, n_heads, 1, **kw) if key_scale else None
+        self.groups, self.head_dim, self.rank_k, self.rank_v = groups, head_dim, rank_k, rank_v
+        self.key_width = head_dim + groups * rank_k
+        self.row_width = self.key_width + head_dim + groups * rank_v
+        self.rows = GrowableBuffer(batch_size, 1, self.row_width, dtype=dtype, device=device)
+        self.key_scale = GrowableBuffer(batch_size, groups, 1, dtype=dtype, device=device) if key_scale else None
 
     def tensors(self):
-        buffers = (self.shared_k, self.shared_v, self.latent_k.buffer, self.latent_v.buffer, self.key_scale)
-        return iter(b for b in buffers if b is not None)
+        return iter(b for b in (self.rows, self.key_scale) if b is not None)
 
-    def extend(self, new: LRKVEntries) -> LRKVEntries:
-        """Append the new tokens' entries; return views of every cached entry (past and new). With
-        autograd recording, the returned entries are a fresh copy (differentiable in the new
-        tokens) and the buffers store the new entries detached."""
-        buffers = (self.shared_k, self.shared_v, self.latent_k, self.latent_v, self.key_scale)
+    def pack(self, new: LRKVEntries) -> torch.Tensor:
+        """The rows (batch, 1, time, row_width) of entries ``new``."""
+        b, _, t, _ = new.shared_k.shape
+        latent_k = new.latent_k.permute(0, 3, 1, 2).reshape(b, 1, t, self.groups * self.rank_k)
+        latent_v = new.latent_v.permute(0, 3, 1, 2).reshape(b, 1, t, self.groups * self.rank_v)
+        return torch.cat((new.shared_k, latent_k, new.shared_v, latent_v), dim=-1)
+
+    def entries(self, rows: torch.Tensor, key_scale: torch.Tensor | None) -> LRKVEntries:
+        """``LRKVEntries`` views of ``rows`` (batch, 1, time, row_width)."""
+        hd, kw = self.head_dim, self.key_width
+
+        def latents(first: int, rank: int) -> torch.Tensor:  # (batch, G, rank, time), strided
+            return rows[:, 0, :, first : first + self.groups * rank].unflatten(-1, (self.groups, rank)).permute(0, 2, 3, 1)
+
+        return LRKVEntries(rows[..., :hd], rows[..., kw : kw + hd], latents(hd, self.rank_k), latents(kw + hd, self.rank_v), key_scale)
+
+    def extend(self, new: LRKVEntries) -> tuple[LRKVEntries, torch.Tensor]:
+        """Append the new tokens' entries; return views of every cached entry (past and new) and
+        the rows they view. With autograd recording, the returned entries are a fresh copy
+        (differentiable in the new tokens) and the buffer stores the new entries detached."""
         self.seq_len += new.shared_k.shape[2]
+        rows = self.pack(new)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in new):
-            dims = (2, 2, -1, -1, 2)  # the time dimension of each entry
-            entries = LRKVEntries(*(None if buf is None else torch.cat((buf.view(), t), dim=d) for buf, t, d in zip(buffers, new, dims)))
-            for buf, t in zip(buffers, new):
-                if buf is not None:
-                    buf.append(t.detach())
-            return entries
-        return LRKVEntries(*(None if buf is None else buf.append(t) for buf, t in zip(buffers, new)))
+            rows = torch.cat((self.rows.view(), rows), dim=2)
+            scale = None if self.key_scale is None else torch.cat((self.key_scale.view(), new.key_scale), dim=2)
+            self.rows.append(rows[:, :, -new.shared_k.shape[2] :].detach())
+            if self.key_scale is not None:
+                self.key_scale.append(new.key_scale.detach())
+            return self.entries(rows, scale), rows
+        live = self.rows.append(rows)
+        scale = None if self.key_scale is None else self.key_scale.append(new.key_scale)
+        return self.entries(live, scale), live
+
+

@@ -76,23 +76,3 @@ class GrowableBuffer:
             )
         storage[:, :, :live] = self._storage[:, :, self._start : self._end]
         self._storage, self._start, self._end = storage, 0, live
-
-
-class TimeLastBuffer:
-    """Growable (batch, heads, dim, time) storage: a ``GrowableBuffer`` of (batch, heads * dim,
-    time, 1), so appending never copies the past and each (head, channel) row is contiguous."""
-
-    def __init__(self, batch: int, heads: int, dim: int, *, dtype, device) -> None:
-        self.heads, self.dim = heads, dim
-        self.buffer = GrowableBuffer(batch, heads * dim, 1, dtype=dtype, device=device)
-
-    def append(self, x: torch.Tensor) -> torch.Tensor:
-        """Append x (batch, heads, dim, n); return the live (batch, heads, dim, time) view."""
-        b, _, _, n = x.shape
-        live = self.buffer.append(x.reshape(b, self.heads * self.dim, n, 1))
-        return live.view(b, self.heads, self.dim, live.shape[2])
-
-    def view(self) -> torch.Tensor:
-        """The live (batch, heads, dim, time) entries."""
-        live = self.buffer.view()
-        return live.view(live.shape[0], self.heads, self.dim, live.shape[2])

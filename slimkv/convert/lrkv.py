@@ -1,9 +1,19 @@
-"""GQA -> LRKV (slimkv ``lrkv`` layers, one residual group per source K/V head, ``rope_mode="full"``),
-one layer at a time, float64.
+"""GQA -> LRKV (slimkv ``lrkv`` layers, one residual group per source K/V head), one layer at a time,
+float64.
 
 Group g's key and value become k_g = W_s x + B_g (A_g x) (shared map plus a rank-r residual;
-``rank_k`` for keys, ``rank_v`` for values); RoPE turns the rebuilt key exactly as the source's, so
-positions are never approximated. Per K and V the fit minimises
+``rank_k`` for keys, ``rank_v`` for values). Two RoPE placements (``--to lrkv:rope=...``):
+
+* ``full`` (default, ``rope_mode="full"``): RoPE turns the rebuilt key exactly as the source's, so
+  positions are never approximated, but decode rebuilds and rotates every cached key at every step.
+* ``decoupled`` (``rope_mode="decoupled"``): the shared key's first 2 ``rope_pairs`` channels carry
+  the rotation, chosen and mixed across K/V heads as the MLA conversion does
+  (``mla.decouple_rotation``); the rest of each group's key loses its rotation (its queries take
+  the rotation's expectation) and is fitted in the remaining d_h - 2 ``rope_pairs`` channels
+  (``_decoupled_keys``), where the residual writes. Decode then reads the compact cache directly
+  (exact factored decode), at the price of the lost rotations.
+
+Per K and V the fit minimises
 
     sum_g E || M_g^1/2 (T_g - W_s - B_g A_g) x' ||^2
 
@@ -19,6 +29,9 @@ channels of a pair means something); for values W_o,h^T W_o,h summed over the gr
 * **Alternating fit** (``ALTERNATING_STEPS``): W_s = (sum M_g)^-1 sum M_g (T_g - B_g A_g) (exact given
   the residuals), then each group's residual by the weighted low-rank fit; the relative
   objective falls monotonically (recorded in the manifest).
+* **Decoupled keys** (``rope=decoupled``): group g's unrotated residual keys (d_h rows) are first
+  brought to the d_h - 2 ``rope_pairs`` channels left, by the fit weighted with the query energy
+  of the group's heads (their queries absorb the map), then aligned across groups as the values are.
 * **Key/value split** of each group's residual width: 2:1 for keys by default (``split=rule``);
   ``split=measured`` tries the shares of ``KEY_SHARES`` and gives each layer the one whose layer,
   converted alone, moved the model least (``convert.sensitivity``), at the same cache.
@@ -34,15 +47,18 @@ from slimkv.attention.lrkv import LowRankKVAttention, resolve_positions
 from slimkv.attention.mha import MultiHeadAttention
 from slimkv.common.checks import check_choice
 from slimkv.convert.context import AffineLayer, LayerContext, LayerFit, layer_budget, least_sensitive, linear_state, output_state
+from slimkv.convert.kvm import rope_options
 from slimkv.convert.lowrank import damped_sqrt, weighted_factors
+from slimkv.convert.mla import WEIGHT_DAMPING, DecoupledRotation, decouple_rotation
 from slimkv.convert.pairs import from_complex, mix_pairs, pair_energy, to_complex
 from slimkv.convert.source import Shape
 
 ALTERNATING_STEPS = 10
-ALIGN_MAX_CONDITION = 1e4  # a group whose value map is worse conditioned stays unaligned
+ALIGN_MAX_CONDITION = 1e4  # a group whose alignment map (values; decoupled keys) is worse conditioned stays unaligned
 SPLIT_CHOICES = ("rule", "measured")  # how each layer splits its residual width between keys and values
 KEY_SHARES = (1 / 3, 1 / 2, 2 / 3, 5 / 6, 1.0)  # ``split=measured``: the keys' shares of the residual width tried
-METHOD_OPTIONS = {"split": "rule"}
+ROPE_CHOICES = ("full", "decoupled")  # where the rotation lives (module docstring)
+METHOD_OPTIONS = {"split": "rule", "rope": "full", "rope_pairs": None}  # rope_pairs: decoupled's rotated pairs, None = ``decoupled_pairs``
 
 
 def min_ratio(shape: Shape) -> float:
@@ -59,8 +75,36 @@ def ranks_for(shape: Shape, budget: int) -> tuple[int, int]:
 
 
 def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
-    """``split`` one of SPLIT_CHOICES: ValueError naming the option."""
+    """``split`` one of SPLIT_CHOICES, ``rope`` one of ROPE_CHOICES, ``rope_pairs`` (decoupled only)
+    leaving channels for the residual: ValueError naming the option."""
     check_choice("--to lrkv: split", options["split"], SPLIT_CHOICES)
+    check_choice("--to lrkv: rope", options["rope"], ROPE_CHOICES)
+    pairs = options["rope_pairs"]
+    if pairs is None:
+        return
+    if options["rope"] != "decoupled":
+        raise ValueError(f"--to lrkv: rope_pairs={pairs!r} applies only with rope=decoupled (rope=full keeps every pair's rotation)")
+    if isinstance(pairs, bool) or not isinstance(pairs, int) or not 1 <= pairs < shape.head_dim // 2:
+        raise ValueError(f"--to lrkv: rope_pairs={pairs!r} must be an integer from 1 to {shape.head_dim // 2 - 1}: the shared key rotates that "
+                         f"many of the model's {shape.head_dim // 2} pairs and the residual writes the channels left")
+
+
+def decoupled_pairs(shape: Shape, rope_pairs: int | None) -> int:
+    """The rotated pairs of ``rope=decoupled``: ``rope_pairs``, or 5 head_dim / 16 (20 of SmolLM2's
+    32 pairs, the best of 4 to 28 at R = 1/2, docs/conversion.md), at least one, leaving a channel."""
+    if rope_pairs is not None:
+        return rope_pairs
+    return min(max(1, round(5 * shape.head_dim / 16)), shape.head_dim // 2 - 1)
+
+
+def _layer_plan(shape: Shape, rank_k: int, width: int, rope: str, rope_pairs: int | None) -> dict[str, Any]:
+    """One layer's planned options: the key rank (at most the channels the residual writes) and
+    the value rank sharing ``width``, with the rotated pairs for ``rope=decoupled``."""
+    if rope != "decoupled":
+        return {"rank_k": rank_k, "rank_v": width - rank_k}
+    pairs = decoupled_pairs(shape, rope_pairs)
+    rank_k = min(rank_k, shape.head_dim - 2 * pairs)
+    return {"rank_k": rank_k, "rank_v": width - rank_k, "rope_pairs": pairs}
 
 
 def residual_width(shape: Shape, ratio: float) -> int:
@@ -74,59 +118,121 @@ def split_candidates(shape: Shape, ratio: float) -> list[int]:
     return sorted({round(share * width) for share in KEY_SHARES})
 
 
-def plan_uniform(layers: list[LayerContext], ratio: float, *, split: str = "rule") -> tuple[list[dict[str, Any]], str]:
+def plan_uniform(layers: list[LayerContext], ratio: float, *, split: str = "rule", rope: str = "full", rope_pairs: int | None = None
+                 ) -> tuple[list[dict[str, Any]], str]:
     """Every layer keeps the shared key and value and the same residual width per K/V group;
     ``split=rule`` divides it 2:1 for keys in every layer (``ranks_for``), ``split=measured`` gives
     each layer the key rank of ``split_candidates`` whose layer alone moved the model least
-    (``LayerContext.sensitivity``, one KL per candidate)."""
+    (``LayerContext.sensitivity``, one KL per candidate). ``rope=decoupled`` adds the rotated
+    pairs (``decoupled_pairs``) and caps the key rank at the channels the residual writes."""
     shape = layers[0].shape
     budget = layer_budget(shape, ratio)
     rank_k, rank_v = ranks_for(shape, budget)
     width = rank_k + rank_v
     cache = 2 * shape.head_dim + shape.n_kv_heads * width
+    rotation = (f"; the shared key rotates {decoupled_pairs(shape, rope_pairs)} pairs, the residual keys none" if rope == "decoupled" else "")
     if split == "measured":
         candidates = split_candidates(shape, ratio)
-        ranks = least_sensitive(layers, candidates, "lrkv:split=measured")
-        return [{"rank_k": r, "rank_v": width - r} for r in ranks], (
+        plans = [_layer_plan(shape, r, width, rope, rope_pairs) for r in least_sensitive(layers, candidates, "lrkv:split=measured")]
+        ranks = [p["rank_k"] for p in plans]
+        return plans, (
             f"measured: every layer keeps the shared key and value and a residual of {width} per K/V group, split between keys and "
             f"values by the key rank of {candidates} whose layer alone moved the model least (rank_k from {min(ranks)} to {max(ranks)}; "
-            f"cache {cache} <= floor(ratio x {shape.cache_elements}) per layer)")
-    return [{"rank_k": rank_k, "rank_v": rank_v} for _ in layers], (
-        f"uniform: every layer keeps the shared key and value and rank_k={rank_k}, rank_v={rank_v} per K/V group "
-        f"(cache {cache} <= floor(ratio x {shape.cache_elements}) per layer)")
+            f"cache {cache} <= floor(ratio x {shape.cache_elements}) per layer){rotation}")
+    plan = _layer_plan(shape, rank_k, width, rope, rope_pairs)
+    return [dict(plan) for _ in layers], (
+        f"uniform: every layer keeps the shared key and value and rank_k={plan['rank_k']}, rank_v={plan['rank_v']} per K/V group "
+        f"(cache {cache} <= floor(ratio x {shape.cache_elements}) per layer){rotation}")
 
 
-def probe_plans(layers: list[LayerContext], ratio: float, *, split: str = "rule") -> list[list[dict[str, Any]]] | None:
+def probe_plans(layers: list[LayerContext], ratio: float, *, split: str = "rule", rope: str = "full", rope_pairs: int | None = None
+                ) -> list[list[dict[str, Any]]] | None:
     """``split=measured``: one uniform plan per candidate key rank; nothing otherwise."""
     if split != "measured":
         return None
-    width = residual_width(layers[0].shape, ratio)
-    return [[{"rank_k": r, "rank_v": width - r} for _ in layers] for r in split_candidates(layers[0].shape, ratio)]
+    shape = layers[0].shape
+    width = residual_width(shape, ratio)
+    return [[_layer_plan(shape, r, width, rope, rope_pairs) for _ in layers] for r in split_candidates(shape, ratio)]
 
 
 def fit_layer(layer: LayerContext, options: dict[str, Any], *, align: bool = True, steps: int = ALTERNATING_STEPS) -> LayerFit:
-    """The lrkv layer with ``options`` rank_k and rank_v fitted to ``layer`` (module docstring)."""
+    """The lrkv layer with ``options`` rank_k and rank_v (and ``rope_pairs`` for ``rope=decoupled``)
+    fitted to ``layer`` (module docstring)."""
+    if "rope_pairs" in options:
+        return _fit_decoupled(layer, options, steps)
     s, a = layer.shape, layer.affine()
     queries, key_targets, key_weights = _aligned_keys(layer, a) if align else _keys(s, a, to_complex(a.q), to_complex(a.k))
     o, value_targets, value_weights, aligned = _aligned_values(s, a, align)
-    k_shared, k_down, k_up, k_history = shared_plus_residual(key_targets, key_weights, a.cov, options["rank_k"], steps)
-    v_shared, v_down, v_up, v_history = shared_plus_residual(value_targets, value_weights, a.cov, options["rank_v"], steps)
+    keys = shared_plus_residual(key_targets, key_weights, a.cov, options["rank_k"], steps)
+    values = shared_plus_residual(value_targets, value_weights, a.cov, options["rank_v"], steps)
+    state = _layer_state(s, from_complex(queries).flatten(0, 1), keys, values, o, options)
+    changed = [n for n in state if aligned or not n.startswith("o_proj")]
+    info = {"relative_error_keys": [keys[3][0], keys[3][-1]], "relative_error_values": [values[3][0], values[3][-1]], "aligned_value_groups": aligned}
+    return LayerFit(state, changed, info)
+
+
+def _fit_decoupled(layer: LayerContext, options: dict[str, Any], steps: int) -> LayerFit:
+    """``rope=decoupled`` (module docstring): the layer's options come back with its rotation
+    (``rope_mode``, the rotated pairs' original frequencies)."""
+    s, a = layer.shape, layer.affine()
+    pairs = options["rope_pairs"]
+    split = decouple_rotation(layer, a, to_complex(a.q), pairs)
+    queries, key_targets, key_weights, aligned_keys = _decoupled_keys(layer, a, split, s.head_dim - 2 * pairs)
+    o, value_targets, value_weights, aligned = _aligned_values(s, a, True)
+    keys = shared_plus_residual(key_targets, key_weights, a.cov, options["rank_k"], steps)
+    values = shared_plus_residual(value_targets, value_weights, a.cov, options["rank_v"], steps)
+    keys = (torch.cat((from_complex(split.k_pe), keys[0])), *keys[1:])  # the shared key: [rotated pairs | unrotated channels]
+    q_rows = torch.cat((from_complex(split.q_pe), queries), dim=1)  # (H, d_h, d')
+    state = _layer_state(s, q_rows.flatten(0, 1), keys, values, o, options)
+    info = {"relative_error_keys": [keys[3][0], keys[3][-1]], "relative_error_values": [values[3][0], values[3][-1]],
+            "aligned_value_groups": aligned, "aligned_key_groups": aligned_keys, "rope_pairs": [[int(i), int(j)] for i, j in split.kept]}
+    layer_options = {"rank_k": options["rank_k"], "rank_v": options["rank_v"], "rope_mode": "decoupled", **rope_options(s, pairs),
+                     "rope_frequencies": [float(layer.inv_freq[i]) for i, _ in split.kept]}
+    return LayerFit(state, [n for n in state if aligned or not n.startswith("o_proj")], info, layer_options)
+
+
+def _layer_state(s: Shape, q_rows: torch.Tensor, keys: tuple, values: tuple, o: torch.Tensor, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The lrkv state dict from the query rows (H d_h, d'), the key and value fits
+    (``shared_plus_residual``'s shared map, downs, ups, history) and o_proj's weight."""
     state = {
-        **linear_state("q_proj", from_complex(queries).flatten(0, 1), s.qkv_bias),
-        **linear_state("k_shared", k_shared, s.qkv_bias),
-        **linear_state("v_shared", v_shared, s.qkv_bias),
+        **linear_state("q_proj", q_rows, s.qkv_bias),
+        **linear_state("k_shared", keys[0], s.qkv_bias),
+        **linear_state("v_shared", values[0], s.qkv_bias),
         **output_state(o, s.qkv_bias),
     }
-    if options["rank_k"]:
-        state.update(linear_state("k_latent", torch.cat(k_down), s.qkv_bias))
-        state["k_up"] = torch.stack(k_up)
-    if options["rank_v"]:
-        state.update(linear_state("v_latent", torch.cat(v_down), s.qkv_bias))
-        state["v_up"] = torch.stack(v_up)
-    changed = [n for n in state if aligned or not n.startswith("o_proj")]
-    info = {"relative_error_keys": [k_history[0], k_history[-1]], "relative_error_values": [v_history[0], v_history[-1]],
-            "aligned_value_groups": aligned}
-    return LayerFit(state, changed, info)
+    for name, (_, downs, ups, _), rank in (("k", keys, options["rank_k"]), ("v", values, options["rank_v"])):
+        if rank:
+            state.update(linear_state(f"{name}_latent", torch.cat(downs), s.qkv_bias))
+            state[f"{name}_up"] = torch.stack(ups)
+    return state
+
+
+def _decoupled_keys(layer: LayerContext, a: AffineLayer, split: DecoupledRotation, width: int
+                    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], int]:
+    """Each group's unrotated residual keys in ``width`` channels (module docstring): (queries
+    (H, width, d'), key targets [(width, d')] and weights [(width, width)] per group, groups aligned).
+
+    Group g's residual R_g (d_h, d') is read by its heads' queries n_h (the rotation's expectation
+    folded in) with energy E_g = sum_h E[n_h n_h^T]; R_g ~= U_g D_g is its E_g-weighted rank-width
+    fit, the key becomes D_g and each head's query U_g^T n_h. The D_g are then aligned (D_g ->
+    T_g^-1 D_g, U_g -> U_g T_g) to the best common rank-width basis, as the values are."""
+    s = layer.shape
+    targets, weights, readers = [], [], []
+    for g in range(s.n_kv_heads):
+        energy = sum(split.q_nope[h] @ a.cov @ split.q_nope[h].T for h in range(g * s.group, (g + 1) * s.group))
+        down, up = weighted_factors(split.residual[g], a.cov, damped_sqrt(energy, WEIGHT_DAMPING), width)
+        targets.append(down)
+        weights.append(up.T @ energy @ up)
+        readers.append(up)
+    _, common = weighted_factors(torch.cat(targets), a.cov, torch.block_diag(*[damped_sqrt(m, WEIGHT_DAMPING) for m in weights]), width)
+    aligned = 0
+    for g, t in enumerate(common.view(s.n_kv_heads, width, width)):
+        if torch.linalg.cond(t) > ALIGN_MAX_CONDITION:
+            continue
+        targets[g], weights[g], readers[g] = torch.linalg.solve(t, targets[g]), t.T @ weights[g] @ t, readers[g] @ t
+        aligned += 1
+    queries = torch.stack([readers[g].T @ split.q_nope[h] for h, g in enumerate(layer.head_group.tolist())])
+    return queries, targets, weights, aligned
 
 
 def _keys(s: Shape, a: AffineLayer, queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
@@ -198,9 +304,10 @@ def lrkv_from_mha(mha: MultiHeadAttention, *, rope_mode: str = "full") -> LowRan
     """
     if mha.window is not None:
         raise ValueError("lrkv_from_mha needs a layer without a sliding window")
-    common = {"rope": mha.rope_mode, "rope_fraction": mha.rope_fraction, "rope_theta": mha.rope_theta, "qk_norm": mha.use_qk_norm, "bias": mha.use_bias}
+    common = {"rope": mha.rope_mode, "rope_fraction": mha.rope_fraction, "rope_theta": mha.rope_theta, "rope_frequencies": mha.rope_frequencies,
+              "qk_norm": mha.use_qk_norm, "bias": mha.use_bias}
     hd, heads = mha.head_dim, mha.n_heads
-    rotary, placement = resolve_positions(hd, rope_mode, mha.rope_mode, mha.rope_fraction, mha.rope_theta)
+    rotary, placement = resolve_positions(hd, rope_mode, mha.rope_mode, mha.rope_fraction, mha.rope_theta, mha.rope_frequencies)
     if rotary.rot_dim != mha.rotary.rot_dim:
         raise ValueError(
             f"rope_mode={rope_mode!r} rotates {rotary.rot_dim} channels per head, the mha layer {mha.rotary.rot_dim}; "

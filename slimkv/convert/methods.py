@@ -121,7 +121,8 @@ register_conversion(
     "lrkv", kind="lrkv", min_ratio=lrkv.min_ratio, plan=lrkv.plan_uniform, fit=lrkv.fit_layer,
     options=lambda shape: {"rope_mode": "full", "n_kv_heads": shape.n_kv_heads}, settings=lrkv.METHOD_OPTIONS, check=lrkv.check_options,
     probe_plans=lrkv.probe_plans,
-    description="shared K/V plus low-rank residuals per K/V head (aligned, alternating fit); RoPE exact",
+    description="shared K/V plus low-rank residuals per K/V head (aligned, alternating fit); RoPE exact, or rope=decoupled for a decode "
+                "that reads the compact cache directly",
 )
 register_conversion(
     "kvm", kind="kvm", plan=kvm.plan, fit=kvm.fit_layer, settings=kvm.METHOD_OPTIONS, check=kvm.check_options, sized_by_ratio=False,

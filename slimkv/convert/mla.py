@@ -25,6 +25,7 @@ The softmax scale of the source (1/sqrt(d_h)) is folded into q_proj together wit
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -115,12 +116,56 @@ def fit_layer(layer: LayerContext, options: dict[str, Any], *, select: str = "er
     pairs, rank = options["rope_dim"] // 2, options["kv_rank"]
     group_of = layer.head_group
     q = to_complex(a.q) * hd**-0.5  # (H, F, d'), logits in their own units
+    split = decouple_rotation(layer, a, q, pairs, select)  # 1-2. the rotated part and the unrotated residual
+    kept, q_nope = split.kept, split.q_nope
+
+    # 3. balanced latent of [residual keys; values]
+    target = torch.cat((split.residual.flatten(0, 1), a.v.flatten(0, 1)))  # (2 G d_h, d')
+    weight = _balanced_weight(a, s, q_nope, kv_balance)
+    down, up = weighted_factors(target, a.cov, weight, rank)
+
+    qk_scale = math.sqrt(2 * pairs + hd)
+    q_rows = torch.cat((from_complex(split.q_pe), q_nope), dim=1) * qk_scale  # (H, rope_dim + d_h, d')
+    k_up, v_up = up[: groups * hd].view(groups, hd, rank), up[groups * hd:].view(groups, hd, rank)
+    state = {
+        **linear_state("q_proj", q_rows.flatten(0, 1), s.qkv_bias),
+        **linear_state("kv_down", torch.cat((from_complex(split.k_pe), down)), s.qkv_bias),
+        "k_up.weight": k_up[group_of].flatten(0, 1),
+        "v_up.weight": v_up[group_of].flatten(0, 1),
+        **output_state(a.o, s.qkv_bias),
+    }
+    info = {
+        "rope_pairs": [[int(i), int(j)] for i, j in kept],
+        "latent_relative_error": weighted_error(target, up @ down, a.cov, weight),
+        "rotation_expectation_abs": [round(float(x), 4) for x in split.rho.abs().mean(0)],
+    }
+    frequencies = [float(layer.inv_freq[i]) for i, _ in kept]
+    return LayerFit(state, [n for n in state if not n.startswith("o_proj")], info, {**options, "rope_frequencies": frequencies})
+
+
+@dataclass(frozen=True)
+class DecoupledRotation:
+    """A layer's keys as a rotated part shared by every head and an unrotated residual (steps 1-2
+    of the module docstring). P rotated pairs, F frequencies, real rows in RoPE pair order."""
+
+    kept: list[tuple[int, int]]  # (frequency, component) of each rotated pair, in order
+    k_pe: torch.Tensor  # (P, d') complex: the shared rotated key pairs
+    q_pe: torch.Tensor  # (H, P, d') complex: each head's query for them
+    residual: torch.Tensor  # (G, d_h, d') real: the keys less what the kept pairs reconstruct, read without rotation
+    q_nope: torch.Tensor  # (H, d_h, d') real: each head's query for its group's residual, the rotation's expectation folded in
+    rho: torch.Tensor  # (H, F) complex: E[exp(1j delta w_i)] under each head's attention distances
+
+
+def decouple_rotation(layer: LayerContext, a: AffineLayer, q: torch.Tensor, pairs: int, select: str = "error") -> DecoupledRotation:
+    """Steps 1-2 of the module docstring for ``pairs`` rotated pairs chosen by ``select``
+    (``error`` or ``prefix``); ``q`` (H, F, d') complex are the queries the logits are read with.
+    Shared by ``mla`` and ``lrkv:rope=decoupled``."""
+    groups, hd = layer.shape.n_kv_heads, layer.shape.head_dim
+    group_of = layer.head_group
     k = to_complex(a.k)  # (G, F, d')
     rho = rotation_expectation(layer.stats.distance, layer.inv_freq)  # (H, F)
-
-    # 1. components of the rotated part, ranked by the error their loss would leave
     loss = (1 - rho.abs() ** 2).clamp_min(1e-6)
-    query_energy = (pair_energy(q, a.cov) * loss).view(groups, s.group, -1).sum(1)  # (G, F)
+    query_energy = (pair_energy(q, a.cov) * loss).view(groups, layer.shape.group, -1).sum(1)  # (G, F)
     mix = mix_pairs(k, query_energy, a.cov)
     if select == "prefix":
         if pairs > hd // 2:
@@ -133,34 +178,9 @@ def fit_layer(layer: LayerContext, options: dict[str, Any], *, select: str = "er
     comp = torch.tensor([j for _, j in kept], dtype=torch.long)
     k_pe = mix.keys[freq, comp]  # (P, d')
     q_pe = mix.recon[freq[None], group_of[:, None], comp[None]].conj()[..., None] * q[:, freq]  # (H, P, d')
-
-    # 2. residual keys unrotated, the rotation's expectation folded into the queries
     residual = k.clone()
     residual.index_add_(1, freq, -(mix.recon[freq, :, comp].T[..., None] * k_pe[None]))
-    q_nope = from_complex(rho[..., None] * q)  # (H, d_h, d')
-
-    # 3. balanced latent of [residual keys; values]
-    target = torch.cat((from_complex(residual).flatten(0, 1), a.v.flatten(0, 1)))  # (2 G d_h, d')
-    weight = _balanced_weight(a, s, q_nope, kv_balance)
-    down, up = weighted_factors(target, a.cov, weight, rank)
-
-    qk_scale = math.sqrt(2 * pairs + hd)
-    q_rows = torch.cat((from_complex(q_pe), q_nope), dim=1) * qk_scale  # (H, rope_dim + d_h, d')
-    k_up, v_up = up[: groups * hd].view(groups, hd, rank), up[groups * hd:].view(groups, hd, rank)
-    state = {
-        **linear_state("q_proj", q_rows.flatten(0, 1), s.qkv_bias),
-        **linear_state("kv_down", torch.cat((from_complex(k_pe), down)), s.qkv_bias),
-        "k_up.weight": k_up[group_of].flatten(0, 1),
-        "v_up.weight": v_up[group_of].flatten(0, 1),
-        **output_state(a.o, s.qkv_bias),
-    }
-    info = {
-        "rope_pairs": [[int(i), int(j)] for i, j in kept],
-        "latent_relative_error": weighted_error(target, up @ down, a.cov, weight),
-        "rotation_expectation_abs": [round(float(x), 4) for x in rho.abs().mean(0)],
-    }
-    frequencies = [float(layer.inv_freq[i]) for i, _ in kept]
-    return LayerFit(state, [n for n in state if not n.startswith("o_proj")], info, {**options, "rope_frequencies": frequencies})
+    return DecoupledRotation(kept, k_pe, q_pe, from_complex(residual), from_complex(rho[..., None] * q), rho)
 
 
 def _balanced_weight(a: AffineLayer, s: Shape, q_nope: torch.Tensor, kv_balance: float) -> torch.Tensor:

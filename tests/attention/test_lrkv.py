@@ -232,6 +232,31 @@ def test_from_mha_refuses_what_it_cannot_represent():
         lrkv_from_mha(mha, rope_mode="none")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [{"rank_k": 3, "rank_v": 2, "n_kv_heads": 2}, {"rank_k": 0, "rank_v": 4},
+                                     {"rank_k": 4, "rank_v": 0, "rope_mode": "none", "n_kv_heads": 2}])
+def test_a_decode_step_reads_the_cache_rows_as_one_key_value_head(dtype, options):
+    """The decode step over the cache rows (queries widened with their latent query in their
+    group's slot; the native kernel where it is built) equals the general factored path and the
+    expanded reference, and the rows are a call the native kernel takes."""
+    from slimkv.ops import native
+
+    attn = lrkv(dtype=dtype, **options)
+    cache = attn.new_cache(2)
+    x = inputs().to(dtype)
+    with torch.no_grad():
+        attn(x[:, :-1], cache=cache)
+        q, new = attn._project(x[:, -1:], SEQ_LEN - 1)
+        entries, rows = cache.extend(new)
+        fast = attn._decode_rows(q, rows, cache.key_width)
+        general = attn._attend_factored(q, entries)
+        expanded = attn._attend_expanded(q, entries)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert rel_rmse(fast, general) < tolerance and rel_rmse(fast, expanded) < tolerance
+    kw = cache.key_width
+    assert native.supports([torch.zeros(2, N_HEADS, 1, kw, dtype=dtype)], [(rows[..., :kw], rows[..., kw:])])
+
+
 # ---------------------------------------------------------------- cache size
 
 
@@ -247,7 +272,7 @@ def test_cache_bytes_formula(qk_norm, dtype):
     bytes_per = torch.empty((), dtype=dtype).element_size()
     assert cache.seq_len == 12
     assert cache.nbytes() == attn.cache_bytes(12, dtype, batch_size=3) == 3 * 12 * elements * bytes_per
-    assert cache.latent_k.buffer.view().shape == (3, N_HEADS * 2, 12, 1) and cache.shared_k.view().shape == (3, 1, 12, HEAD_DIM)
+    assert cache.rows.view().shape == (3, 1, 12, 2 * HEAD_DIM + N_HEADS * (2 + 3))  # one row per token: keys then values
 
 
 def test_cache_ratio_matches_paper_configuration():

@@ -93,6 +93,9 @@ def test_kvm_end_to_end_transfer_lowers_every_layers_error_and_the_state_stays_f
     ("latent:weighting=plain", 0.5, r"--to latent: weighting='plain' is not allowed.*output, rootcov"),
     ("latent:kv_balance=0", 0.5, r"--to latent: kv_balance must be"),
     ("latent", None, r"--to latent needs --cache-ratio"),
+    ("lrkv:rope=sideways", 0.5, r"--to lrkv: rope='sideways' is not allowed; allowed values: full, decoupled"),
+    ("lrkv:rope_pairs=2", 0.5, r"--to lrkv: rope_pairs=2 applies only with rope=decoupled"),
+    ("lrkv:rope=decoupled,rope_pairs=6", 0.5, r"--to lrkv: rope_pairs=6 must be an integer from 1 to 5"),
 ])
 def test_bad_options_fail_before_any_work(tiny_folder, tmp_path, method, ratio, message):
     with pytest.raises(ValueError, match=message):

@@ -83,6 +83,26 @@ def test_mla_prefix_is_exact_for_one_kv_head(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decoupled_lrkv_at_full_rank_is_the_partial_rope_layer(family):
+    """With one K/V head and full residual ranks, ``lrkv:rope=decoupled`` loses only the rotations
+    it drops: it must compute what ``rope-partial`` (the same pairs kept, the rest read with the
+    rotation's expectation) computes, through a different fit (mixed pairs, channel map, alignment)."""
+    config = tiny_config(family)
+    config.num_key_value_heads = 1
+    torch.manual_seed(0)
+    original = perturbed(AutoModelForCausalLM.from_config(config).eval())
+    source, layers = contexts(original)
+    pairs, hd = 3, source.shape.head_dim
+    partial, _, _ = build_converted(source, get_conversion("rope-partial"), layers, [{"rope_pairs": pairs}] * len(layers))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # full ranks cache more than the original and say so
+        decoupled, _, info = build_converted(source, get_conversion("lrkv"), layers, [{"rank_k": hd - 2 * pairs, "rank_v": hd, "rope_pairs": pairs}] * len(layers))
+    assert all(layer.rope_placement == "decoupled" and layer.rotary.rot_dim == 2 * pairs for layer in decoupled.attention_layers)
+    assert max_logit_error(partial, decoupled) < 1e-4
+    assert max_logit_error(original, decoupled) > 1e-3  # the dropped rotations do cost something
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_the_aware_merge_of_single_heads_is_exact(family):
     """Merging groups of one head runs the whole aware machinery (rank-1 pair fits, value maps folded
     into o_proj) and must change nothing."""
@@ -125,6 +145,28 @@ def test_each_method_end_to_end_at_half_the_cache(method, tiny_folder, tmp_path)
         if method == "mla-prefix":  # the fastest frequencies, the same in every layer
             assert layer["rope_frequencies"] == pytest.approx(ladder[: layer["rope_dim"] // 2].tolist())
             assert all(o["rope_frequencies"] == layer["rope_frequencies"] for o in config["per_layer_options"])
+
+
+def test_decoupled_lrkv_end_to_end_decodes_from_the_compact_cache(tiny_folder, tmp_path):
+    """``--to lrkv:rope=decoupled`` at 3/4 of the cache (residual ranks 4 and 2 on the tiny model):
+    every layer rotates the rule's pairs at the frequencies its fit chose, the cache is what
+    ``rope=full`` keeps, and a decode step by step (factored, never rebuilding a key) gives the
+    logits of one forward pass over the sequence."""
+    out = tmp_path / "out"
+    model, manifest = convert_pretrained(str(tiny_folder), options("lrkv:rope=decoupled", 0.75, tmp_path), out, progress=False)
+    full_rope, _ = convert_pretrained(str(tiny_folder), options("lrkv", 0.75, tmp_path), tmp_path / "full", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    for layer_options, layer in zip(config["per_layer_options"], model.attention_layers):
+        assert layer_options["rope_mode"] == "decoupled" and len(layer_options["rope_frequencies"]) == 4  # round(5 x head_dim 12 / 16) pairs
+        assert layer.rope_placement == "decoupled" and layer.decode_path == "factored" and (layer.rank_k, layer.rank_v) == (4, 2)
+    assert manifest["achieved_cache_ratio"] == json.loads((tmp_path / "full" / CONVERTED_MANIFEST).read_text())["achieved_cache_ratio"] <= 0.75
+    ids = torch.randint(3, 99, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = model(ids).logits
+        cache = model.new_cache(1)
+        steps = [model(ids[:, :4], cache=cache).logits] + [model(ids[:, t : t + 1], cache=cache).logits for t in range(4, ids.shape[1])]
+    assert torch.allclose(torch.cat(steps, dim=1), whole, atol=1e-4)
+    assert not torch.allclose(whole, full_rope(ids).logits, atol=1e-3)  # a different conversion, not the full-rope one renamed
 
 
 def test_the_methods_refuse_ratios_below_their_minimum(tiny_folder, tmp_path):
