@@ -23,7 +23,7 @@ from .text import load
 LATENT_RUNS = ("convert_latent_healed_smollm2.json", "convert_latent_healed_all_smollm2.json", "convert_latent25_healed_smollm2.json", "convert_latent_seed1_smollm2.json", "convert_latent_allocation_smollm2.json",
                "convert_measured_allocation_smollm2.json", "convert_measured_allocation_seed1_smollm2.json", "convert_lrkv_split_smollm2.json",
                "convert_latent25_sensitivity_healed_smollm2.json", "convert_lrkv_decoupled_smollm2.json",
-               "convert_lrkv_decoupled_more_smollm2.json")  # the latent section's files beside the one-shot comparison
+               "convert_lrkv_decoupled_more_smollm2.json", "heal_lrkv_decoupled05_30000_lr3e-5.json")  # the latent section's files beside the one-shot comparison
 
 HEALING_RUNS = ("convert_latent_mix5_smollm2.json", "convert_latent_healed_smollm2.json", "convert_latent25_healed_smollm2.json",
                 "heal_curve_latent05_15000.json", "heal_curve_latent05_30000.json", "heal_curve_latent05_60000.json",

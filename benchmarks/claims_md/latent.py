@@ -161,7 +161,7 @@ def _decoupled(runs: list[dict[str, Any]], texts: list[str]) -> str:
             f"so decode reads the compact cache without rebuilding a key) at R = 0.5, one-shot, by rotated pairs ({' / '.join(texts)}): {ladder}. "
             f"The best, {best_pairs} pairs, is {verdict} `lrkv` with full RoPE ({ratios(base)}; {gaps})")
     for _, d, r in healed:
-        text += f"; healed ({_healing(r)}, {link(d['benchmark'] + '.json')}): {ratios(r)}"
+        text += f"; {_healing(r)} ({link(d['benchmark'] + '.json')}): {ratios(r)}"
     return text + "."
 
 
