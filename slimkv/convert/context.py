@@ -123,6 +123,12 @@ def least_sensitive(layers: list[LayerContext], candidates: list[Any], option: s
     return [candidates[min(range(len(candidates)), key=kl.__getitem__)] for kl in measured_sensitivities(layers, option)]
 
 
+def partial_rope_options(shape: Shape, pairs: int) -> dict[str, Any]:
+    """The common RoPE options of a converted layer that rotates ``pairs`` leading pairs per head
+    (their frequencies, chosen by the fit, go in ``rope_frequencies``)."""
+    return {"rope": "partial", "rope_fraction": 2 * pairs / shape.head_dim}
+
+
 def layer_budget(shape: Shape, ratio: float) -> int:
     """Cache elements per token each layer keeps when every layer gets the same size: floor(ratio x original)."""
     return int(math.floor(ratio * shape.cache_elements + 1e-9))

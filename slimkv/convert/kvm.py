@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from slimkv.common.checks import check_choice, check_float, check_int
-from slimkv.convert.context import LayerContext, LayerFit, linear_state, output_state
+from slimkv.convert.context import LayerContext, LayerFit, linear_state, output_state, partial_rope_options
 from slimkv.convert.pairs import from_complex, pair_energy, rotation_expectation, to_complex
 from slimkv.convert.source import Shape, Source
 from slimkv.convert.transfer import PARAMETER_SETS, TransferConfig, capture_attention, transfer_model
@@ -95,11 +95,6 @@ def layer_options(shape: Shape, options: dict[str, Any]) -> dict[str, Any]:
     return layer
 
 
-def rope_options(shape: Shape, pairs: int) -> dict[str, Any]:
-    """The common RoPE options of a layer that rotates ``pairs`` leading pairs per head."""
-    return {"rope": "partial", "rope_fraction": 2 * pairs / shape.head_dim}
-
-
 def fit_rope(layer: LayerContext, pairs: int) -> tuple[dict[str, torch.Tensor], list[float], dict[str, Any], torch.Tensor]:
     """Steps 1-2 of the module docstring: q/k/v/o state of a GQA layer that rotates ``pairs``
     leading pairs per head (the chosen frequencies, in their original order), the other pairs
@@ -131,7 +126,7 @@ def fit_rope(layer: LayerContext, pairs: int) -> tuple[dict[str, torch.Tensor], 
 def fit_rope_layer(layer: LayerContext, options: dict[str, Any]) -> LayerFit:
     """``rope-partial``: a GQA layer with the KVM conversion's RoPE treatment and its full cache."""
     state, frequencies, info, _ = fit_rope(layer, options["rope_pairs"])
-    layer_opts = {"n_kv_heads": layer.shape.n_kv_heads, **rope_options(layer.shape, options["rope_pairs"]), "rope_frequencies": frequencies}
+    layer_opts = {"n_kv_heads": layer.shape.n_kv_heads, **partial_rope_options(layer.shape, options["rope_pairs"]), "rope_frequencies": frequencies}
     return LayerFit(state, ["q_proj.weight", "k_proj.weight"], info, layer_opts)
 
 
@@ -151,7 +146,7 @@ def fit_layer(layer: LayerContext, options: dict[str, Any]) -> LayerFit:
         "tau_state": torch.ones(s.n_heads, dtype=torch.float64),
         "tau_window": torch.ones(s.n_heads, dtype=torch.float64),
     })
-    layer_opts = {**layer_options(s, options), **rope_options(s, pairs), "rope_frequencies": frequencies}
+    layer_opts = {**layer_options(s, options), **partial_rope_options(s, pairs), "rope_frequencies": frequencies}
     info["ln_s_gain"] = spread
     return LayerFit(state, [name for name in state if not name.startswith(("v_proj", "o_proj"))], info, layer_opts)
 

@@ -39,15 +39,23 @@ channels of a pair means something); for values W_o,h^T W_o,h summed over the gr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from slimkv.attention.lrkv import LowRankKVAttention, resolve_positions
 from slimkv.attention.mha import MultiHeadAttention
 from slimkv.common.checks import check_choice
-from slimkv.convert.context import AffineLayer, LayerContext, LayerFit, layer_budget, least_sensitive, linear_state, output_state
-from slimkv.convert.kvm import rope_options
+from slimkv.convert.context import (
+    AffineLayer,
+    LayerContext,
+    LayerFit,
+    layer_budget,
+    least_sensitive,
+    linear_state,
+    output_state,
+    partial_rope_options,
+)
 from slimkv.convert.lowrank import damped_sqrt, weighted_factors
 from slimkv.convert.mla import WEIGHT_DAMPING, DecoupledRotation, decouple_rotation
 from slimkv.convert.pairs import from_complex, mix_pairs, pair_energy, to_complex
@@ -156,55 +164,42 @@ def probe_plans(layers: list[LayerContext], ratio: float, *, split: str = "rule"
 
 
 def fit_layer(layer: LayerContext, options: dict[str, Any], *, align: bool = True, steps: int = ALTERNATING_STEPS) -> LayerFit:
-    """The lrkv layer with ``options`` rank_k and rank_v (and ``rope_pairs`` for ``rope=decoupled``)
-    fitted to ``layer`` (module docstring)."""
-    if "rope_pairs" in options:
-        return _fit_decoupled(layer, options, steps)
+    """The lrkv layer with ``options`` rank_k and rank_v fitted to ``layer`` (module docstring);
+    with ``rope_pairs`` (``rope=decoupled``) the layer's options come back with its rotation
+    (``rope_mode``, the rotated pairs' original frequencies)."""
     s, a = layer.shape, layer.affine()
-    queries, key_targets, key_weights = _aligned_keys(layer, a) if align else _keys(s, a, to_complex(a.q), to_complex(a.k))
+    pairs = options.get("rope_pairs")
+    if pairs is None:
+        queries, key_targets, key_weights = _aligned_keys(layer, a) if align else _keys(s, a, to_complex(a.q), to_complex(a.k))
+        q_rows = from_complex(queries)  # (H, d_h, d')
+    else:
+        split = decouple_rotation(layer, a, to_complex(a.q), pairs)
+        queries, key_targets, key_weights, aligned_keys = _decoupled_keys(layer, a, split, s.head_dim - 2 * pairs)
+        q_rows = torch.cat((from_complex(split.q_pe), queries), dim=1)  # (H, d_h, d'): [rotated pairs | unrotated channels]
     o, value_targets, value_weights, aligned = _aligned_values(s, a, align)
     keys = shared_plus_residual(key_targets, key_weights, a.cov, options["rank_k"], steps)
     values = shared_plus_residual(value_targets, value_weights, a.cov, options["rank_v"], steps)
-    state = _layer_state(s, from_complex(queries).flatten(0, 1), keys, values, o, options)
-    changed = [n for n in state if aligned or not n.startswith("o_proj")]
-    info = {"relative_error_keys": [keys[3][0], keys[3][-1]], "relative_error_values": [values[3][0], values[3][-1]], "aligned_value_groups": aligned}
-    return LayerFit(state, changed, info)
-
-
-def _fit_decoupled(layer: LayerContext, options: dict[str, Any], steps: int) -> LayerFit:
-    """``rope=decoupled`` (module docstring): the layer's options come back with its rotation
-    (``rope_mode``, the rotated pairs' original frequencies)."""
-    s, a = layer.shape, layer.affine()
-    pairs = options["rope_pairs"]
-    split = decouple_rotation(layer, a, to_complex(a.q), pairs)
-    queries, key_targets, key_weights, aligned_keys = _decoupled_keys(layer, a, split, s.head_dim - 2 * pairs)
-    o, value_targets, value_weights, aligned = _aligned_values(s, a, True)
-    keys = shared_plus_residual(key_targets, key_weights, a.cov, options["rank_k"], steps)
-    values = shared_plus_residual(value_targets, value_weights, a.cov, options["rank_v"], steps)
-    keys = (torch.cat((from_complex(split.k_pe), keys[0])), *keys[1:])  # the shared key: [rotated pairs | unrotated channels]
-    q_rows = torch.cat((from_complex(split.q_pe), queries), dim=1)  # (H, d_h, d')
-    state = _layer_state(s, q_rows.flatten(0, 1), keys, values, o, options)
-    info = {"relative_error_keys": [keys[3][0], keys[3][-1]], "relative_error_values": [values[3][0], values[3][-1]],
-            "aligned_value_groups": aligned, "aligned_key_groups": aligned_keys, "rope_pairs": [[int(i), int(j)] for i, j in split.kept]}
-    layer_options = {"rank_k": options["rank_k"], "rank_v": options["rank_v"], "rope_mode": "decoupled", **rope_options(s, pairs),
-                     "rope_frequencies": [float(layer.inv_freq[i]) for i, _ in split.kept]}
-    return LayerFit(state, [n for n in state if aligned or not n.startswith("o_proj")], info, layer_options)
-
-
-def _layer_state(s: Shape, q_rows: torch.Tensor, keys: tuple, values: tuple, o: torch.Tensor, options: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The lrkv state dict from the query rows (H d_h, d'), the key and value fits
-    (``shared_plus_residual``'s shared map, downs, ups, history) and o_proj's weight."""
+    if pairs is not None:  # the shared key, like the queries: [rotated pairs | unrotated channels]
+        keys = keys._replace(shared=torch.cat((from_complex(split.k_pe), keys.shared)))
     state = {
-        **linear_state("q_proj", q_rows, s.qkv_bias),
-        **linear_state("k_shared", keys[0], s.qkv_bias),
-        **linear_state("v_shared", values[0], s.qkv_bias),
+        **linear_state("q_proj", q_rows.flatten(0, 1), s.qkv_bias),
+        **linear_state("k_shared", keys.shared, s.qkv_bias),
+        **linear_state("v_shared", values.shared, s.qkv_bias),
         **output_state(o, s.qkv_bias),
     }
-    for name, (_, downs, ups, _), rank in (("k", keys, options["rank_k"]), ("v", values, options["rank_v"])):
+    for name, fit, rank in (("k", keys, options["rank_k"]), ("v", values, options["rank_v"])):
         if rank:
-            state.update(linear_state(f"{name}_latent", torch.cat(downs), s.qkv_bias))
-            state[f"{name}_up"] = torch.stack(ups)
-    return state
+            state.update(linear_state(f"{name}_latent", torch.cat(fit.downs), s.qkv_bias))
+            state[f"{name}_up"] = torch.stack(fit.ups)
+    changed = [n for n in state if aligned or not n.startswith("o_proj")]
+    info = {"relative_error_keys": [keys.history[0], keys.history[-1]], "relative_error_values": [values.history[0], values.history[-1]],
+            "aligned_value_groups": aligned}
+    if pairs is None:
+        return LayerFit(state, changed, info)
+    info.update(aligned_key_groups=aligned_keys, rope_pairs=[[int(i), int(j)] for i, j in split.kept])
+    layer_options = {"rank_k": options["rank_k"], "rank_v": options["rank_v"], "rope_mode": "decoupled", **partial_rope_options(s, pairs),
+                     "rope_frequencies": [float(layer.inv_freq[i]) for i, _ in split.kept]}
+    return LayerFit(state, changed, info, layer_options)
 
 
 def _decoupled_keys(layer: LayerContext, a: AffineLayer, split: DecoupledRotation, width: int
@@ -275,10 +270,18 @@ def _aligned_values(s: Shape, a: AffineLayer, align: bool) -> tuple[torch.Tensor
     return o, targets, outputs, aligned
 
 
-def shared_plus_residual(targets: list[torch.Tensor], weights: list[torch.Tensor], cov: torch.Tensor, rank: int, steps: int
-                         ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[float]]:
-    """Alternating fit of T_g ~= W_s + B_g A_g (module docstring): W_s (n, d'), [A_g (rank, d')],
-    [B_g (n, rank)] and the relative weighted error after each step."""
+class SharedResidual(NamedTuple):
+    """``shared_plus_residual``'s fit: W_s (n, d'), [A_g (rank, d')], [B_g (n, rank)] and the
+    relative weighted error after each alternating step."""
+
+    shared: torch.Tensor
+    downs: list[torch.Tensor]
+    ups: list[torch.Tensor]
+    history: list[float]
+
+
+def shared_plus_residual(targets: list[torch.Tensor], weights: list[torch.Tensor], cov: torch.Tensor, rank: int, steps: int) -> SharedResidual:
+    """Alternating fit of T_g ~= W_s + B_g A_g (module docstring)."""
     total_weight = sum(weights)
     total_weight = total_weight + 1e-9 * float(total_weight.diagonal().mean()) * torch.eye(total_weight.shape[0], dtype=total_weight.dtype)
     roots = [damped_sqrt(m, 1e-6) for m in weights]
@@ -290,7 +293,7 @@ def shared_plus_residual(targets: list[torch.Tensor], weights: list[torch.Tensor
         fits = [weighted_factors(t - shared, cov, r, rank) for t, r in zip(targets, roots)]
         left = [r @ (t - shared - up @ down) for r, t, (down, up) in zip(roots, targets, fits)]
         history.append(sum(float(torch.trace(e @ cov @ e.T)) for e in left) / max(scale, 1e-300))
-    return shared, [down for down, _ in fits], [up for _, up in fits], history
+    return SharedResidual(shared, [down for down, _ in fits], [up for _, up in fits], history)
 
 
 def lrkv_from_mha(mha: MultiHeadAttention, *, rope_mode: str = "full") -> LowRankKVAttention:
