@@ -29,7 +29,9 @@ def _healing(row: dict[str, Any]) -> str:
     h = row.get("healing")
     if not h:
         return "one-shot"
-    return f"healed: {h['tokens_seen']:,} tokens, {h['train_seconds'] / 60:.0f} min, `{h['heal_config']['params']}`, lr {h['heal_config']['lr']:g}"
+    load = row.get("load_average_1min")
+    taken = f" (load {load['before']:.1f} at the start, {load['after']:.1f} at the end)" if load else ""
+    return f"healed: {h['tokens_seen']:,} tokens, {h['train_seconds'] / 60:.0f} min{taken}, `{h['heal_config']['params']}`, lr {h['heal_config']['lr']:g}"
 
 
 def _first_showings(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -55,6 +57,12 @@ def _rows(runs: list[dict[str, Any]], texts: list[str]) -> list[list[str]]:
     return rows
 
 
+def _versus(row: dict[str, Any], base: dict[str, Any], texts: list[str]) -> tuple[str, str]:
+    """Row against base: the verdict's word (``rules.ppl_verdict``) and the change per text."""
+    verdict = word(ppl_verdict(row["ppl"], base["ppl"]), "worse than", "better than", "level with")
+    return verdict, ", ".join(f"{pct1(row['ppl'][t] / base['ppl'][t] - 1)} on {t}" for t in texts)
+
+
 def _compare(d: dict[str, Any], method: str, other: str, texts: list[str], seen: set[tuple[str, str]] | None = None) -> list[str]:
     """One clause per cache ratio at which run file ``d`` holds one-shot rows of both methods:
     ``method`` against ``other``, the verdict (``rules.ppl_verdict``) and the change per text
@@ -71,8 +79,7 @@ def _compare(d: dict[str, Any], method: str, other: str, texts: list[str], seen:
             if pair in seen:
                 continue
             seen.add(pair)
-        gaps = ", ".join(f"{pct1(row['ppl'][t] / base['ppl'][t] - 1)} on {t}" for t in texts)
-        verdict = word(ppl_verdict(row["ppl"], base["ppl"]), "worse than", "better than", "level with")
+        verdict, gaps = _versus(row, base, texts)
         seed = f" with calibration seed {d['seed']}" if d.get("seed") else ""
         clauses.append(f"at R = {ratio}{seed}, `{method}` is {verdict} `{other}` ({gaps})")
     return clauses
@@ -155,8 +162,7 @@ def _decoupled(runs: list[dict[str, Any]], texts: list[str]) -> str:
 
     ladder = "; ".join(f"{pairs}: {ratios(r)}" for pairs, _, r in sorted(sweep, key=lambda x: x[0] or 0))
     best_pairs, _, best = min(sweep, key=lambda x: sum(x[2]["ppl_over_original"].values()))
-    verdict = word(ppl_verdict(best["ppl"], base["ppl"]), "worse than", "better than", "level with")
-    gaps = ", ".join(f"{pct1(best['ppl'][t] / base['ppl'][t] - 1)} on {t}" for t in texts)
+    verdict, gaps = _versus(best, base, texts)
     text = (f"\n\n`lrkv` with its rotation decoupled (`lrkv:rope=decoupled`: the shared key carries the rotated pairs, the residual keys none, "
             f"so decode reads the compact cache without rebuilding a key) at R = 0.5, one-shot, by rotated pairs ({' / '.join(texts)}): {ladder}. "
             f"The best, {best_pairs} pairs, is {verdict} `lrkv` with full RoPE ({ratios(base)}; {gaps})")
