@@ -20,6 +20,7 @@ from slimkv.convert.pipeline import (
     heal_converted,
     read_manifest,
 )
+from slimkv.eval.models import conversion_method
 
 
 def add_commands(subparsers) -> None:
@@ -141,11 +142,11 @@ def _convert(args: argparse.Namespace) -> int:
         _, manifest = convert_pretrained(args.model, options, args.out, heal_cfg=heal_cfg, progress=not args.no_progress)
     if manifest.get("cache_elements_per_token_per_layer"):
         before, after = (sum(manifest["cache_elements_per_token_per_layer"][k]) for k in ("before", "after"))
-        print(f"converted {manifest['base_model']['name']} to {manifest['kind']} ({manifest['method']}): cache {before:.0f} -> {after:.0f} elements per "
+        print(f"converted {manifest['base_model']['name']} to {manifest['kind']} ({conversion_method(manifest)}): cache {before:.0f} -> {after:.0f} elements per "
               f"token (ratio {manifest['achieved_cache_ratio']:.4f}, asked {manifest['cache_ratio']}); {manifest['allocation']}")
     else:
         sizes = ", ".join(f"{row['context']}: {row['bytes'] / 2**20:.1f} MiB ({row['ratio']:.3f})" for row in manifest["cache_bytes"])
-        print(f"converted {manifest['base_model']['name']} to {manifest['kind']} ({manifest['method']}): {manifest['allocation']}\n"
+        print(f"converted {manifest['base_model']['name']} to {manifest['kind']} ({conversion_method(manifest)}): {manifest['allocation']}\n"
               f"cache (float32) by context, and as a fraction of the original's: {sizes}")
     transfer = (manifest.get("refinement") or {}).get("layers")
     if transfer:

@@ -39,8 +39,8 @@ def load_language_model(name_or_path: str, *, dtype: torch.dtype = torch.float32
         if (path / CONVERTED_MANIFEST).is_file():
             manifest = read_json(path / CONVERTED_MANIFEST, expect=dict)
             check_conversion_manifest(model, manifest, path / CONVERTED_MANIFEST)
-            identity["converted"] = {k: manifest.get(k) for k in ("method", "method_options", "cache_ratio", "achieved_cache_ratio", "cache_bytes",
-                                                                  "calibration", "healing")}
+            identity["converted"] = {k: manifest.get(k) for k in ("method", "method_options", "options", "cache_ratio", "achieved_cache_ratio",
+                                                                  "cache_bytes", "calibration", "healing")}
             identity["converted"]["kind"] = model.config.layer_kinds()[0]
             identity["base"] = manifest.get("base_model", {}).get("name")
             identity["manifest"] = str(path / CONVERTED_MANIFEST)
@@ -63,6 +63,12 @@ def load_original(loaded: LoadedModel, *, dtype: torch.dtype = torch.float32, de
     manifest = Path(identity.get("manifest") or Path((identity.get("compressed") or {}).get("path", "")) / COMPRESSED_MANIFEST)
     resolve_original({"base_model": {"name": identity["base"]}}, manifest)
     return load_language_model(identity["base"], dtype=dtype, device=device)
+
+
+def conversion_method(converted: dict[str, Any]) -> str:
+    """The ``--to`` text a converted model was made with (``identity["converted"]``), options
+    included (``lrkv:rope=decoupled``), or the bare method name of a manifest without it."""
+    return (converted.get("options") or {}).get("method") or converted["method"]
 
 
 def kept_cache_ratio(converted: dict[str, Any]) -> float:

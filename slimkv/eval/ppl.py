@@ -16,7 +16,7 @@ from torch import nn
 
 from slimkv.common.checks import check_int
 from slimkv.data.texts import evaluation_text, text_sha256, tokenize
-from slimkv.eval.models import check_positions, kept_cache_ratio, load_language_model, load_original
+from slimkv.eval.models import check_positions, conversion_method, kept_cache_ratio, load_language_model, load_original
 from slimkv.scoring import perplexity_of_ids
 
 
@@ -68,8 +68,8 @@ def describe(identity: dict[str, Any], spec: str) -> str:
         c = identity["converted"]
         healed = " healed" if c.get("healing") else ""
         if c.get("cache_ratio") is None:
-            return f"convert {c['method']} ({c['kind']} layers) cache {kept_cache_ratio(c):.4f} of the original's at {c['cache_bytes'][-1]['context']} tokens{healed}"
-        return f"convert {c['method']} ({c['kind']} layers) cache ratio {c['cache_ratio']} (achieved {c['achieved_cache_ratio']:.4f}){healed}"
+            return f"convert {conversion_method(c)} ({c['kind']} layers) cache {kept_cache_ratio(c):.4f} of the original's at {c['cache_bytes'][-1]['context']} tokens{healed}"
+        return f"convert {conversion_method(c)} ({c['kind']} layers) cache ratio {c['cache_ratio']} (achieved {c['achieved_cache_ratio']:.4f}){healed}"
     return spec
 
 

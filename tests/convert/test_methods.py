@@ -167,6 +167,9 @@ def test_decoupled_lrkv_end_to_end_decodes_from_the_compact_cache(tiny_folder, t
         steps = [model(ids[:, :4], cache=cache).logits] + [model(ids[:, t : t + 1], cache=cache).logits for t in range(4, ids.shape[1])]
     assert torch.allclose(torch.cat(steps, dim=1), whole, atol=1e-4)
     assert not torch.allclose(whole, full_rope(ids).logits, atol=1e-3)  # a different conversion, not the full-rope one renamed
+    from slimkv.eval.ppl import describe  # the label eval prints names the method with its options
+
+    assert describe(load_language_model(str(out)).identity, str(out)).startswith("convert lrkv:rope=decoupled (lrkv layers)")
 
 
 def test_the_methods_refuse_ratios_below_their_minimum(tiny_folder, tmp_path):
