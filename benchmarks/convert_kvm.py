@@ -13,6 +13,7 @@ manifest (float32 bytes by context, beside the original's).
     .venv/bin/python benchmarks/convert_kvm.py
     .venv/bin/python benchmarks/convert_kvm.py --runs rope16=rope-partial kvm=kvm streaming=streaming:window=769 --windows 2
     .venv/bin/python benchmarks/convert_kvm.py --add --runs kvm-rope24=kvm:rope_pairs=24   # evaluate one more, keep the rows there
+    .venv/bin/python benchmarks/convert_kvm.py --add --runs mla-kvm=mla+kvm@0.5   # a method sized by a ratio: @RATIO
 
 ``--add`` keeps the rows of the results file already there (the same texts, windows and length)
 and evaluates only the runs it does not hold. Every row records the torch threads and the load it
@@ -49,15 +50,27 @@ DEFAULT_RUNS = ("rope-partial=rope-partial", "kvm-oneshot=kvm:transfer_steps=0",
 def parse_run(text: str) -> tuple[str, str]:
     label, sep, method = text.partition("=")
     if not sep or not label or not method:
-        raise SystemExit(f"--runs {text!r}: expected LABEL=METHOD[:KEY=VALUE,...], e.g. kvm=kvm:rows=128")
+        raise SystemExit(f"--runs {text!r}: expected LABEL=METHOD[:KEY=VALUE,...][@RATIO], e.g. kvm=kvm:rows=128 or mla-kvm=mla+kvm@0.5")
     return label, method
+
+
+def split_ratio(method: str) -> tuple[str, float | None]:
+    """``METHOD[:OPTIONS][@RATIO]`` -> (the --to text, the --cache-ratio or None)."""
+    to, sep, ratio = method.rpartition("@")
+    if not sep:
+        return method, None
+    try:
+        return to, float(ratio)
+    except ValueError:
+        raise SystemExit(f"--runs ...={method}: the text after @ must be a cache ratio, e.g. mla+kvm@0.5") from None
 
 
 def converted(model: str, label: str, method: str, work: Path, seed: int) -> Path:
     """The folder of ``method``'s conversion under ``work``, converted now unless one with the same
     options is there (healed or not: a healed folder is evaluated as it is)."""
     out = work / label
-    options = ConvertOptions(method=method, seed=seed)
+    to, ratio = split_ratio(method)
+    options = ConvertOptions(method=to, cache_ratio=ratio, seed=seed)
     if finished_conversion(out, options) is not None:
         print(f"{label}: reusing {out}", flush=True)
         return out

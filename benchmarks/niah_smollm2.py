@@ -11,6 +11,9 @@ same prompts (docs/evaluation.md, "Long-context retrieval on pretrained models")
     .venv/bin/python benchmarks/niah_smollm2.py run smollm2 runs/convert_kvm/kvm runs/convert_kvm/streaming --lengths 4k --runs runs/niah_kvm
     .venv/bin/python benchmarks/niah_smollm2.py report --runs runs/niah_kvm --out benchmarks/results/niah_kvm_smollm2 \
         --title "bounded memory (kvm, streaming) at equal state bytes"
+    # one more bounded model beside the committed rows (--add keeps the rows whose runs are not in --runs)
+    .venv/bin/python benchmarks/niah_smollm2.py run runs/convert_kvm/mla-kvm --lengths 4k --runs runs/niah_kvm
+    .venv/bin/python benchmarks/niah_smollm2.py report --add --runs runs/niah_kvm --out benchmarks/results/niah_kvm_smollm2 --title "..."
 
 The grid (``GRID``) is sized for the 2-core development box: 2 tasks x 3 depths x 1 sample = 6
 prompts per length and model. ``report`` renders the markdown from the JSON only
@@ -51,7 +54,7 @@ def label_of(report: dict) -> str:
     identity = report["settings"]["identity"]
     converted = identity.get("converted")
     if converted:
-        if converted.get("cache_ratio") is None:  # kvm, streaming, rope-partial: sized by their own options, no one-shot/healed pair
+        if converted.get("achieved_cache_ratio") is None:  # kvm, mla+kvm, streaming, rope-partial: bounded or sized by their own options
             return f"{Path(report['settings']['model']).name} ({converted['method']}, bounded{', healed' if converted.get('healing') else ''})"
         return f"{converted['method']} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"
     compressed = identity.get("compressed")
@@ -97,6 +100,13 @@ def report(args: argparse.Namespace) -> None:
         if (path.parent / PPL_FILE).is_file():
             row["ppl"] = read_json(path.parent / PPL_FILE, expect=dict)["texts"]
         rows.append(row)
+    out = Path(args.out)
+    if args.add:  # the rows of the committed comparison whose runs are not in --runs (measured earlier, their folders gone)
+        fresh = {row["label"] for row in rows}
+        earlier = read_json(out.with_suffix(".json"), expect=dict)
+        if earlier["grid"] != GRID:
+            raise SystemExit(f"--add: {out.with_suffix('.json')} was measured on another grid ({earlier['grid']}); it cannot be extended")
+        rows += [row for row in earlier["rows"] if row["tool"] == "slimkv" and row["label"] not in fresh]
     rows.sort(key=lambda row: (-row["cache_budget"], row["label"]))
     if args.kvpress:
         prompts = {}  # every exported prompt of every run (the same seed and tokenizer give the same prompt per id)
@@ -114,7 +124,6 @@ def report(args: argparse.Namespace) -> None:
             row["sources"].append(f"{path.parent.name}/{path.name}")
         rows += [generations_row(g, prompts, ", ".join(g["sources"])) for g in merged.values()]
     data = comparison(rows, GRID, NOTES)
-    out = Path(args.out)
     if out.name != NAME:  # another comparison than the main one: its own file and title
         data.update(source=out.with_suffix(".json").name, title=args.title or out.name)
     write_json(out.with_suffix(".json"), data)
@@ -152,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--kvpress", nargs="*", default=[], help="folders of kvpress generation files (benchmarks/kvpress_niah.py --out)")
     s.add_argument("--out", default=str(RESULTS / NAME), help="output path without suffix (default benchmarks/results/niah_smollm2)")
     s.add_argument("--title", default=None, help="the title's subject for another --out than the default")
+    s.add_argument("--add", action="store_true", help="keep the slimkv rows of the --out JSON there whose runs are not in --runs (the new runs' rows replace theirs)")
     s.set_defaults(func=report)
     c = sub.add_parser("check", help="the committed markdown matches what its JSON renders")
     c.add_argument("--out", default=str(RESULTS / NAME))

@@ -2,13 +2,14 @@
 
 ``render`` reads the JSON files of benchmarks/results/ (``text.load``) and joins the sections: the
 header (``header``), one module per paper (``lrkv``, ``kvm``, ``latentllm``), the calibration
-of a conversion (``calibration``), the RoPE price of a latent cache (``latent``), how much healing
+of a conversion (``calibration``), KVM on a pretrained model (``bounded``), the RoPE price of a latent cache (``latent``), how much healing
 it needs (``healing``) and the speed measurements (``speed``). The verdict rules are
 ``rules``; ``results`` holds the views of the two trained-model frontiers.
 """
 
 from __future__ import annotations
 
+from .bounded import bounded_section
 from .calibration import calibration_section
 from .header import header
 from .healing import healing_curve_section
@@ -30,6 +31,7 @@ HEALING_RUNS = ("convert_latent_mix5_smollm2.json", "convert_latent_healed_smoll
                 "heal_curve_latent025_30000.json", "heal_curve_latent025_60000.json", "heal_curve_latent025_120000.json")
 HEALING_LR_RUNS = ("heal_lr_latent025_30000_lr3e-4.json", "heal_lr_latent025_30000_lr1e-3.json", "heal_lr_latent025_30000_lr3e-3.json",
                    "heal_lr_latent05_30000_lr1e-3.json")  # the learning-rate sweep
+BOUNDED_DECODE = ("decode_kvm_smollm2_1thread.json",)  # decode_smollm2.py --converted with the bounded conversions
 HEALING_FIGURE = "heal_curve_latent_smollm2.png"  # convert_oneshot.py --curve-from HEALING_RUNS
 
 
@@ -50,6 +52,7 @@ def render() -> str:
         healing_curve_section([load(name) for name in HEALING_RUNS], HEALING_FIGURE, [load(name) for name in HEALING_LR_RUNS]),
         kvm_section(recall, frontier, load("needles_mha_4000steps.json"), load("needles_recipe_probes.json"), load("niah_kvm.json"), decode,
                     load("kvm_speed.json"), load("kvm_speed_backward.json")),
+        bounded_section(load("convert_kvm_smollm2.json"), load("niah_kvm_smollm2.json"), {name: load(name) for name in BOUNDED_DECODE}),
         latentllm_section(load("compress_sweep_smollm2.json"), load("compress_prefill_latentllm03.json")),
         speed_section(decode, native, load("decode_smollm2_1thread.json")),
     ]

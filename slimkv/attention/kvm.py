@@ -93,7 +93,76 @@ class KVMCache(AttentionCache):
             setattr(self.state, name, buffer)
 
 
-class KVMAttention(MultiHeadAttention):
+class KVMRegions:
+    """KVM's own parameters and forward around projections a layer makes itself: LN_s, the merge
+    gate, the two temperatures, and the call into the functional core with or without a
+    ``KVMCache``. Shared by ``kvm`` (per-head keys) and ``mla-kvm`` (latent rows as the one key
+    head); the layer sets ``self.settings`` (with ``rot_dim``) before calling ``_add_kvm_parameters``."""
+
+    def _add_kvm_parameters(self, key_width: int, d_model: int, n_heads: int, n_kv_heads: int, *, merge_gate: bool, use_temperatures: bool) -> None:
+        """LN_s over a state key (``key_width``), a gate per KV head, temperatures per query head."""
+        self.ln_s = nn.LayerNorm(key_width, eps=LN_S_EPS)
+        self.gate_proj = nn.Linear(d_model, n_kv_heads, bias=False) if merge_gate else None
+        if use_temperatures:
+            self.tau_state = nn.Parameter(torch.ones(n_heads))
+            self.tau_window = nn.Parameter(torch.ones(n_heads))
+        else:
+            self.tau_state = self.tau_window = None
+
+    def _reset_kvm_parameters(self) -> None:
+        """LN_s to identity; temperatures to 1 (the gate is a Linear: the base class draws it)."""
+        with torch.no_grad():
+            self.ln_s.reset_parameters()
+            for tau in (self.tau_state, self.tau_window):
+                if tau is not None:
+                    tau.fill_(1.0)
+
+    def kvm_params(self) -> KVMParams:
+        """The tensors the functional core needs besides q, k, v and the gate."""
+        return KVMParams(self.ln_s.weight, self.ln_s.bias, self.tau_state, self.tau_window, self.ln_s.eps)
+
+    def merge_gates(self, x: torch.Tensor) -> torch.Tensor | None:
+        """g = 1 + ELU(x W_g): (batch, time, d_model) -> (batch, kv_heads, time), or None without a gate."""
+        if self.gate_proj is None:
+            return None
+        return (1.0 + F.elu(self.gate_proj(x))).transpose(1, 2)
+
+    def _kvm_attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVMCache | None,
+                    scale: float | None = None) -> torch.Tensor:
+        """KVM over q (batch, Hq, time, d), k (batch, Hkv, time, d), v (batch, Hkv, time, dv) of
+        the tokens of x, through the ``reference`` or the optimised core; advances ``cache``.
+        Returns (batch, Hq, time, dv)."""
+        gate, params = self.merge_gates(x), self.kvm_params()
+        reference = self.backend == "reference"
+        if cache is None:
+            run = kvm_attention_reference if reference else kvm_attention
+            return run(q, k, v, gate, params, self.settings, scale=scale)
+        advance = kvm_step_reference if reference else step  # ``step``: kvm_step without input checks (built here)
+        out = advance(q, k, v, gate, params, self.settings, cache.state, scale=scale)
+        cache.seq_len = cache.state.seq_len
+        return out
+
+    def _kvm_repr(self) -> str:
+        s = self.settings
+        schedule = getattr(s.schedule, "__name__", "callable") if callable(s.schedule) else s.schedule
+        return (f", chunk_size={s.chunk_size}, window_chunks={s.window_chunks}, schedule={schedule}, sink_len={s.sink_len}, "
+                f"value_norm={s.value_norm}, merge_gate={self.gate_proj is not None}, temperatures={self.tau_state is not None}")
+
+
+def kvm_settings(*, chunk_size: int, window_chunks: int, schedule, min_rows, sqrt_coef, saturating_rows, max_rows, sink_len: int,
+                 value_norm: str, routing_dtype: str, gate_appends: bool, merge_gate: bool, use_temperatures: bool) -> KVMSettings:
+    """The layer options of a KVM kind as ``KVMSettings`` (rot_dim set later), with the layer-level checks."""
+    settings = KVMSettings(chunk_size=chunk_size, window_chunks=window_chunks, schedule=schedule, min_rows=min_rows, sqrt_coef=sqrt_coef,
+                           saturating_rows=saturating_rows, max_rows=max_rows, sink_len=sink_len, value_norm=value_norm,
+                           routing_dtype=routing_dtype, gate_appends=gate_appends)
+    check_bool("use_temperatures", use_temperatures)
+    check_bool("merge_gate", merge_gate)
+    if gate_appends and not merge_gate:
+        raise ValueError("gate_appends=True needs merge_gate=True (there is no gate to weight appended rows with)")
+    return settings
+
+
+class KVMAttention(KVMRegions, MultiHeadAttention):
     """Key-value means: one softmax over exact recent chunks and a compressed, optionally growing
     state of key/value means. Options are those of ``KVMSettings`` (chunk_size, window_chunks,
     schedule, min_rows, sqrt_coef, saturating_rows, max_rows, sink_len, value_norm, routing_dtype,
@@ -126,42 +195,18 @@ class KVMAttention(MultiHeadAttention):
         rope: str = "partial",
         **common,
     ) -> None:
-        settings = KVMSettings(
-            chunk_size=chunk_size,
-            window_chunks=window_chunks,
-            schedule=schedule,
-            min_rows=min_rows,
-            sqrt_coef=sqrt_coef,
-            saturating_rows=saturating_rows,
-            max_rows=max_rows,
-            sink_len=sink_len,
-            value_norm=value_norm,
-            routing_dtype=routing_dtype,
-            gate_appends=gate_appends,
-        )
-        check_bool("use_temperatures", use_temperatures)
-        check_bool("merge_gate", merge_gate)
-        if gate_appends and not merge_gate:
-            raise ValueError("gate_appends=True needs merge_gate=True (there is no gate to weight appended rows with)")
+        settings = kvm_settings(chunk_size=chunk_size, window_chunks=window_chunks, schedule=schedule, min_rows=min_rows, sqrt_coef=sqrt_coef,
+                                saturating_rows=saturating_rows, max_rows=max_rows, sink_len=sink_len, value_norm=value_norm,
+                                routing_dtype=routing_dtype, gate_appends=gate_appends, merge_gate=merge_gate, use_temperatures=use_temperatures)
         _check_rope_leaves_content(d_model, n_heads, head_dim, rope, common.get("rope_fraction", DEFAULT_ROPE_FRACTION))
         super().__init__(d_model, n_heads, head_dim, n_kv_heads=n_kv_heads, rope=rope, **common)
         self.settings = replace(settings, rot_dim=self.rotary.rot_dim)
-        self.ln_s = nn.LayerNorm(self.head_dim, eps=LN_S_EPS)
-        self.gate_proj = nn.Linear(d_model, self.n_kv_heads, bias=False) if merge_gate else None
-        if use_temperatures:
-            self.tau_state = nn.Parameter(torch.ones(n_heads))
-            self.tau_window = nn.Parameter(torch.ones(n_heads))
-        else:
-            self.tau_state = self.tau_window = None
+        self._add_kvm_parameters(self.head_dim, d_model, n_heads, self.n_kv_heads, merge_gate=merge_gate, use_temperatures=use_temperatures)
 
     def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
         """Projections as the base class; LN_s to identity; temperatures to 1."""
         super().reset_parameters(std, out_std)
-        with torch.no_grad():
-            self.ln_s.reset_parameters()
-            for tau in (self.tau_state, self.tau_window):
-                if tau is not None:
-                    tau.fill_(1.0)
+        self._reset_kvm_parameters()
 
     def cache_spec(self) -> tuple:
         return super().cache_spec() + (self.settings, self.gate_proj is not None)
@@ -175,39 +220,15 @@ class KVMAttention(MultiHeadAttention):
         hd = self.head_dim
         return KVMState.expected_nbytes(self.settings, seq_len, batch_size, self.n_kv_heads, hd, hd, dtype, self.gate_proj is not None)
 
-    def kvm_params(self) -> KVMParams:
-        """The tensors the functional core needs besides q, k, v and the gate."""
-        return KVMParams(self.ln_s.weight, self.ln_s.bias, self.tau_state, self.tau_window, self.ln_s.eps)
-
-    def merge_gates(self, x: torch.Tensor) -> torch.Tensor | None:
-        """g = 1 + ELU(x W_g): (batch, time, d_model) -> (batch, kv_heads, time), or None without a gate."""
-        if self.gate_proj is None:
-            return None
-        return (1.0 + F.elu(self.gate_proj(x))).transpose(1, 2)
-
     def _forward(self, x: torch.Tensor, cache: KVMCache | None) -> torch.Tensor:
         start = cache.seq_len if cache is not None else 0
         q, k, v = self.project_qkv(x, start)
-        gate, params = self.merge_gates(x), self.kvm_params()
-        reference = self.backend == "reference"
-        if cache is None:
-            run = kvm_attention_reference if reference else kvm_attention
-            out = run(q, k, v, gate, params, self.settings)
-        else:
-            advance = kvm_step_reference if reference else step  # ``step``: kvm_step without input checks (built here)
-            out = advance(q, k, v, gate, params, self.settings, cache.state)
-            cache.seq_len = cache.state.seq_len
+        out = self._kvm_attend(x, q, k, v, cache)
         b, t = x.shape[:2]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
     def extra_repr(self) -> str:
-        s = self.settings
-        schedule = getattr(s.schedule, "__name__", "callable") if callable(s.schedule) else s.schedule
-        return (
-            super().extra_repr()
-            + f", chunk_size={s.chunk_size}, window_chunks={s.window_chunks}, schedule={schedule}, sink_len={s.sink_len}, "
-            f"value_norm={s.value_norm}, merge_gate={self.gate_proj is not None}, temperatures={self.tau_state is not None}"
-        )
+        return super().extra_repr() + self._kvm_repr()
 
 
 def _kvm_comparable(shape: LayerShape, explicit: dict) -> tuple[dict, str]:

@@ -267,12 +267,20 @@ class MultiHeadLatentAttention(Attention):
         """Attention with W_UK absorbed into the queries and W_UV applied after the softmax; the
         cached rows serve as the one key head (and their c part as the one value head) that every
         query head shares. q (batch, heads, time, qk_dim) -> (batch, heads, time, v_head_dim)."""
-        p, h = self.rope_dim, self.n_heads
-        k_up = self.k_up.weight.view(h, self.head_dim, self.kv_rank)
-        q_latent = torch.matmul(q[..., p:], k_up)  # (batch, heads, time, kv_rank)
-        q_absorbed = torch.cat((q[..., :p], q_latent), dim=-1)
-        context = attend(q_absorbed, rows, rows[..., p:], scale=self.scale, backend=self.backend)
-        v_up = self.v_up.weight.view(h, self.v_head_dim, self.kv_rank)
+        context = attend(self.absorb_queries(q), rows, rows[..., self.rope_dim:], scale=self.scale, backend=self.backend)
+        return self.expand_context(context)
+
+    def absorb_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """[q_pe | q_nope] -> [q_pe | q_nope W_UK_h^T]: queries that read the cache rows directly,
+        (batch, heads, time, rope_dim + head_dim) -> (batch, heads, time, rope_dim + kv_rank)."""
+        p = self.rope_dim
+        k_up = self.k_up.weight.view(self.n_heads, self.head_dim, self.kv_rank)
+        return torch.cat((q[..., :p], torch.matmul(q[..., p:], k_up)), dim=-1)
+
+    def expand_context(self, context: torch.Tensor) -> torch.Tensor:
+        """Each head's attention-weighted latent through its W_UV: (batch, heads, time, kv_rank) ->
+        (batch, heads, time, v_head_dim)."""
+        v_up = self.v_up.weight.view(self.n_heads, self.v_head_dim, self.kv_rank)
         return torch.matmul(context, v_up.transpose(1, 2))
 
     def _attend_expanded(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--to", dest="method", metavar="METHOD[:KEY=VALUE,...]",
                    help=f"the conversion method ({', '.join(CONVERSIONS)}; see below), with its own options where it has any (listed below)")
     p.add_argument("--cache-ratio", type=float,
-                   help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5 (not for kvm, rope-partial and streaming: their cache is set by their own options)")
+                   help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5 (not for kvm, rope-partial and streaming: their cache is set by their own options; for mla+kvm: the width of its latent rows, whose state is bounded)")
     p.add_argument("--out", required=True, help="output folder (must be empty, new, or an earlier conversion)")
     p.add_argument("--calib", default=None, help="calibration text: `shakespeare` (the training plays), `kjv`, `devil`, `pydoc`, `handbook`, a comma-separated mix of them (equal shares) "
                    f"or a text file/folder (default: {ConvertOptions.calib})")

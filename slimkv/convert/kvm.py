@@ -18,7 +18,12 @@ each head), exactly as the MLA conversion prices them (``convert.mla``):
    scale of the keys it summarises) and its bias at 0. ``convert.transfer`` then fits them (and
    optionally more) to the original attention's outputs on long calibration windows.
 
-Options (``--to kvm:NAME=VALUE,...``): ``METHOD_OPTIONS`` below.
+``mla+kvm`` (``fit_latent_layer``) takes the ``mla`` conversion instead of steps 1-2 and runs KVM
+over its latent rows (``slimkv.attention.mla_kvm``): a state key keeps the whole unrotated key of
+every head (its content part), not only the pairs left without rotation.
+
+Options (``--to kvm:NAME=VALUE,...``): ``METHOD_OPTIONS`` below; ``mla+kvm`` takes the same less
+``rope_pairs`` (``LATENT_OPTIONS``) and a ``--cache-ratio`` for its latent rows.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import torch
 
 from slimkv.common.checks import check_choice, check_float, check_int
+from slimkv.convert import mla
 from slimkv.convert.context import LayerContext, LayerFit, linear_state, output_state, partial_rope_options
 from slimkv.convert.pairs import from_complex, pair_energy, rotation_expectation, to_complex
 from slimkv.convert.source import Shape, Source
@@ -44,6 +50,7 @@ ROPE_OPTIONS = {"rope_pairs": 16}
 TRANSFER_OPTIONS = {"transfer_steps": 100, "transfer_lr": 0.05, "transfer_seq_len": 2048, "transfer_windows": 8,
                     "transfer_params": "kvm"}
 METHOD_OPTIONS = {**KVM_LAYER_OPTIONS, **ROPE_OPTIONS, **TRANSFER_OPTIONS}
+LATENT_OPTIONS = {**KVM_LAYER_OPTIONS, **TRANSFER_OPTIONS}
 
 
 def check_rope_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None, *, method: str = "rope-partial") -> None:
@@ -57,22 +64,33 @@ def check_rope_options(shape: Shape, options: dict[str, Any], heal_seq_len: int 
 def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
     """Every ``--to kvm`` option, before any work: ValueError naming the option."""
     check_rope_options(shape, options, method="kvm")
-    check_int("--to kvm: rows", options["rows"], 1)
+    check_state_options(shape, options, heal_seq_len, method="kvm")
+
+
+def check_latent_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
+    """Every ``--to mla+kvm`` option, before any work (the rotated pairs are MLA's rule)."""
+    check_state_options(shape, options, heal_seq_len, method="mla+kvm")
+
+
+def check_state_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None, *, method: str) -> None:
+    """The KVM state and attention-transfer options (``KVM_LAYER_OPTIONS``, ``TRANSFER_OPTIONS``)
+    and the healing window; errors name ``--to METHOD``."""
+    check_int(f"--to {method}: rows", options["rows"], 1)
     try:
         KVMSettings(**{name: options[name] for name in ("chunk_size", "window_chunks", "schedule", "sqrt_coef", "saturating_rows", "max_rows", "sink_len")},
                     min_rows=options["rows"])
     except ValueError as err:
-        raise ValueError(f"--to kvm: {err}") from None
+        raise ValueError(f"--to {method}: {err}") from None
     window = options["chunk_size"] * options["window_chunks"]
     positions = shape.max_position_embeddings
     if window >= positions:
-        raise ValueError(f"--to kvm: the window (chunk_size x window_chunks = {window} tokens) must be shorter than the model's "
+        raise ValueError(f"--to {method}: the window (chunk_size x window_chunks = {window} tokens) must be shorter than the model's "
                          f"{positions} positions, or the state would never be used")
-    check_int("--to kvm: transfer_steps", options["transfer_steps"], 0)
-    check_float("--to kvm: transfer_lr", options["transfer_lr"], 0.0, open_low=True)
-    check_int("--to kvm: transfer_windows", options["transfer_windows"], 1)
-    check_choice("--to kvm: transfer_params", options["transfer_params"], PARAMETER_SETS)
-    check_int("--to kvm: transfer_seq_len", options["transfer_seq_len"], 2 * window, positions)
+    check_int(f"--to {method}: transfer_steps", options["transfer_steps"], 0)
+    check_float(f"--to {method}: transfer_lr", options["transfer_lr"], 0.0, open_low=True)
+    check_int(f"--to {method}: transfer_windows", options["transfer_windows"], 1)
+    check_choice(f"--to {method}: transfer_params", options["transfer_params"], PARAMETER_SETS)
+    check_int(f"--to {method}: transfer_seq_len", options["transfer_seq_len"], 2 * window, positions)
     if heal_seq_len is not None and heal_seq_len <= window + options["chunk_size"]:
         raise ValueError(f"--heal-seq-len {heal_seq_len}: healing windows must be longer than the KVM window plus a chunk "
                          f"({window} + {options['chunk_size']} tokens), or healing never trains the compressed state")
@@ -85,14 +103,42 @@ def transfer_demand(options: dict[str, Any]) -> tuple[int, int]:
 
 def layer_options(shape: Shape, options: dict[str, Any]) -> dict[str, Any]:
     """The kvm layer options every layer shares (rotation and per-layer frequencies come from the fit)."""
+    return {"n_kv_heads": shape.n_kv_heads, **state_layer_options(options)}
+
+
+def state_layer_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The KVM settings of a converted layer from the method options (``KVM_LAYER_OPTIONS``)."""
     schedule = options["schedule"]
-    layer = {"n_kv_heads": shape.n_kv_heads, "chunk_size": options["chunk_size"], "window_chunks": options["window_chunks"],
-             "schedule": schedule, "min_rows": options["rows"], "sink_len": options["sink_len"], "max_rows": options["max_rows"]}
+    layer = {"chunk_size": options["chunk_size"], "window_chunks": options["window_chunks"], "schedule": schedule, "min_rows": options["rows"],
+             "sink_len": options["sink_len"], "max_rows": options["max_rows"]}
     if schedule == "sqrt":
         layer["sqrt_coef"] = options["sqrt_coef"]
     if schedule == "saturating":
         layer["saturating_rows"] = options["saturating_rows"]
     return layer
+
+
+def kvm_parameters(spread: torch.Tensor, d_model: int, n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
+    """Step 3 of the module docstring: LN_s gain ``spread`` (per channel) and bias 0, merge gate
+    g = 1 (zero weights), temperatures 1."""
+    return {
+        "ln_s.weight": spread.to(torch.float64),
+        "ln_s.bias": torch.zeros_like(spread, dtype=torch.float64),
+        "gate_proj.weight": torch.zeros(n_kv_heads, d_model, dtype=torch.float64),
+        "tau_state": torch.ones(n_heads, dtype=torch.float64),
+        "tau_window": torch.ones(n_heads, dtype=torch.float64),
+    }
+
+
+def key_spread(layer: LayerContext, key_rows: torch.Tensor, rot_dim: int) -> float:
+    """The typical channel spread of a state key: key_rows (K, width, d + 1) map x' = [x; 1] to
+    keys whose first ``rot_dim`` channels are zeroed before LN_s centres the key over its width;
+    the root of E ||centred key||^2 / width over the calibration tokens, averaged over the K keys."""
+    width = key_rows.shape[1]
+    centre = torch.eye(width, dtype=torch.float64) - 1.0 / width
+    prepared = centre[:, rot_dim:] @ key_rows[:, rot_dim:]  # (K, width, d')
+    cov = layer.stats.augmented_cov()  # E[x' x'^T]: what affine() would rebuild the whole layer for
+    return math.sqrt(float(sum(torch.trace(p @ cov @ p.T) for p in prepared)) / (key_rows.shape[0] * width))
 
 
 def fit_rope(layer: LayerContext, pairs: int) -> tuple[dict[str, torch.Tensor], list[float], dict[str, Any], torch.Tensor]:
@@ -135,20 +181,29 @@ def fit_layer(layer: LayerContext, options: dict[str, Any]) -> LayerFit:
     s = layer.shape
     pairs = options["rope_pairs"]
     state, frequencies, info, k_rows = fit_rope(layer, pairs)
-    centre = torch.eye(s.head_dim, dtype=torch.float64) - 1.0 / s.head_dim
-    prepared = centre[:, 2 * pairs:] @ k_rows[:, 2 * pairs:]  # (G, d_h, d'): a state key (rotary channels zeroed), centred over channels
-    cov = layer.stats.augmented_cov()  # E[x' x'^T]: what affine() would rebuild the whole layer for
-    spread = math.sqrt(float(sum(torch.trace(p @ cov @ p.T) for p in prepared)) / (s.n_kv_heads * s.head_dim))
-    state.update({
-        "ln_s.weight": torch.full((s.head_dim,), spread, dtype=torch.float64),
-        "ln_s.bias": torch.zeros(s.head_dim, dtype=torch.float64),
-        "gate_proj.weight": torch.zeros(s.n_kv_heads, s.d_model, dtype=torch.float64),
-        "tau_state": torch.ones(s.n_heads, dtype=torch.float64),
-        "tau_window": torch.ones(s.n_heads, dtype=torch.float64),
-    })
+    spread = key_spread(layer, k_rows, 2 * pairs)
+    state.update(kvm_parameters(torch.full((s.head_dim,), spread, dtype=torch.float64), s.d_model, s.n_heads, s.n_kv_heads))
     layer_opts = {**layer_options(s, options), **partial_rope_options(s, pairs), "rope_frequencies": frequencies}
     info["ln_s_gain"] = spread
     return LayerFit(state, [name for name in state if not name.startswith(("v_proj", "o_proj"))], info, layer_opts)
+
+
+def fit_latent_layer(layer: LayerContext, options: dict[str, Any]) -> LayerFit:
+    """``mla+kvm``: the ``mla`` conversion of the layer (its kv_rank and rope_dim from the plan),
+    then KVM over its latent rows (``slimkv.attention.mla_kvm``): LN_s over a row [k_pe | c] with
+    gain 0 on the rotary channels (a state key carries no position) and the typical spread of a
+    latent elsewhere, gate 1, temperatures 1."""
+    s = layer.shape
+    rope_dim, rank = options["rope_dim"], options["kv_rank"]
+    fit = mla.fit_layer(layer, {"kv_rank": rank, "rope_dim": rope_dim})
+    down = fit.state["kv_down.weight"]
+    bias = fit.state.get("kv_down.bias", down.new_zeros(down.shape[0]))
+    rows = torch.cat((down, bias[:, None]), dim=1)  # (rope_dim + kv_rank, d'): the latent row as a map of x'
+    spread = key_spread(layer, rows[None], rope_dim)
+    gain = torch.cat((torch.zeros(rope_dim, dtype=torch.float64), torch.full((rank,), spread, dtype=torch.float64)))
+    state = {**fit.state, **kvm_parameters(gain, s.d_model, s.n_heads, 1)}
+    changed = [*fit.changed, *(name for name in state if name not in fit.state)]
+    return LayerFit(state, changed, {**fit.info, "ln_s_gain": spread}, {**fit.options, **state_layer_options(options)})
 
 
 def plan(layers: list[LayerContext], ratio: float | None, **options: Any) -> tuple[list[dict[str, Any]], str]:
@@ -158,6 +213,16 @@ def plan(layers: list[LayerContext], ratio: float | None, **options: Any) -> tup
         f"every layer: {options['rope_pairs']} rotated pairs per head (chosen by the cost of their loss), a window of {window} tokens "
         f"({options['window_chunks']} chunks of {options['chunk_size']}), {options['schedule']} state of {options['rows']} rows, "
         f"{options['sink_len']} sink tokens")
+
+
+def plan_latent(layers: list[LayerContext], ratio: float, **options: Any) -> tuple[list[dict[str, Any]], str]:
+    """``mla+kvm``: the ``mla`` plan for the latent rows (sized by the cache ratio) and the same
+    KVM options in every layer."""
+    plans, text = mla.plan_uniform(layers, ratio)
+    window = options["chunk_size"] * options["window_chunks"]
+    return [{**plan, **options} for plan in plans], (
+        f"latent rows: {text}; KVM over them: a window of {window} tokens ({options['window_chunks']} chunks of {options['chunk_size']}), "
+        f"{options['schedule']} state of {options['rows']} rows shared by all heads, {options['sink_len']} sink tokens")
 
 
 def plan_rope(layers: list[LayerContext], ratio: float | None, **options: Any) -> tuple[list[dict[str, Any]], str]:

@@ -130,6 +130,12 @@ register_conversion(
     description="key-value means: exact window + bounded state of key/value means (partial RoPE, attention transfer); no --cache-ratio",
 )
 register_conversion(
+    "mla+kvm", kind="mla-kvm", min_ratio=mla.min_ratio, plan=kvm.plan_latent, fit=kvm.fit_latent_layer,
+    options=lambda shape: {"latent_norm": False}, settings=kvm.LATENT_OPTIONS, check=kvm.check_latent_options,
+    refine=kvm.attention_transfer, refine_text=kvm.transfer_demand,
+    description="mla's latent rows for the window, KVM's bounded state of latent means for the past (attention transfer); --cache-ratio sizes the rows",
+)
+register_conversion(
     "rope-partial", kind="gqa", plan=kvm.plan_rope, fit=kvm.fit_rope_layer, settings=kvm.ROPE_OPTIONS, check=kvm.check_rope_options,
     sized_by_ratio=False,
     description="the kvm conversion's RoPE treatment alone, full cache (what partial RoPE costs); no --cache-ratio",

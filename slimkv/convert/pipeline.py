@@ -153,14 +153,15 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     refined = method.refine(model, source, settings, calib=options.calib, seed=options.seed, progress=progress) if method.refine else None
     finished = time.perf_counter()
     before = [float(shape.cache_elements)] * shape.n_layers
-    after = model.cache_elements_per_token()
+    per_token = method.sized_by_ratio and model.cache_is_per_token()  # mla+kvm: the ratio sizes its rows, its cache is bounded
+    after = model.cache_elements_per_token() if per_token else []
     manifest = {
         "method": method.name,
         "method_options": settings,
         "kind": method.kind,
         "cache_ratio": options.cache_ratio,
-        "achieved_cache_ratio": sum(after) / sum(before) if method.sized_by_ratio else None,
-        "cache_elements_per_token_per_layer": {"before": before, "after": after} if method.sized_by_ratio else None,
+        "achieved_cache_ratio": sum(after) / sum(before) if per_token else None,
+        "cache_elements_per_token_per_layer": {"before": before, "after": after} if per_token else None,
         "cache_bytes": cache_bytes_table(model, shape),
         "refinement": refined,
         "allocation": allocation,

@@ -105,7 +105,7 @@ def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Pa
         problems.append("the per-layer options differ from config.json's per_layer_options")
     elements = manifest.get("cache_elements_per_token_per_layer") or {}
     before, after = elements.get("before") or [], elements.get("after") or []
-    if elements or ratio is not None:
+    if elements or (ratio is not None and model.cache_is_per_token()):
         measured = model.cache_elements_per_token(tokens=8)
         if len(after) != len(measured) or any(abs(a - m) > 1e-6 * max(1.0, m) for a, m in zip(after, measured)):
             problems.append(f"the cache elements per token per layer after conversion are recorded as {after}, the model holds {measured}")

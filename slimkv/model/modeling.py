@@ -209,6 +209,11 @@ class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
         size = torch.empty((), dtype=weight.dtype).element_size()
         return [layer.nbytes() / tokens / size for layer in cache.layers]
 
+    def cache_is_per_token(self) -> bool:
+        """Whether every layer's cache holds the same number of elements for each token (so elements
+        per token and a cache ratio describe it); a bounded state (kvm, mla-kvm, streaming) does not."""
+        return all(attn.cache_bytes(2048) == 2 * attn.cache_bytes(1024) for attn in self.attention_layers)
+
     def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
         """Analytic cache bytes of the whole model after ``seq_len`` tokens (each layer checks the arguments)."""
         return sum(attn.cache_bytes(seq_len, dtype, batch_size) for attn in self.attention_layers)

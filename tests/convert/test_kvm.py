@@ -88,6 +88,10 @@ def test_kvm_end_to_end_transfer_lowers_every_layers_error_and_the_state_stays_f
     ("kvm:window=3", None, r"'window' is not an option of kvm.*allowed options: chunk_size"),
     ("kvm:rope_pairs=3", 0.5, r"--to kvm takes no --cache-ratio"),
     ("mla", None, r"--to mla needs --cache-ratio"),
+    ("mla+kvm", None, r"--to mla\+kvm needs --cache-ratio"),
+    ("mla+kvm:rope_pairs=3", 0.5, r"'rope_pairs' is not an option of mla\+kvm.*allowed options: chunk_size"),
+    ("mla+kvm:rows=0", 0.5, r"--to mla\+kvm: rows must be an integer >= 1"),
+    ("mla+kvm:chunk_size=64", 0.5, r"--to mla\+kvm: the window \(chunk_size x window_chunks = 128 tokens\) must be shorter"),
     ("mla:rank=3", 0.5, r"'rank' is not an option of mla.*allowed options: pairs"),
     ("gqa:rank=3", 0.5, r"'rank' is not an option of gqa.*it takes no options"),
     ("latent:weighting=plain", 0.5, r"--to latent: weighting='plain' is not allowed.*output, rootcov"),
@@ -108,6 +112,48 @@ def test_the_cli_refuses_a_healing_window_the_state_never_reaches(tiny_folder, t
             "--calib-seq-len", "32", "--heal-tokens", "64", "--heal-text", str(tmp_path / "calib.txt"), "--heal-seq-len", "12", "--out", str(tmp_path / "never")]
     assert main(args) == 2
     assert not (tmp_path / "never").exists()
+
+
+SMALL_MLA_KVM = "mla+kvm:chunk_size=4,window_chunks=2,rows=6,sink_len=1,transfer_seq_len=32,transfer_windows=2"
+
+
+def test_mla_kvm_with_a_window_covering_the_sequence_is_the_mla_conversion():
+    """mla+kvm one-shot reads only its window until a chunk leaves it: the mla conversion at the
+    same ratio, logit for logit; with a short window the state changes the late tokens only."""
+    original = perturbed(tiny_model("llama"))
+    source, layers = contexts(original)
+    mla_plans, _ = get_conversion("mla").plan(layers, 0.5)
+    _, wide = parse_method("mla+kvm:chunk_size=16,window_chunks=4,transfer_steps=0")
+    _, narrow = parse_method("mla+kvm:chunk_size=4,window_chunks=2,rows=6,sink_len=1,transfer_steps=0")
+    plain, _, _ = build_converted(source, get_conversion("mla"), layers, mla_plans)
+    method = get_conversion("mla+kvm")
+    whole, _, _ = build_converted(source, method, layers, method.plan(layers, 0.5, **wide)[0])
+    bounded, _, _ = build_converted(source, method, layers, method.plan(layers, 0.5, **narrow)[0])
+    ids = torch.randint(3, 99, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference, cut = plain(ids).logits, bounded(ids).logits
+        assert torch.allclose(whole(ids).logits, reference, atol=1e-5)
+    assert torch.allclose(cut[:, :8], reference[:, :8], atol=1e-5) and not torch.allclose(cut[:, 12:], reference[:, 12:], atol=1e-3)
+
+
+def test_mla_kvm_end_to_end_transfer_lowers_every_layers_error_and_the_state_stays_flat(tiny_folder, tmp_path):
+    out = tmp_path / "out"
+    options = kvm_options(tmp_path, SMALL_MLA_KVM + ",transfer_steps=25,transfer_lr=0.05", cache_ratio=0.5)
+    model, _ = convert_pretrained(str(tiny_folder), options, out, progress=False)
+    stored = json.loads((out / CONVERTED_MANIFEST).read_text())
+    assert stored["method"] == "mla+kvm" and stored["kind"] == "mla-kvm" and stored["cache_ratio"] == 0.5
+    layers = stored["refinement"]["layers"]
+    assert len(layers) == 2 and all(layer["relative_error_after"] < layer["relative_error_before"] for layer in layers)
+    table = stored["cache_bytes"]
+    assert table[0]["bytes"] == model.cache_bytes(table[0]["context"]) and len({row["bytes"] for row in table}) == 1
+    config = json.loads((out / "config.json").read_text())
+    layer_options = config["per_layer_options"]
+    assert all(o["min_rows"] == 6 and o["kv_rank"] + o["rope_dim"] == 24 for o in layer_options)  # half of 2 G d_h = 48
+    reloaded = load_language_model(str(out))
+    ids = torch.randint(3, 99, (1, 40))
+    with torch.no_grad():
+        assert torch.equal(reloaded.model(ids).logits, model(ids).logits)
+    assert reloaded.identity["converted"]["method"] == "mla+kvm"
 
 
 def test_streaming_keeps_the_original_weights_and_forgets_only_the_middle():
