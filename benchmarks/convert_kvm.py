@@ -101,7 +101,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--name", default="convert_kvm_smollm2")
-    p.add_argument("--add", action="store_true", help="keep the rows of the results file there; evaluate only new runs")
+    p.add_argument("--add", action="store_true", help="keep the rows of the results file there (also those another --add run writes meanwhile); "
+                   "evaluate only new runs")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -136,6 +137,11 @@ def main() -> None:
         row["load_average_1min"]["after"] = os.getloadavg()[0]
         rows.append(row)
         del loaded
+    if args.add:  # rows another --add run wrote meanwhile (each run read the file when it started) stay
+        latest = read_json(RESULTS / f"{args.name}.json")
+        mine = {row["label"] for row in rows}
+        rows += [row for row in latest["rows"] if row["label"] not in mine]
+        methods = {**latest["settings"]["runs"], **methods}
     base = rows[0]["texts"]
     for row in rows:
         for text, r in row["texts"].items():

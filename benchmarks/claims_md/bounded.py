@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .speed import EXACT_COPY
 from .text import f2, f3, link, table, times
 
 STATE_TARGET = 1 / 8  # the state at 8K over the original's cache there
@@ -78,7 +79,7 @@ def perplexity_verdict(convert: dict[str, Any]) -> str:
     parts = []
     for row in healed:
         met = [t for t in texts if row["texts"][t]["ppl_vs_original"] <= PPL_TARGETS[t]]
-        values = ", ".join(f"{TEXT_NAMES[t]} {f3(row['texts'][t]['ppl_vs_original'])}x ({'met' if t in met else 'missed'})" for t in texts)
+        values = ", ".join(f"{TEXT_NAMES[t]} {row['texts'][t]['ppl_vs_original']:.4f}x ({'met' if t in met else 'missed'})" for t in texts)
         parts.append(f"`{row['label']}` ({_heal_minutes(row):.0f} min): {values}")
     every = any(all(row["texts"][t]["ppl_vs_original"] <= PPL_TARGETS[t] for t in texts) for row in healed)
     return f"- **Perplexity on 4K windows after at most {HEAL_MINUTES} minutes of healing ({goal}): {'met' if every else 'missed'}.** " + "; ".join(parts) + "."
@@ -105,6 +106,16 @@ def retrieval_verdict(convert: dict[str, Any], niah: dict[str, Any]) -> str:
             f"{'met' if met else 'missed'}.** " + "; ".join(parts) + ".")
 
 
+def base_retrieval(convert: dict[str, Any], niah: dict[str, Any]) -> str:
+    """Retrieval of the full-cache steps the KVM conversions are built on (no state involved)."""
+    found = _niah(niah)
+    bases = [row for row in convert["rows"] if row["label"] in found and (_at(row, 8192) == 1.0 or (row["method"] or "").startswith("mla@"))]
+    scores = ", ".join(f"`{row['label']}` {_score_value(found[row['label']]):.2f}" for row in bases if row["label"] in found)
+    original = _score_value(found["smollm2"]) if "smollm2" in found else float("nan")
+    return (f"- **Before any state:** the full-cache steps the KVM conversions are built on retrieve {scores} on the same prompts "
+            f"(the original {original:.2f}).")
+
+
 def _score_value(row: dict[str, Any]) -> float:
     return next(iter(row["per_length"].values()))["score"]
 
@@ -116,16 +127,17 @@ def decode_verdict(decodes: dict[str, dict[str, Any]]) -> str:
         last = d["settings"]["contexts"][-1]
         rows = [r for r in d["rows"] if r["dtype"] == "float32"]
         base = next(r["tokens_per_s"] for r in rows if r["model"] == TRANSFORMERS and r["context"] == last)
+        exact = next(r["tokens_per_s"] for r in rows if r["model"] == EXACT_COPY and r["context"] == last)
         for model in dict.fromkeys(r["model"] for r in rows):
             label = model.removeprefix("slimkv ")
-            if label not in ("kvm", "mla-kvm") and not label.startswith(("kvm", "mla-kvm")):
+            if not model.startswith("slimkv ") or "kvm" not in label:  # the bounded conversions: kvm, mla-kvm, ...
                 continue
             mine = [r for r in rows if r["model"] == model]
             speed = next(r["tokens_per_s"] for r in mine if r["context"] == last) / base
             flat = len({r["cache_bytes"] for r in mine}) == 1
             met = met or (speed >= DECODE_TARGET and flat)
-            parts.append(f"`{label}` {times(speed)} at {last // 1024}K, cache {'flat' if flat else 'not flat'} from "
-                         f"{mine[0]['context'] // 1024}K ({link(name)})")
+            parts.append(f"`{label}` {times(speed)} at {last // 1024}K ({times(speed * base / exact)} slimkv's exact copy), cache "
+                         f"{'flat' if flat else 'not flat'} from {mine[0]['context'] // 1024}K ({link(name)})")
     return (f"- **Decode at the longest context, 1 thread, at least {DECODE_TARGET:.0f}x transformers' tokens/s with a flat cache: "
             f"{'met' if met else 'missed'}.** " + "; ".join(parts) + ".")
 
@@ -148,4 +160,5 @@ streaming runs' windows).
 {state_verdict(convert)}
 {perplexity_verdict(convert)}
 {retrieval_verdict(convert, niah)}
+{base_retrieval(convert, niah)}
 {decode_verdict(decodes)}"""

@@ -35,3 +35,10 @@ def test_the_ratios_follow_from_the_perplexities():
     for row in data["rows"]:
         for text, result in row["texts"].items():
             assert result["ppl_vs_original"] == pytest.approx(result["ppl"] / original["texts"][text]["ppl"])
+
+
+def test_a_run_names_its_cache_ratio_after_an_at_sign(script):
+    assert script.split_ratio("mla+kvm:rows=192@0.75") == ("mla+kvm:rows=192", 0.75)
+    assert script.split_ratio("kvm:rows=128") == ("kvm:rows=128", None)
+    with pytest.raises(SystemExit, match="must be a cache ratio"):
+        script.split_ratio("mla+kvm@half")
