@@ -31,7 +31,7 @@ HEALING_RUNS = ("convert_latent_mix5_smollm2.json", "convert_latent_healed_smoll
                 "heal_curve_latent025_30000.json", "heal_curve_latent025_60000.json", "heal_curve_latent025_120000.json")
 HEALING_LR_RUNS = ("heal_lr_latent025_30000_lr3e-4.json", "heal_lr_latent025_30000_lr1e-3.json", "heal_lr_latent025_30000_lr3e-3.json",
                    "heal_lr_latent05_30000_lr1e-3.json")  # the learning-rate sweep
-BOUNDED_DECODE = ("decode_kvm_smollm2_1thread.json",)  # decode_smollm2.py --converted with the bounded conversions
+BOUNDED_DECODE = ("decode_kvm_smollm2_1thread.json", "decode_mla_kvm_smollm2_1thread.json")  # decode_smollm2.py --converted with the bounded conversions
 HEALING_FIGURE = "heal_curve_latent_smollm2.png"  # convert_oneshot.py --curve-from HEALING_RUNS
 
 

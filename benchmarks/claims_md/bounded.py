@@ -136,8 +136,10 @@ def decode_verdict(decodes: dict[str, dict[str, Any]]) -> str:
             speed = next(r["tokens_per_s"] for r in mine if r["context"] == last) / base
             flat = len({r["cache_bytes"] for r in mine}) == 1
             met = met or (speed >= DECODE_TARGET and flat)
+            steps = ", ".join(f"{r['tokens_per_s']:.1f}" for r in mine)
+            contexts = ", ".join(f"{r['context'] // 1024}K" for r in mine)
             parts.append(f"`{label}` {times(speed)} at {last // 1024}K ({times(speed * base / exact)} slimkv's exact copy), cache "
-                         f"{'flat' if flat else 'not flat'} from {mine[0]['context'] // 1024}K ({link(name)})")
+                         f"{'flat' if flat else 'not flat'} from {mine[0]['context'] // 1024}K, tokens/s {steps} at {contexts} ({link(name)})")
     return (f"- **Decode at the longest context, 1 thread, at least {DECODE_TARGET:.0f}x transformers' tokens/s with a flat cache: "
             f"{'met' if met else 'missed'}.** " + "; ".join(parts) + ".")
 
