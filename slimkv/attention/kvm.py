@@ -95,9 +95,11 @@ class KVMCache(AttentionCache):
 
 class KVMRegions:
     """KVM's own parameters and forward around projections a layer makes itself: LN_s, the merge
-    gate, the two temperatures, and the call into the functional core with or without a
-    ``KVMCache``. Shared by ``kvm`` (per-head keys) and ``mla-kvm`` (latent rows as the one key
-    head); the layer sets ``self.settings`` (with ``rot_dim``) before calling ``_add_kvm_parameters``."""
+    gate, the two temperatures, the call into the functional core with or without a ``KVMCache``,
+    and the cache half of the contract (``new_cache``, ``_cache_bytes``, ``cache_spec``). Shared by
+    ``kvm`` (per-head keys) and ``mla-kvm`` (latent rows as the one key head): the layer lists
+    this class first among its bases, sets ``self.settings`` (with ``rot_dim``) before calling
+    ``_add_kvm_parameters`` and gives its ``state_shape``."""
 
     def _add_kvm_parameters(self, key_width: int, d_model: int, n_heads: int, n_kv_heads: int, *, merge_gate: bool, use_temperatures: bool) -> None:
         """LN_s over a state key (``key_width``), a gate per KV head, temperatures per query head."""
@@ -109,13 +111,30 @@ class KVMRegions:
         else:
             self.tau_state = self.tau_window = None
 
-    def _reset_kvm_parameters(self) -> None:
-        """LN_s to identity; temperatures to 1 (the gate is a Linear: the base class draws it)."""
+    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
+        """The projections as the layer's base class; LN_s to identity; temperatures to 1 (the gate
+        is a Linear: the base class draws it)."""
+        super().reset_parameters(std, out_std)
         with torch.no_grad():
             self.ln_s.reset_parameters()
             for tau in (self.tau_state, self.tau_window):
                 if tau is not None:
                     tau.fill_(1.0)
+
+    def state_shape(self) -> tuple[int, int, int]:
+        """(KV heads, key width, value width) of the state's rows and window; the layer says."""
+        raise NotImplementedError
+
+    def cache_spec(self) -> tuple:
+        return super().cache_spec() + (self.settings, self.gate_proj is not None)
+
+    def new_cache(self, batch_size: int, dtype=None, device=None) -> KVMCache:
+        b, dtype, device = self._cache_args(batch_size, dtype, device)
+        state = KVMState(b, *self.state_shape(), dtype=dtype, device=device, gated=self.gate_proj is not None)
+        return KVMCache(self.cache_spec(), b, state, dtype=dtype, device=device)
+
+    def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
+        return KVMState.expected_nbytes(self.settings, seq_len, batch_size, *self.state_shape(), dtype, self.gate_proj is not None)
 
     def kvm_params(self) -> KVMParams:
         """The tensors the functional core needs besides q, k, v and the gate."""
@@ -203,22 +222,9 @@ class KVMAttention(KVMRegions, MultiHeadAttention):
         self.settings = replace(settings, rot_dim=self.rotary.rot_dim)
         self._add_kvm_parameters(self.head_dim, d_model, n_heads, self.n_kv_heads, merge_gate=merge_gate, use_temperatures=use_temperatures)
 
-    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
-        """Projections as the base class; LN_s to identity; temperatures to 1."""
-        super().reset_parameters(std, out_std)
-        self._reset_kvm_parameters()
-
-    def cache_spec(self) -> tuple:
-        return super().cache_spec() + (self.settings, self.gate_proj is not None)
-
-    def new_cache(self, batch_size: int, dtype=None, device=None) -> KVMCache:
-        b, dtype, device = self._cache_args(batch_size, dtype, device)
-        state = KVMState(b, self.n_kv_heads, self.head_dim, dtype=dtype, device=device, gated=self.gate_proj is not None)
-        return KVMCache(self.cache_spec(), b, state, dtype=dtype, device=device)
-
-    def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
-        hd = self.head_dim
-        return KVMState.expected_nbytes(self.settings, seq_len, batch_size, self.n_kv_heads, hd, hd, dtype, self.gate_proj is not None)
+    def state_shape(self) -> tuple[int, int, int]:
+        """Per KV head: keys and values of head_dim."""
+        return self.n_kv_heads, self.head_dim, self.head_dim
 
     def _forward(self, x: torch.Tensor, cache: KVMCache | None) -> torch.Tensor:
         start = cache.seq_len if cache is not None else 0

@@ -34,7 +34,6 @@ import torch
 from slimkv.attention.base import Attention, LayerShape, Presets, register_attention
 from slimkv.attention.kvm import KVMCache, KVMRegions, kvm_settings
 from slimkv.attention.mla import MultiHeadLatentAttention, _mla_at
-from slimkv.ops.kvm import KVMState
 
 
 class LatentKVMAttention(KVMRegions, MultiHeadLatentAttention):
@@ -77,22 +76,9 @@ class LatentKVMAttention(KVMRegions, MultiHeadLatentAttention):
         self.settings = replace(settings, rot_dim=self.rope_dim)
         self._add_kvm_parameters(self.rope_dim + self.kv_rank, d_model, n_heads, 1, merge_gate=merge_gate, use_temperatures=use_temperatures)
 
-    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
-        """Projections as MLA's; LN_s to identity; temperatures to 1."""
-        super().reset_parameters(std, out_std)
-        self._reset_kvm_parameters()
-
-    def cache_spec(self) -> tuple:
-        return super().cache_spec() + (self.settings, self.gate_proj is not None)
-
-    def new_cache(self, batch_size: int, dtype=None, device=None) -> KVMCache:
-        b, dtype, device = self._cache_args(batch_size, dtype, device)
-        state = KVMState(b, 1, self.rope_dim + self.kv_rank, self.kv_rank, dtype=dtype, device=device, gated=self.gate_proj is not None)
-        return KVMCache(self.cache_spec(), b, state, dtype=dtype, device=device)
-
-    def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
-        width = self.rope_dim + self.kv_rank
-        return KVMState.expected_nbytes(self.settings, seq_len, batch_size, 1, width, self.kv_rank, dtype, self.gate_proj is not None)
+    def state_shape(self) -> tuple[int, int, int]:
+        """One key head: rows [k_pe | c] as keys, c as values."""
+        return 1, self.rope_dim + self.kv_rank, self.kv_rank
 
     def _forward(self, x: torch.Tensor, cache: KVMCache | None) -> torch.Tensor:
         b, t, _ = x.shape
