@@ -162,7 +162,7 @@ def healing_summary(healing: dict | None) -> dict | None:
     config = healing.get("heal_config", {})
     return {"status": healing.get("status"), "tokens_seen": healing.get("tokens_seen"), "train_seconds": healing.get("train_seconds"),
             "threads": healing.get("threads"), "text": config.get("text"), "seq_len": config.get("seq_len"), "lr": config.get("lr"),
-            "params": config.get("params"), "val_kl": healing.get("val_kl")}
+            "params": config.get("params"), "val_kl": healing.get("val_kl"), "load_average_1min": healing.get("load_average_1min")}
 
 
 def format_markdown(settings: dict, rows: list[dict]) -> str:

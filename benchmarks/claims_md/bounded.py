@@ -33,15 +33,26 @@ def _heal_minutes(row: dict[str, Any]) -> float | None:
     return healed["train_seconds"] / 60 if healed else None
 
 
+def _heal_load(row: dict[str, Any]) -> str:
+    """The machine load beside a healing's training time, as its run recorded it."""
+    load = row["healing"].get("load_average_1min")
+    return f"load {load['before']:.1f} at its start, {load['after']:.1f} at its end" if load else "load not recorded"
+
+
 def _niah(niah: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The retrieval rows by their run folder (= the conversion's label in convert_kvm.py)."""
     return {row["source"]: row for row in niah["rows"]}
 
 
+def _cell(row: dict[str, Any]) -> dict[str, Any]:
+    """A retrieval row's one length (the bounded comparison runs 4K only)."""
+    return next(iter(row["per_length"].values()))
+
+
 def _score(row: dict[str, Any] | None) -> str:
     if row is None:
         return "not run"
-    cell = next(iter(row["per_length"].values()))
+    cell = _cell(row)
     return f"{cell['score']:.2f} ({cell['full']}/{cell['prompts']})"
 
 
@@ -51,7 +62,7 @@ def perplexity_table(convert: dict[str, Any], niah: dict[str, Any]) -> str:
     rows = []
     for row in convert["rows"]:
         minutes = _heal_minutes(row)
-        label = row["label"] + (f", healed {minutes:.0f} min" if minutes is not None else "")
+        label = row["label"] + (f", healed {minutes:.0f} min ({_heal_load(row)})" if minutes is not None else "")
         cells = [f"{f2(row['texts'][t]['ppl'])} ({f3(row['texts'][t]['ppl_vs_original'])})" for t in texts]
         retrieval = _score(found.get("smollm2" if row["label"] == "original" else row["label"]))
         rows.append([label, f"`{row['method'] or '-'}`", f3(_at(row, 8192)), *cells, retrieval])
@@ -72,7 +83,7 @@ def state_verdict(convert: dict[str, Any]) -> str:
 
 def perplexity_verdict(convert: dict[str, Any]) -> str:
     texts = [t for t in convert["settings"]["texts"] if t in PPL_TARGETS]
-    healed = [row for row in convert["rows"] if _is_state(row) and (_heal_minutes(row) or HEAL_MINUTES + 1) <= HEAL_MINUTES]
+    healed = [row for row in convert["rows"] if _is_state(row) and _heal_minutes(row) is not None and _heal_minutes(row) <= HEAL_MINUTES]
     goal = " and ".join(f"{TEXT_NAMES[t]} <= {f2(PPL_TARGETS[t])}x" for t in texts)
     if not healed:
         return f"- **Perplexity on 4K windows after at most {HEAL_MINUTES} minutes of healing ({goal}): not measured** (no healed run)."
@@ -117,7 +128,7 @@ def base_retrieval(convert: dict[str, Any], niah: dict[str, Any]) -> str:
 
 
 def _score_value(row: dict[str, Any]) -> float:
-    return next(iter(row["per_length"].values()))["score"]
+    return _cell(row)["score"]
 
 
 def decode_verdict(decodes: dict[str, dict[str, Any]]) -> str:

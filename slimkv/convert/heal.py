@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,7 +250,9 @@ def heal(student: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cfg
                           {"heal_config": cfg.to_dict(), CONVERSION_KEY: conversion}, objective=distillation_loss(teacher), label="heal")
         if resume:
             trainer.restore()
+        load_before = os.getloadavg()[0]  # the machine load beside this run's training time (at the resume, for a resumed run)
         summary = run_loop(trainer, progress=progress, stop_after=stop_after)
+        load = {"before": load_before, "after": os.getloadavg()[0]}
     student.requires_grad_(True)
-    return {**summary, "trainable_parameters": trainable, "text": cfg.text, "text_sha256": text_sha256(DOC_SEPARATOR.join(documents)),
+    return {**summary, "load_average_1min": load, "trainable_parameters": trainable, "text": cfg.text, "text_sha256": text_sha256(DOC_SEPARATOR.join(documents)),
             "train_tokens": int(len(train_ids)), "held_out_tokens": int(len(eval_ids)), "config": cfg.to_dict()}

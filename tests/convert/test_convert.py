@@ -62,6 +62,7 @@ def test_healing_lowers_the_distance_to_the_original_and_resumes_exactly(tiny_fo
     manifest = heal_converted(straight, cfg, progress=False)
     healed = load_language_model(str(straight)).model
     assert manifest["healing"]["step"] == 12 and manifest["healing"]["trainable_parameters"] > 0
+    assert set(manifest["healing"]["load_average_1min"]) == {"before", "after"}  # the load beside the healing time
     assert held_out_metrics(healed, teacher, windows)["kl"] < before
     assert json.loads((straight / CONVERTED_MANIFEST).read_text())["healing"]["status"] == "finished"
     # the same healing interrupted after 5 steps (last checkpoint: step 4) and resumed gives the same weights
