@@ -1,7 +1,8 @@
 """Timing and result files every benchmark uses (docs/evaluation.md, "Speed benchmarks").
 
-Warm up, repeat, report median/min/max with the raw samples; record the machine, torch version,
-thread count and load average beside the numbers; write JSON (and a PNG where a plot helps) into
+Warm up, repeat, report median/min/max with the raw samples; record the machine (CPU model and
+instruction set), thread count and load average, and the provenance (git commit, command line,
+package versions) beside the numbers; write JSON (and a PNG where a plot helps) into
 a folder the caller names (benchmark scripts pass ``benchmarks/results``).
 """
 
@@ -10,8 +11,11 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +61,53 @@ def measure_matmul_rate(size: int = 1024, dtype: torch.dtype = torch.float32, de
     return 2 * size**3 / stats["median_s"]
 
 
+def _cpu_facts() -> dict[str, Any]:
+    """CPU model and widest vector instruction set from ``/proc/cpuinfo`` (Linux; ``{}`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    facts: dict[str, Any] = {"cpu_model": names[0]} if names else {}
+    if flags:
+        facts["instruction_set"] = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
+    return facts
+
+
+PROVENANCE_PACKAGES = ("torch", "transformers", "numpy", "lm_eval", "optimum-quanto")
+
+
+def package_versions(names: tuple[str, ...] = PROVENANCE_PACKAGES) -> dict[str, str | None]:
+    """Installed version of each distribution in ``names`` (None when it is not installed)."""
+    versions: dict[str, str | None] = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def git_commit(folder: str | Path | None = None) -> str | None:
+    """The commit checked out where slimkv's source lies (or at ``folder``), ``+dirty`` when the
+    tracked files differ from it; None outside a git checkout or without git."""
+    folder = Path(folder) if folder is not None else Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, timeout=10)
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=folder, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
 def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on, and how busy the machine was (1/5/15-minute load)."""
+    """What the numbers were measured on, and how busy the machine was (1/5/15-minute load); and
+    how they were made: the git commit, the command line and the versions of the packages that
+    shape them."""
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -67,14 +116,11 @@ def machine_info() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        **_cpu_facts(),
+        "git_commit": git_commit(),
+        "command": list(sys.argv),
+        "packages": package_versions(),
     }
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        if names:
-            info["cpu_model"] = names[0]
-    except OSError:
-        pass
     return info
 
 
