@@ -5,8 +5,9 @@ Every spelling the library accepts becomes one ``AttentionSpec``:
 * entry text (``slimkv compare --kinds``, ``slimkv train --attention``): ``KIND[+KIND...][:ITEM,...]``.
   ``KIND+KIND`` is a per-layer pattern repeated over the layers (``swa+kvm`` alternates them).
   An ITEM ``NAME=VALUE`` applies to every kind of the entry, ``KIND.NAME=VALUE`` to that kind's
-  layers only. Values are read as YAML (``8``, ``0.5``, ``sqrt``, ``true``, ``null``, ``[1, 2]``);
-  ``null`` means "the kind's own default". Examples: ``lrkv:rank=8,rope_mode=none``,
+  layers only; a NAME given twice is refused. Values are read as YAML (``8``, ``0.5``, ``sqrt``,
+  ``true``, ``null``, ``[1, 2]``), where every plain float spelling is a number (``1e-3``,
+  ``1E+5``, ``-.5``: YAML 1.1 alone would read them as text); ``null`` means "the kind's own default". Examples: ``lrkv:rank=8,rope_mode=none``,
   ``swa+kvm:swa.window=32,kvm.schedule=sqrt``. The older pattern spelling with commas
   (``--attention swa,mha``) still reads as a pattern when the text is one entry.
 * several entries in one string (``--kinds mha,gqa,lrkv:rank=8,rope_mode=none``): ``split_entries``.
@@ -23,6 +24,7 @@ The spec only reads and combines; whether a kind exists and its options are vali
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +34,27 @@ import yaml
 from slimkv.common.checks import close_matches
 
 PATTERN_SEPARATOR = "+"
+
+
+class _ValueLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` (YAML 1.1) with numbers spelled as people mean them: the float spellings
+    it reads as text are floats (``1e-3``, ``1E+5``, ``1.0e5``, ``-.5``: its own float needs a dot
+    and a signed exponent), ``012`` is twelve (not octal ten) and ``1:30`` is text (not base-60 ninety)."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:
+        text = self.construct_scalar(node).replace("_", "")
+        if ":" in text:
+            return self.construct_scalar(node)
+        return int(text) if re.fullmatch(r"[-+]?[0-9]+", text) else super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> Any:
+        return self.construct_scalar(node) if ":" in self.construct_scalar(node) else super().construct_yaml_float(node)
+
+
+_ValueLoader.add_constructor("tag:yaml.org,2002:int", _ValueLoader.construct_yaml_int)
+_ValueLoader.add_constructor("tag:yaml.org,2002:float", _ValueLoader.construct_yaml_float)
+_ValueLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$"),
+                                   list("-+0123456789."))  # tried after YAML's own int and float: 8 stays an int
 
 
 @dataclass(frozen=True)
@@ -165,7 +188,21 @@ class AttentionSpec:
 
 
 def split_items(text: str) -> list[str]:
-    """Comma-separated items, not splitting inside [...] or {...}; empty items dropped."""
+    """The ``NAME=VALUE`` items of one option list, comma-separated (not splitting inside [...] or
+    {...}; empty items dropped); ValueError naming a NAME given twice (it would silently win)."""
+    items = _split(text)
+    seen: dict[str, str] = {}
+    for item in items:
+        name, sep, _ = item.partition("=")
+        name = name.strip()
+        if sep and name in seen:
+            raise ValueError(f"option {name!r} is given twice in {text.strip()!r} ({seen[name]!r} and {item!r}); give it once")
+        seen[name] = item
+    return items
+
+
+def _split(text: str) -> list[str]:
+    """Comma-separated pieces, not splitting inside [...] or {...}; empty pieces dropped."""
     items, depth, current = [], 0, []
     for char in text:
         depth += char in "[{"
@@ -180,15 +217,21 @@ def split_items(text: str) -> list[str]:
 
 
 def parse_item(item: str, where: str) -> tuple[str, Any]:
-    """``NAME=VALUE`` -> (name, YAML value); ValueError saying where."""
+    """``NAME=VALUE`` -> (name, value as ``read_value`` reads it); ValueError saying where."""
     name, sep, raw = item.partition("=")
     name = name.strip()
     if not sep or not name:
         raise ValueError(f"{where}: option {item!r} needs a value (NAME=VALUE, e.g. rank=8)")
     try:
-        return name, yaml.safe_load(raw) if raw.strip() else None
+        return name, read_value(raw)
     except yaml.YAMLError as err:
         raise ValueError(f"{where}: cannot read the value {raw!r} of option {name!r}: {err}") from None
+
+
+def read_value(raw: str) -> Any:
+    """An option's value written on a command line: YAML (``8``, ``0.5``, ``sqrt``, ``[1, 2]``),
+    every plain float spelling a number (``1e-3``), empty text ``None``; yaml.YAMLError if unreadable."""
+    return yaml.load(raw, Loader=_ValueLoader) if raw.strip() else None
 
 
 def format_value(value: Any) -> str:
@@ -208,7 +251,7 @@ def split_entries(texts: str | Sequence[str]) -> list[str]:
     ``mha,lrkv:rank=8,rope_mode=none,gqa`` -> ``mha | lrkv:rank=8,rope_mode=none | gqa``."""
     entries: list[str] = []
     for text in [texts] if isinstance(texts, str) else texts:
-        for piece in split_items(text):
+        for piece in _split(text):
             if entries and "=" in piece and ":" not in piece:
                 entries[-1] += "," + piece
             else:
