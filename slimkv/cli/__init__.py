@@ -8,10 +8,11 @@ import argparse
 import sys
 
 from slimkv.cli import analyze, compare, compress, convert, data, demo, eval, train
-from slimkv.common.files import FolderBusyError
+from slimkv.common.files import FolderBusyError, WriteFailed
 
 COMMAND_MODULES = (data, train, eval, analyze, compare, compress, convert, demo)
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, FileExistsError, IsADirectoryError, PermissionError, FolderBusyError)
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, FileExistsError, IsADirectoryError, PermissionError, FolderBusyError,
+               WriteFailed)
 
 
 def build_parser() -> argparse.ArgumentParser:

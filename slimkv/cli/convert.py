@@ -14,7 +14,6 @@ from slimkv.convert.methods import CONVERSIONS
 from slimkv.convert.pipeline import (
     EXPORTS,
     ConvertOptions,
-    check_before_work,
     conversion_fingerprint,
     convert_pretrained,
     heal_converted,
@@ -138,7 +137,6 @@ def _convert(args: argparse.Namespace) -> int:
         if missing:
             raise ValueError(f"{', '.join(missing)} required (or --resume to continue a healing)")
         options = ConvertOptions(**{CONVERT_FLAGS[name]: value for name, value in _given(args, CONVERT_FLAGS).items()})
-        check_before_work(args.model, options, args.out, heal_cfg)
         _, manifest = convert_pretrained(args.model, options, args.out, heal_cfg=heal_cfg, progress=not args.no_progress)
     if manifest.get("cache_elements_per_token_per_layer"):
         before, after = (sum(manifest["cache_elements_per_token_per_layer"][k]) for k in ("before", "after"))
@@ -153,11 +151,16 @@ def _convert(args: argparse.Namespace) -> int:
         before = sum(t["relative_error_before"] for t in transfer) / len(transfer)
         after = sum(t["relative_error_after"] for t in transfer) / len(transfer)
         print(f"attention transfer: mean relative output error per layer {before:.4f} -> {after:.4f}")
+        kept = [t["layer"] for t in transfer if t.get("kept") == "one-shot"]
+        if kept:
+            print(f"attention transfer made layer(s) {', '.join(map(str, kept))} worse and kept their one-shot parameters "
+                  "(a lower transfer_lr or transfer_params=kvm may fit them)")
     if manifest.get("healing"):
         h = manifest["healing"]
         print(f"healed {h['step']} steps ({h['tokens_seen']:,} tokens, {h['trainable_parameters']:,} parameters trained): held-out KL {h.get('val_kl', float('nan')):.4f}")
     if manifest.get("export"):
         e = manifest["export"]
         print(f"exported {e['format']} to {Path(args.out) / e['folder']} (max |logit difference| {e['max_abs_logit_difference']:.2e})")
-    print(f"saved to {args.out}; evaluate with `slimkv eval ppl --model {args.out}` and `slimkv eval cache --model {args.out} --context 4096`")
+    context = min(4096, max(row["context"] for row in manifest["cache_bytes"]))  # a context the model has positions for
+    print(f"saved to {args.out}; evaluate with `slimkv eval ppl --model {args.out}` and `slimkv eval cache --model {args.out} --context {context}`")
     return 0

@@ -12,13 +12,19 @@
   taken over from a name that happens to exist.
 * ``folder_lock`` holds an exclusive advisory lock on a folder (the folder itself, no lock file)
   for the life of a run, so a second process writing into the same folder gets a clear error
-  instead of interleaved files.
+  instead of interleaved files. ``OutputFolder.lock`` holds one on a published folder across its
+  swaps (on a hidden ``.NAME.lock`` file beside it, since the folder itself is replaced), from
+  before the first publish until the last write of a run.
+* A write that fails for lack of space, a read-only filesystem or a path that is not a folder
+  (``WriteFailed``) names the file, removes its temporary file and replaces nothing.
+* An output path that is a symbolic link writes into the folder it points to (the link is kept).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -34,19 +40,74 @@ class FolderBusyError(RuntimeError):
     """Another process holds the lock on a folder."""
 
 
+class WriteFailed(RuntimeError):
+    """Writing an output failed for a reason the user can fix (no space, a read-only filesystem, a
+    path component that is not a folder); the message names the file and nothing was replaced."""
+
+
+# errno -> what to tell the user
+WRITE_FAILURES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                  errno.EROFS: "the filesystem is read-only", errno.ENOTDIR: "a part of the path is a file, not a folder"}
+
+
+def _write_failure(err: BaseException) -> str | None:
+    """What ``WRITE_FAILURES`` says of ``err``: an OSError's errno, or the same error reported in the
+    text of a library's own exception (safetensors reports 'No space left on device (os error 28)')."""
+    if isinstance(err, OSError) and err.errno in WRITE_FAILURES:
+        return WRITE_FAILURES[err.errno]
+    text = str(err)
+    for number, reason in WRITE_FAILURES.items():
+        if f"os error {number})" in text or os.strerror(number) in text:
+            return reason
+    return None
+
+
+@contextmanager
+def write_errors(path: str | Path) -> Iterator[None]:
+    """Turn a failed write under ``path`` (``_write_failure``) into one ``WriteFailed`` naming it."""
+    try:
+        yield
+    except WriteFailed:
+        raise
+    except Exception as err:
+        reason = _write_failure(err)
+        if reason is None:
+            raise
+        raise WriteFailed(f"could not write {path}: {reason}; nothing there was replaced (free space or choose another place, "
+                          "then run again)") from None
+
+
 def _temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
 
 
+def resolve_link(path: str | Path, option: str = "--out") -> Path:
+    """``path`` with ``~`` expanded, or the folder it points to when it is a symbolic link (so a
+    publish writes into the user's target and keeps the link); ValueError naming ``option`` when
+    the link points nowhere."""
+    path = Path(path).expanduser()
+    if not path.is_symlink():
+        return path
+    real = path.resolve()
+    if not real.exists():
+        raise ValueError(f"{option} {path} is a symbolic link to {os.readlink(path)}, which does not exist; create that folder or give a real path")
+    return real
+
+
 def write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically, creating the parent folder."""
-    path = Path(path)
+    """Write ``text`` (UTF-8) to ``path`` atomically, creating the parent folder; ``WriteFailed``
+    naming the file (and no temporary file left) when the disk is full or read-only."""
+    path = resolve_link(Path(path), "the output file")
     if path.is_dir():
         raise ValueError(f"{path} is a folder; give a file path to write to")
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(path)
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with write_errors(path):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def write_json(path: str | Path, data: Any) -> None:
@@ -82,18 +143,41 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+@functools.lru_cache(maxsize=256)
+def _file_sha256(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    return sha256_file(path)
+
+
+def content_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes, or of a folder's tree (each file's relative path and sha256, in
+    order); a file's is remembered for as long as its size, mtime and inode stay the same."""
+    path = Path(path)
+    if path.is_dir():
+        digest = hashlib.sha256()
+        for item in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(f"{item.relative_to(path).as_posix()}\0{content_sha256(item)}\n".encode())
+        return digest.hexdigest()
+    info = path.stat()
+    return _file_sha256(str(path), info.st_size, info.st_mtime_ns, info.st_ino)
+
+
 def save_figure(fig: Any, path: str | Path, *, tight: bool = True) -> None:
     """Save a matplotlib figure as PNG atomically (dpi 120; ``tight`` crops to the drawn area)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(path)
-    fig.savefig(tmp, dpi=120, format="png", **({"bbox_inches": "tight"} if tight else {}))
-    os.replace(tmp, path)
+    with write_errors(path):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(tmp, dpi=120, format="png", **({"bbox_inches": "tight"} if tight else {}))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def check_folder_target(path: str | Path, option: str = "--out") -> None:
-    """A folder slimkv will write into must not be an existing file (checked before any work)."""
-    path = Path(path)
+    """A folder slimkv will write into must not be an existing file nor a link to nowhere (checked
+    before any work)."""
+    path = resolve_link(path, option)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{option} {path} is a file; give a folder")
 
@@ -150,10 +234,12 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     aside first and deleted last, so ``existing_directory`` always finds a complete one). Only
     for folders slimkv owns entirely (a checkpoint, a saved model): the old folder is deleted."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = fresh_sibling(target, "tmp")
+    with write_errors(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = fresh_sibling(target, "tmp")
     try:
-        yield staging
+        with write_errors(target):
+            yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -203,20 +289,54 @@ class OutputFolder:
     def __init__(self, marker: str, what: str, runs: dict[str, str] | None = None) -> None:
         self.marker, self.what = marker, what
         self.runs = dict(runs or {})
+        self._held: dict[Path, int] = {}  # output folders this process holds the lock of, and how many times
+
+    @contextmanager
+    def lock(self, target: str | Path) -> Iterator[None]:
+        """Hold the output lock of ``target`` meanwhile: ``FolderBusyError`` naming --out at once if
+        another process holds it. The lock is on ``.NAME.lock`` beside the folder (created once and
+        kept: the folder itself is swapped by every publish), so a run that publishes, reads its
+        output back and publishes again (convert, then heal) owns the folder the whole time.
+        Re-entrant within a process."""
+        target = resolve_link(target).absolute()
+        if target in self._held:
+            self._held[target] += 1
+            try:
+                yield
+            finally:
+                self._held[target] -= 1
+            return
+        with write_errors(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(target.with_name(f".{target.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                if err.errno in (errno.EAGAIN, errno.EACCES):
+                    raise FolderBusyError(f"--out {target} is being written by another slimkv run; wait for it to finish or use another folder") from None
+                raise
+            self._held[target] = 1
+            try:
+                yield
+            finally:
+                del self._held[target]
+        finally:
+            os.close(descriptor)
 
     def check(self, target: str | Path, names: tuple[str, ...] | list[str] = ()) -> None:
         """Before any work: ``target`` is absent, an empty folder, or an earlier output of this
-        kind, can be written, and holds nothing slimkv did not write under the ``names`` the new
-        output will have."""
-        target = Path(target).expanduser()
+        kind, can be written, is not being written by another run, and holds nothing slimkv did
+        not write under the ``names`` the new output will have."""
         check_folder_target(target)
+        target = resolve_link(target)
         if target.is_dir() and any(target.iterdir()) and not (target / self.marker).is_file():
             raise ValueError(f"--out {target} is not empty and is not an earlier {self.what} (no {self.marker}); choose an empty or new folder")
         check_writable(target)
         if target.is_dir():
             self._refuse_clashes(target, [p.name for p in self.foreign(target) if p.name in names])
-            with self._runs_held(target):  # FolderBusyError now, not after the work, if a run there is still going
-                pass
+        with self.lock(target), self._runs_held(target):  # FolderBusyError now, not after the work, if a run there is still going
+            pass
 
     @contextmanager
     def _runs_held(self, target: Path, keep: tuple[str, ...] = ()) -> Iterator[None]:
@@ -228,13 +348,26 @@ class OutputFolder:
             yield
 
     def written_by_slimkv(self, target: Path) -> set[str]:
-        """Names of what an earlier output in ``target`` wrote: its manifest's files, and the run
-        folders of ``runs`` that hold their marker."""
+        """Names of what an earlier output in ``target`` wrote: its manifest's files whose content
+        is still what slimkv wrote (``file_record``: a name added to an edited manifest, or a file
+        replaced since, is the user's), and the run folders of ``runs`` that hold their marker. A
+        manifest written before contents were recorded is taken at its word."""
         if not (target / self.marker).is_file():
             return set()
         manifest = read_json(target / self.marker, expect=dict)
+        names = [name for name in manifest.get("files", []) if isinstance(name, str) and name and Path(name).name == name]
+        recorded = manifest.get("file_sha256")
+        if isinstance(recorded, dict):
+            names = [name for name in names if (target / name).exists() and recorded.get(name) == content_sha256(target / name)]
         runs = {name for name, marker in self.runs.items() if (target / name / marker).is_file()}
-        return {*manifest.get("files", []), self.marker, *runs}
+        return {*names, self.marker, *runs}
+
+    def file_record(self, folder: Path) -> dict[str, Any]:
+        """What a manifest records of the output being written in ``folder`` (before the manifest
+        itself): the names, and each one's ``content_sha256``, which later runs check before
+        replacing a file (``written_by_slimkv``)."""
+        names = sorted(p.name for p in folder.iterdir() if p.name != self.marker)
+        return {"files": sorted([*names, self.marker]), "file_sha256": {name: content_sha256(folder / name) for name in names}}
 
     def foreign(self, target: Path, keep: tuple[str, ...] = ()) -> list[Path]:
         """What in ``target`` a new output must carry over: what slimkv did not write, and ``keep``."""
@@ -255,7 +388,11 @@ class OutputFolder:
         ``keep`` names) are moved into the new folder (or the swap is refused if a new file has
         the same name). Only folders this call created are ever deleted; if the swap fails, the
         earlier folder is left as it was."""
-        target = Path(target).expanduser()
+        target = resolve_link(target)
+        with self.lock(target), write_errors(target):
+            yield from self._publish(target, keep)
+
+    def _publish(self, target: Path, keep: tuple[str, ...]) -> Iterator[Path]:
         self.check(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = fresh_sibling(target, "tmp")

@@ -41,8 +41,7 @@ def save(model: nn.Module, tokenizer, manifest: dict, out_dir: str | Path) -> Pa
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": FORMAT})
-        files = sorted(p.name for p in tmp.iterdir())
-        write_json(tmp / MANIFEST_NAME, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": files})
+        write_json(tmp / MANIFEST_NAME, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, **COMPRESSED_FOLDER.file_record(tmp)})
     return out_dir
 
 

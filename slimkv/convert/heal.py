@@ -7,9 +7,10 @@ progress bar, NaN stop, atomic checkpoints and exact resume, in the run folder `
 (``heal_config.json``, ``checkpoint/``, ``model/``, ``metrics.jsonl``, ``summary.json``). The
 last 5% of the healing text's tokens are held out: the loop reports KL and the student's CE there.
 
-A healing run belongs to one conversion: ``heal_config.json`` and every checkpoint record the
-conversion's fingerprint (the sha256 of its one-shot weights, ``conversion_sha256`` in the
-manifest), and ``--resume`` refuses a run of another conversion before anything is loaded.
+A healing run belongs to one conversion and one text: ``heal_config.json`` and every checkpoint
+record the conversion's fingerprint (the sha256 of its one-shot weights, ``conversion_sha256`` in
+the manifest), ``heal_config.json`` the healing text's (``text_sha256``), and ``--resume`` refuses
+a run of another conversion, or a text changed since, before anything is loaded.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from slimkv.train.trainer import Trainer, make_optimizer, run_loop
 HEAL_CONFIG = "heal_config.json"
 HEAL_DIR = "healing"
 CONVERSION_KEY = "conversion_sha256"  # the fingerprint of the conversion a healing run belongs to
+TEXT_KEY = "text_sha256"  # the fingerprint of the healing text a run started on (heal_config.json)
 PARAMETER_SETS = ("changed", "attention", "all")
 HELD_OUT_FRACTION = 0.05
 
@@ -161,7 +163,17 @@ def check_resumable(run_dir: Path, cfg: HealConfig | None, conversion: str) -> H
         requested, kept = cfg.to_dict(), stored.to_dict()
         differences = ", ".join(f"{k}: stored {kept.get(k)!r}, requested {v!r}" for k, v in requested.items() if kept.get(k) != v)
         raise ValueError(f"--resume: {run_dir} was healed with other options ({differences}); resume with the same options, or with none")
+    started_on = read_json(run_dir / HEAL_CONFIG, expect=dict).get(TEXT_KEY)
+    if started_on is not None and started_on != heal_text_sha256(heal_documents(stored.text)):
+        raise ValueError(f"--resume: the healing text {stored.text!r} changed since the run in {run_dir} started (its sha256 was {started_on[:12]}..., "
+                         f"it is now {heal_text_sha256(heal_documents(stored.text))[:12]}...): continuing would train on another text than the "
+                         f"run records; restore the text, or {restart}")
     return stored
+
+
+def heal_text_sha256(documents: list[str]) -> str:
+    """The fingerprint of a healing text as healing reads it (its documents, joined)."""
+    return text_sha256(DOC_SEPARATOR.join(documents))
 
 
 class TextBatches:
@@ -241,7 +253,7 @@ def heal(student: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cfg
                                  "or convert again to start over")
             for name in (METRICS_FILE, SUMMARY_FILE):  # left by a run of this conversion that stopped before its first checkpoint
                 (run_dir / name).unlink(missing_ok=True)
-            write_json(run_dir / HEAL_CONFIG, {**cfg.to_dict(), CONVERSION_KEY: conversion})
+            write_json(run_dir / HEAL_CONFIG, {**cfg.to_dict(), CONVERSION_KEY: conversion, TEXT_KEY: heal_text_sha256(documents)})
         trainable = select_parameters(student, cfg.params, changed)
         teacher.eval().requires_grad_(False)
         torch.manual_seed(cfg.seed)
@@ -254,5 +266,5 @@ def heal(student: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cfg
         summary = run_loop(trainer, progress=progress, stop_after=stop_after)
         load = {"before": load_before, "after": os.getloadavg()[0]}
     student.requires_grad_(True)
-    return {**summary, "load_average_1min": load, "trainable_parameters": trainable, "text": cfg.text, "text_sha256": text_sha256(DOC_SEPARATOR.join(documents)),
+    return {**summary, "load_average_1min": load, "trainable_parameters": trainable, "text": cfg.text, "text_sha256": heal_text_sha256(documents),
             "train_tokens": int(len(train_ids)), "held_out_tokens": int(len(eval_ids)), "config": cfg.to_dict()}

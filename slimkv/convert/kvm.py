@@ -38,7 +38,7 @@ from slimkv.convert import mla
 from slimkv.convert.context import LayerContext, LayerFit, linear_state, output_state, partial_rope_options
 from slimkv.convert.pairs import from_complex, pair_energy, rotation_expectation, to_complex
 from slimkv.convert.source import Shape, Source
-from slimkv.convert.transfer import PARAMETER_SETS, TransferConfig, capture_attention, transfer_model
+from slimkv.convert.transfer import DEFAULT_LR, MAX_LR, PARAMETER_SETS, TransferConfig, capture_attention, transfer_model
 from slimkv.data.texts import calibration_ids, calibration_sources
 from slimkv.ops.kvm import KVMSettings
 
@@ -47,8 +47,8 @@ from slimkv.ops.kvm import KVMSettings
 KVM_LAYER_OPTIONS = {"chunk_size": 128, "window_chunks": 2, "schedule": "fixed", "rows": 256, "sqrt_coef": None,
                      "saturating_rows": None, "max_rows": None, "sink_len": 4}
 ROPE_OPTIONS = {"rope_pairs": 16}
-TRANSFER_OPTIONS = {"transfer_steps": 100, "transfer_lr": 0.05, "transfer_seq_len": 2048, "transfer_windows": 8,
-                    "transfer_params": "kvm"}
+TRANSFER_OPTIONS = {"transfer_steps": 100, "transfer_lr": None, "transfer_seq_len": 2048, "transfer_windows": 8,
+                    "transfer_params": "kvm"}  # transfer_lr None: DEFAULT_LR of the parameter set
 METHOD_OPTIONS = {**KVM_LAYER_OPTIONS, **ROPE_OPTIONS, **TRANSFER_OPTIONS}
 LATENT_OPTIONS = {**KVM_LAYER_OPTIONS, **TRANSFER_OPTIONS}
 
@@ -56,9 +56,10 @@ LATENT_OPTIONS = {**KVM_LAYER_OPTIONS, **TRANSFER_OPTIONS}
 def check_rope_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None, *, method: str = "rope-partial") -> None:
     """At least one rotated pair and at least one left without rotation (the state's keys); errors name ``--to METHOD``."""
     pairs = options["rope_pairs"]
+    why = "KVM's state keys keep only the pairs left without rotation" if method == "kvm" else "at least one pair must keep its rotation and one lose it"
     if isinstance(pairs, bool) or not isinstance(pairs, int) or not 1 <= pairs < shape.head_dim // 2:
         raise ValueError(f"--to {method}: rope_pairs={pairs!r} must be an integer from 1 to {shape.head_dim // 2 - 1}: the model's heads have "
-                         f"{shape.head_dim // 2} RoPE pairs and KVM's state keys keep only the pairs left without rotation")
+                         f"{shape.head_dim // 2} RoPE pairs and {why}")
 
 
 def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
@@ -76,6 +77,15 @@ def check_state_options(shape: Shape, options: dict[str, Any], heal_seq_len: int
     """The KVM state and attention-transfer options (``KVM_LAYER_OPTIONS``, ``TRANSFER_OPTIONS``)
     and the healing window; errors name ``--to METHOD``."""
     check_int(f"--to {method}: rows", options["rows"], 1)
+    check_int(f"--to {method}: chunk_size", options["chunk_size"], 1)
+    chunk = options["chunk_size"]
+    if options["rows"] < chunk:
+        raise ValueError(f"--to {method}: rows={options['rows']} is below chunk_size={chunk}: the state keeps every row of the first chunk, "
+                         f"so it holds at least {chunk} rows; give rows >= {chunk} (or a smaller chunk_size)")
+    if options["max_rows"] is not None and (isinstance(options["max_rows"], bool) or not isinstance(options["max_rows"], int)
+                                            or options["max_rows"] < options["rows"]):
+        raise ValueError(f"--to {method}: max_rows={options['max_rows']!r} must be an integer >= rows={options['rows']} "
+                         "(the cap on the state's rows cannot be below its size)")
     try:
         KVMSettings(**{name: options[name] for name in ("chunk_size", "window_chunks", "schedule", "sqrt_coef", "saturating_rows", "max_rows", "sink_len")},
                     min_rows=options["rows"])
@@ -87,9 +97,10 @@ def check_state_options(shape: Shape, options: dict[str, Any], heal_seq_len: int
         raise ValueError(f"--to {method}: the window (chunk_size x window_chunks = {window} tokens) must be shorter than the model's "
                          f"{positions} positions, or the state would never be used")
     check_int(f"--to {method}: transfer_steps", options["transfer_steps"], 0)
-    check_float(f"--to {method}: transfer_lr", options["transfer_lr"], 0.0, open_low=True)
     check_int(f"--to {method}: transfer_windows", options["transfer_windows"], 1)
     check_choice(f"--to {method}: transfer_params", options["transfer_params"], PARAMETER_SETS)
+    if options["transfer_lr"] is not None:
+        check_float(f"--to {method}: transfer_lr", options["transfer_lr"], 0.0, MAX_LR, open_low=True)
     check_int(f"--to {method}: transfer_seq_len", options["transfer_seq_len"], 2 * window, positions)
     if heal_seq_len is not None and heal_seq_len <= window + options["chunk_size"]:
         raise ValueError(f"--heal-seq-len {heal_seq_len}: healing windows must be longer than the KVM window plus a chunk "
@@ -242,8 +253,9 @@ def attention_transfer(model: Any, source: Source, options: dict[str, Any], *, c
     windows = calibration_ids(source.loaded.tokenizer, calibration_sources(calib), tokens, length, seed + 1)
     targets = capture_attention(source.model, windows, progress=progress)
     first = options["chunk_size"] * options["window_chunks"]
-    cfg = TransferConfig(steps=steps, lr=options["transfer_lr"], params=options["transfer_params"], first_position=first, seed=seed)
+    lr = DEFAULT_LR[options["transfer_params"]] if options["transfer_lr"] is None else options["transfer_lr"]
+    cfg = TransferConfig(steps=steps, lr=lr, params=options["transfer_params"], first_position=first, seed=seed)
     layers = transfer_model(list(model.attention_layers), targets, cfg, progress=progress)
-    return {"steps": steps, "lr": cfg.lr, "params": cfg.params, "windows": windows.shape[0], "seq_len": length, "first_position": first,
+    return {"steps": steps, "lr": cfg.lr, "params": cfg.params, "layers_kept_one_shot": [f["layer"] for f in layers if f["kept"] == "one-shot"], "windows": windows.shape[0], "seq_len": length, "first_position": first,
             "objective": "per layer, MSE of the layer's output against the original attention's on its inputs, relative to the output's mean square",
             "layers": layers}

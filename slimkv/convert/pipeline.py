@@ -97,6 +97,9 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
         CONVERTED_FOLDER.check(out_dir, names)
     path = resolve_model_path(model)
     shape = check_convertible(AutoConfig.from_pretrained(path, trust_remote_code=False))
+    check_window("--calib-seq-len", options.calib_seq_len, shape.max_position_embeddings)
+    if heal_cfg is not None:
+        check_window("--heal-seq-len", heal_cfg.seq_len, shape.max_position_embeddings)
     if options.export == "deepseek" and shape.qkv_bias:
         raise ValueError("--export deepseek cannot express this model: DeepSeek-V3's q_proj has no bias, and its queries have one (Qwen2)")
     method, settings = parse_method(options.method)
@@ -114,6 +117,13 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
         check_calibration_size(tokenizer, sources, *method.refine_text(settings))
     if heal_cfg is not None:
         check_heal_text(tokenizer, heal_cfg)
+
+
+def check_window(option: str, length: int, positions: int) -> None:
+    """A calibration or healing window fits the model's positions (past them the original's own
+    outputs, which the conversion and healing are fitted to, are not meaningful)."""
+    if length > positions:
+        raise ValueError(f"{option} {length} is longer than the model's {positions} positions (max_position_embeddings); use at most {positions}")
 
 
 def build_converted(source: Source, method: Conversion, layers: list[LayerContext], plan: list[dict[str, Any]]
@@ -238,8 +248,7 @@ def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str,
             tokenizer.save_pretrained(folder)
         if manifest["options"].get("export") == "deepseek":
             manifest = {**manifest, "export": export_deepseek(model, tokenizer, folder / EXPORT_FOLDER)}
-        files = sorted(p.name for p in folder.iterdir())
-        write_json(folder / CONVERTED_MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": files})
+        write_json(folder / CONVERTED_MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, **CONVERTED_FOLDER.file_record(folder)})
     return manifest
 
 
@@ -249,6 +258,15 @@ def convert_pretrained(model: str, options: ConvertOptions, out_dir: str | Path 
     needs ``out_dir``: the healing run lives there); returns the model and the full manifest."""
     if heal_cfg is not None and out_dir is None:
         raise ValueError("healing needs an output folder (--out): its checkpoints live there")
+    if out_dir is None:
+        return _convert_and_heal(model, options, None, heal_cfg, progress)
+    CONVERTED_FOLDER.check(out_dir)
+    with CONVERTED_FOLDER.lock(out_dir):  # from before the first publish until healing's last write: no other run writes there between
+        return _convert_and_heal(model, options, out_dir, heal_cfg, progress)
+
+
+def _convert_and_heal(model: str, options: ConvertOptions, out_dir: str | Path | None, heal_cfg: HealConfig | None, progress: bool
+                      ) -> tuple[SlimKVForCausalLM, dict[str, Any]]:
     check_before_work(model, options, out_dir, heal_cfg)
     loaded = load_pretrained(model)
     source = Source(loaded)
@@ -299,12 +317,22 @@ def heal_converted(out_dir: str | Path, cfg: HealConfig | None, *, resume: bool 
     ``stop_after``: stop after this many steps, as a killed run would (tests)."""
     out_dir = Path(out_dir).expanduser()
     CONVERTED_FOLDER.check(out_dir)
+    with CONVERTED_FOLDER.lock(out_dir):  # nothing else publishes there while this run reads the model and heals it
+        return _heal_locked(out_dir, cfg, resume, progress, stop_after)
+
+
+def _heal_locked(out_dir: Path, cfg: HealConfig | None, resume: bool, progress: bool, stop_after: int | None) -> dict[str, Any]:
     manifest = read_manifest(out_dir)
     conversion = conversion_fingerprint(out_dir, manifest)
     if resume:
+        healed = manifest.get("healing") or {}
+        if healed.get("status") == "finished":
+            raise ValueError(f"--resume: the healing of the conversion in {out_dir} finished ({healed.get('step')} steps) and is published; "
+                             "there is nothing to resume (to heal for longer, convert again with a larger --heal-tokens)")
         cfg = check_resumable(out_dir / HEAL_DIR, cfg, conversion)
     elif cfg is None:
         raise ValueError("healing needs its options (--heal-tokens and the other --heal-* options)")
+    check_window("--heal-seq-len", cfg.seq_len, AutoConfig.from_pretrained(out_dir, trust_remote_code=False).max_position_embeddings)
     base = resolve_original(manifest, out_dir / CONVERTED_MANIFEST)
     tokenizer = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=False)
     check_heal_text(tokenizer, cfg)
@@ -312,7 +340,7 @@ def heal_converted(out_dir: str | Path, cfg: HealConfig | None, *, resume: bool 
     teacher = load_pretrained(base).model
     summary = heal(student, teacher, tokenizer, cfg, out_dir, manifest["changed_parameters"], conversion=conversion, resume=resume,
                    progress=progress, stop_after=stop_after)
-    body = {k: v for k, v in manifest.items() if k not in ("format", "format_version", "files")}
+    body = {k: v for k, v in manifest.items() if k not in ("format", "format_version", "files", "file_sha256")}
     body[CONVERSION_KEY] = conversion
     body["healing"] = summary
     if summary.get("status") == "finished":  # a stopped run leaves its checkpoint in OUT/healing, the published model unhealed

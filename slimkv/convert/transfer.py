@@ -8,11 +8,16 @@ its output and the original layer's, relative to the original output's mean squa
 positions ``first_position`` onwards (for KVM: where the compressed state is read). The windows
 must be long enough that the converted layer's approximations are used (KVM: several windows'
 worth of tokens). Distillation of the whole model (``convert.heal``) can follow.
+
+A fit that ends with a larger error than the layer started with (a learning rate too high for the
+parameters fitted) is not kept: the layer gets its one-shot parameters back, the manifest records
+both errors and ``kept: "one-shot"``, and a line on stderr says so.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +27,8 @@ from tqdm import tqdm
 from slimkv.convert.calibrate import feed_windows
 
 PARAMETER_SETS = ("kvm", "attention")  # KVM's own parameters (LN_s, temperatures, gate) / every parameter of the layer
+DEFAULT_LR = {"kvm": 0.05, "attention": 1e-3}  # the peak rate per parameter set (docs/conversion.md: 0.05 on every weight diverges)
+MAX_LR = 1.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ def transfer_layer(attn: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: Trans
         raise ValueError(f"transfer windows of {x.shape[1]} tokens never reach position {first}, where the converted layer's "
                          "approximation starts: use longer windows (transfer_seq_len)")
     before = relative_error(attn, x, y, first)
+    one_shot = {name: value.detach().clone() for name, value in attn.state_dict().items()}
     params = trainable(attn, cfg.params)
     frozen = [p for p in attn.parameters() if all(p is not q for q in params)]
     for p in frozen:
@@ -93,7 +101,11 @@ def transfer_layer(attn: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: Trans
     finally:
         for p in attn.parameters():
             p.requires_grad_(True)
-    return {"relative_error_before": before, "relative_error_after": relative_error(attn, x, y, first)}
+    after = relative_error(attn, x, y, first)
+    if math.isfinite(after) and after <= before:
+        return {"relative_error_before": before, "relative_error_after": after, "kept": "fitted"}
+    attn.load_state_dict(one_shot)
+    return {"relative_error_before": before, "relative_error_after": before, "relative_error_fitted": after, "kept": "one-shot"}
 
 
 def transfer_model(layers: list[nn.Module], targets: list[tuple[torch.Tensor, torch.Tensor]], cfg: TransferConfig, *,
@@ -102,4 +114,7 @@ def transfer_model(layers: list[nn.Module], targets: list[tuple[torch.Tensor, to
     facts = []
     for index, (attn, (x, y)) in enumerate(tqdm(list(zip(layers, targets)), desc="attention transfer", unit="layer", disable=not progress)):
         facts.append({"layer": index, **transfer_layer(attn, x, y, cfg)})
+        if facts[-1]["kept"] == "one-shot":
+            tqdm.write(f"attention transfer, layer {index}: the fit made the layer worse (relative error {facts[-1]['relative_error_before']:.4g} -> "
+                       f"{facts[-1]['relative_error_fitted']:.4g} at lr {cfg.lr:g}, params {cfg.params}); kept its one-shot parameters", file=sys.stderr)
     return facts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import slimkv.convert.pipeline as pipeline
 from slimkv.convert.pipeline import ConvertOptions
 from tests.compress.conftest import (
     CALIB_LINES,
@@ -23,3 +24,12 @@ def tiny_folder(tmp_path):
 
 def options(method: str, ratio: float, tmp_path) -> ConvertOptions:
     return ConvertOptions(method, ratio, calib=str(tmp_path / "calib.txt"), calib_tokens=96, calib_seq_len=32)
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Make loading the source model an error: a check that fires first happened before any work."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded: the check did not come before the work")
+
+    monkeypatch.setattr(pipeline, "load_pretrained", refuse)
