@@ -10,6 +10,11 @@ product and sum in float32). Without a compiler, or when the build fails, ``deco
 returns None (with one warning saying why) and callers take the torch path; ``SLIMKV_NATIVE=0``
 asks for that.
 
+Instruction-set paths (``ISAS``; the C source picks one at build time from the target's flags,
+and ``kernel_isa`` reports the one compiled): "avx512", "avx2" (AVX2 + FMA) and "portable" (plain
+C). The default build is the CPU's best (``-march=native``); ``build(..., isa="avx2")`` builds a
+named one, which tests use to check every path this CPU can run (``runnable_isas``).
+
 ``native_decode_attention`` is the fast path of ``slimkv.ops.attention.decode_attention``; the
 plain reference beside it is ``reference_attention``, and tests/ops/test_native.py compares them.
 """
@@ -32,9 +37,13 @@ import torch
 
 from slimkv.common.paths import cache_dir
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"  # includes the headers beside it (decode_avx2.h, decode_avx512.h)
 FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
 ARCH_FLAGS = (("-march=native",), ())  # tried in order: this CPU's vector units, then the compiler's default target
+ISAS = {"avx512": ("-march=native",), "avx2": ("-march=native", "-mno-avx512f"), "portable": ("-DSLIMKV_PORTABLE",)}
+"""Named instruction-set path -> the flags that build it on a CPU that has it (``runnable_isas``)."""
+ISA_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}
+"""Named path -> the /proc/cpuinfo flags a CPU needs to run it."""
 MAX_SEGMENTS = 4  # MAX_SEGMENTS in the C source
 PARALLEL_MIN_BYTES = 32 << 20  # a step reading less runs on one thread: threads start per call (~0.2-0.3 ms measured here), which only pays off above this
 ENV_SWITCH = "SLIMKV_NATIVE"
@@ -61,15 +70,38 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def build(cc: str, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags (x86 ``flags``; empty where /proc/cpuinfo has none)."""
+    for line in _cpu_identity().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def runnable_isas() -> list[str]:
+    """The named paths (``ISAS``) this CPU can run, best first: x86 flags decide; "portable" always."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    flags = _cpu_flags()
+    return [isa for isa, needs in ISA_CPU_FLAGS.items() if not needs or (x86 and all(f in flags for f in needs))]
+
+
+def _sources() -> bytes:
+    """The kernel's source and the headers it includes, as one key for the build cache."""
+    return b"\0".join(path.read_bytes() for path in [SOURCE, *sorted(SOURCE.parent.glob("*.h"))])
+
+
+def build(cc: str, folder: Path, dtype: torch.dtype = torch.float32, isa: str | None = None, extra_flags: Sequence[str] = ()) -> Path:
     """Compile the kernel for caches of ``dtype`` into ``folder`` (atomically: a temporary file
-    renamed into place), or return the build already there. RuntimeError with the compiler's
-    message when every flag set fails."""
-    source = SOURCE.read_bytes()
+    renamed into place), or return the build already there. ``isa`` None builds the CPU's best
+    path (``ARCH_FLAGS`` in order), else the named one of ``ISAS`` (the caller checks that the CPU
+    can run it: ``runnable_isas``). RuntimeError with the compiler's message when every flag set fails."""
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"isa {isa!r} is not allowed; allowed values: {', '.join(ISAS)}")
+    source = _sources()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     errors = []
-    for arch in ARCH_FLAGS:
-        flags = (*FLAGS, *arch, *ENTRIES[dtype][0])
+    for arch in ARCH_FLAGS if isa is None else (ISAS[isa],):
+        flags = (*FLAGS, *arch, *ENTRIES[dtype][0], *extra_flags)
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()])).hexdigest()[:16]
         target = folder / f"decode_attention-{key}.so"
         if target.is_file():
@@ -84,6 +116,23 @@ def build(cc: str, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
         os.unlink(temporary)
         errors.append(f"{cc} {' '.join(flags)}: {result.stderr.strip()[:400]}")
     raise RuntimeError("; ".join(errors))
+
+
+def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
+    """A built kernel library with its entry point's and ``slimkv_kernel_isa``'s signatures set."""
+    library = ctypes.CDLL(str(path))
+    function = getattr(library, ENTRIES[dtype][1])
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [pointer, ctypes.c_int, pointer, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    function.restype = ctypes.c_int
+    library.slimkv_kernel_isa.argtypes = []
+    library.slimkv_kernel_isa.restype = ctypes.c_char_p
+    return library
+
+
+def library_isa(library: ctypes.CDLL) -> str:
+    """The instruction-set path a loaded kernel library was compiled with: "avx512", "avx2" or "portable"."""
+    return library.slimkv_kernel_isa().decode()
 
 
 def decode_kernel(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
@@ -108,18 +157,13 @@ def _load_kernel(dtype: torch.dtype) -> ctypes.CDLL | None:
     try:
         path = build(cc, cache_dir() / "kernels", dtype)
         try:
-            library = ctypes.CDLL(str(path))
-        except OSError:  # a damaged cached build (ours, keyed by source and flags): build it again
+            return load(path, dtype)
+        except (OSError, AttributeError):  # a damaged cached build (ours, keyed by source and flags): build it again
             path.unlink(missing_ok=True)
-            library = ctypes.CDLL(str(build(cc, cache_dir() / "kernels", dtype)))
-    except (RuntimeError, OSError) as err:
+            return load(build(cc, cache_dir() / "kernels", dtype), dtype)
+    except (RuntimeError, OSError, AttributeError) as err:
         warnings.warn(f"slimkv: the native decode kernel could not be built or loaded; decode uses the torch path ({err})", stacklevel=2)
         return None
-    function = getattr(library, ENTRIES[dtype][1])
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, ctypes.c_int, pointer, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return library
 
 
 decode_kernel.cache_clear = _load_kernel.cache_clear
@@ -130,6 +174,30 @@ def kernel_path(dtype: torch.dtype = torch.float32) -> str | None:
     when such calls take the torch path."""
     library = decode_kernel(dtype)
     return None if library is None else library._name
+
+
+@functools.lru_cache(maxsize=2 * len(ENTRIES) * len(ISAS))
+def isa_kernel(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
+    """The kernel for caches of ``dtype`` built for the named path ``isa`` (tests and benchmarks
+    set the paths side by side), cached like the default build. The caller checks the CPU can run
+    it (``runnable_isas``); RuntimeError when there is no compiler or the build fails."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
+    return load(build(cc, cache_dir() / "kernels", dtype, isa), dtype)
+
+
+def kernel_isa(dtype: torch.dtype = torch.float32) -> str:
+    """Which path decode calls on caches of ``dtype`` take: the loaded kernel's own answer
+    ("avx512", "avx2", "portable"), or "torch (...)" with the reason there is no kernel."""
+    library = decode_kernel(dtype)
+    if library is not None:
+        return library_isa(library)
+    if dtype not in ENTRIES:
+        return f"torch (no native build for {str(dtype).removeprefix('torch.')})"
+    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+        return f"torch ({ENV_SWITCH}=0)"
+    return "torch (no compiler)" if compiler() is None else "torch (the kernel failed to build)"
 
 
 def kernel_for(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.CDLL | None:

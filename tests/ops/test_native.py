@@ -87,6 +87,111 @@ def test_bfloat16_latent_rows_are_read_in_place():
     torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-6)
 
 
+ISAS = native.runnable_isas() if LIBRARY is not None else []
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LAYOUTS = {  # name -> (kv_heads, groups, dim, v_dim, values in the key rows from this offset or None)
+    "mha32": (4, 1, 32, 32, None), "mha64": (3, 1, 64, 64, None), "mha128": (2, 1, 128, 128, None),
+    "gqa64": (2, 4, 64, 64, None), "mqa64": (1, 8, 64, 64, None), "gqa128x3": (2, 3, 128, 128, None), "gqa32x9": (1, 9, 32, 32, None),
+    "mla288": (1, 8, 288, 256, 32), "mla-odd": (1, 9, 100, 68, 32), "latent": (2, 1, 64, 512, None),
+    "lrkv192": (1, 8, 192, 192, None), "odd17x5": (1, 3, 17, 5, None), "odd40x24": (3, 2, 40, 24, None),
+}
+
+
+def _isa_cache(layout, keys, dtype, seed):
+    kv_heads, groups, dim, v_dim, offset = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(seed)
+    if offset is not None:  # MLA's latent rows: the values are the rows past ``offset``, read in place
+        rows = torch.randn(2, kv_heads, keys + 3, dim, generator=gen).to(dtype)[:, :, :keys]
+        k, v = rows, rows[..., offset:offset + v_dim]
+    else:  # one row [k | v] per key (LRKV's cache rows), the live part of a longer buffer
+        rows = torch.randn(2, kv_heads, keys + 5, dim + v_dim, generator=gen).to(dtype)[:, :, :keys]
+        k, v = rows[..., :dim], rows[..., dim:]
+    return torch.randn(2, kv_heads * groups, 1, dim, generator=gen).to(dtype), k, v
+
+
+def _tolerance(dtype):
+    """float32: the reference's own rounding; bfloat16 (same bfloat16 inputs): the output's one rounding."""
+    return {"rtol": 1e-5, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-6}
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_isa_build_reports_its_own_path(isa, dtype):
+    assert native.library_isa(native.isa_kernel(DTYPES[dtype], isa)) == isa
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("keys", [1, 67, 300])
+def test_every_isa_path_matches_the_reference(isa, dtype, layout, keys):
+    """Every path this CPU can run (avx512, avx2, portable) x float32/bfloat16 x the cache layouts:
+    MHA/GQA/MQA rows of 32/64/128, MLA's wide latent rows read in place, LRKV's [k | v] rows, odd
+    widths; key counts below, across and past a block of 64."""
+    dtype = DTYPES[dtype]
+    q, k, v = _isa_cache(layout, keys, dtype, seed=keys)
+    assert native.supports([q], [(k, v)])
+    out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(q.shape[-1]), native.isa_kernel(dtype, isa))
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference_attention(q.float(), k.float(), v.float()), **_tolerance(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim,groups", [(64, 1), (64, 4), (128, 2), (288, 8)])
+def test_every_isa_path_attends_kvm_segments_under_one_softmax(isa, dtype, dim, groups):
+    """KVM's regions: up to four segments, each with its own (temperature-scaled) queries."""
+    dtype = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(dim + groups)
+    lengths = (37, 130, 1, 64)
+    segments = [(torch.randn(1, 2, n, dim, generator=gen).to(dtype), torch.randn(1, 2, n, dim, generator=gen).to(dtype)) for n in lengths]
+    q = torch.randn(1, 2 * groups, 1, dim, generator=gen).to(dtype)
+    queries = [(q.float() * (0.5 + torch.rand(2 * groups, generator=gen)).view(1, -1, 1, 1)).to(dtype) for _ in lengths]
+    out = native.native_decode_attention(queries, segments, 0.125, native.isa_kernel(dtype, isa))
+    rep = lambda x: x.float().repeat_interleave(groups, dim=1)  # noqa: E731
+    logits = torch.cat([qi.float() @ rep(k).transpose(-1, -2) for qi, (k, _) in zip(queries, segments)], dim=-1) * 0.125
+    expected = logits.softmax(-1) @ torch.cat([rep(v) for _, v in segments], dim=2)
+    torch.testing.assert_close(out.float(), expected, **_tolerance(dtype))
+
+
+def test_runnable_isas_follow_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "sse2"})
+    assert native.runnable_isas() == ["avx2", "portable"]
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw"})
+    assert native.runnable_isas() == ["avx512", "avx2", "portable"]
+    monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
+    assert native.runnable_isas() == ["portable"]
+
+
+def test_an_unknown_isa_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="isa 'sse9' is not allowed; allowed values: avx512, avx2, portable"):
+        native.build("cc", tmp_path, isa="sse9")
+
+
+@needs_kernel
+def test_kernel_isa_is_what_the_loaded_library_says():
+    assert native.kernel_isa() == native.library_isa(LIBRARY) == native.runnable_isas()[0]
+
+
+def test_kernel_isa_says_why_there_is_no_kernel(monkeypatch, tmp_path):
+    assert native.kernel_isa(torch.float16) == "torch (no native build for float16)"
+    monkeypatch.setenv("SLIMKV_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    native.decode_kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no C compiler"):
+            assert native.kernel_isa() == "torch (no compiler)"
+        monkeypatch.setenv(native.ENV_SWITCH, "0")
+        native.decode_kernel.cache_clear()
+        assert native.kernel_isa() == "torch (SLIMKV_NATIVE=0)"
+    finally:
+        native.decode_kernel.cache_clear()
+
+
 def test_dtypes_without_a_build_have_no_kernel():
     assert native.decode_kernel(torch.float16) is None and native.kernel_path(torch.float64) is None
 

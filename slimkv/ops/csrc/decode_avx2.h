@@ -1,0 +1,239 @@
+/* slimkv's decode kernel, AVX2+FMA path (included by decode_attention.c when the build targets
+ * AVX2 and FMA but not AVX-512): register tiles over 8-float chunks of the rows, sized for the 16
+ * vector registers, for every width and number of query rows (attend_item_avx2).
+ *
+ * Per block of keys: the logits of every query row (tiles of ROWS_TILE rows x KEYS_TILE keys: each
+ * key chunk is loaded once for the rows, each query chunk once for the keys, and one horizontal
+ * sum per logit is paid once per row, not per chunk), the online-softmax update on 8 lanes, then
+ * the values (tiles of ROWS_TILE rows x CHUNKS_TILE chunks). bfloat16 rows are widened as they are
+ * read (a zero-extension to 32 bits and a 16-bit shift); every product and sum is float32. */
+#include <immintrin.h>
+
+#define ROWS_TILE 4
+#ifndef KEYS_TILE
+#define KEYS_TILE 3 /* logits tile: 4 x 3 accumulators + 3 key chunks + 1 query chunk = 16 registers */
+#endif
+#ifndef CHUNKS_TILE
+#define CHUNKS_TILE 3 /* values tile: 4 x 3 accumulators + 3 value chunks + 1 probability = 16 registers */
+#endif
+
+/* Keep x in a register (see decode_avx512.h): a vector used by several products stays loaded once. */
+#define IN_REGISTER8(x) __asm__("" : "+x"(x))
+
+/* 8 cached elements as float32 lanes. */
+#ifdef SLIMKV_BF16
+static inline __m256 load8(const elem_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#else
+static inline __m256 load8(const elem_t *p) { return _mm256_loadu_ps(p); }
+#endif
+
+/* The first ``left`` (1..8) elements at p as float32 lanes, zero past them; nothing read past them. */
+static inline __m256 load8_partial(const elem_t *p, int64_t left) {
+    elem_t lanes[8] = {0};
+    memcpy(lanes, p, sizeof(elem_t) * (size_t)(left < 8 ? left : 8));
+    return load8(lanes);
+}
+
+/* exp_nonpositive on 8 lanes. */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+static inline float max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* Horizontal sums of K (1 to 4) vectors at once: sums[u] = sum of the lanes of v[u]. */
+static inline __attribute__((always_inline)) void horizontal_sums8(const __m256 *v, const int K, float *sums) {
+    if (K == 1) {
+        sums[0] = sum8(v[0]);
+        return;
+    }
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 ab = _mm256_hadd_ps(v[0], v[1]);
+    const __m256 cd = _mm256_hadd_ps(K > 2 ? v[2] : zero, K > 3 ? v[3] : zero);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd); /* per 128-bit half: the four partial sums */
+    float lanes[4];
+    _mm_storeu_ps(lanes, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+    for (int u = 0; u < K; u++) sums[u] = lanes[u];
+}
+
+/* Logits of R query rows against KT consecutive keys over the rows' 8-float chunks (R * KT
+ * accumulators). qs: R scaled query rows, ``d_pad`` floats apart and zero past ``dim``. */
+static inline __attribute__((always_inline)) void logits_tile8(const float *restrict qs, int64_t d_pad, const elem_t *restrict kt, int64_t k_row,
+                                                               int64_t dim, const int R, const int KT, float *restrict logits, int t) {
+    __m256 dots[ROWS_TILE][KEYS_TILE];
+    for (int i = 0; i < R; i++)
+        for (int u = 0; u < KT; u++) dots[i][u] = _mm256_setzero_ps();
+    const int64_t full = dim / 8;
+    for (int64_t j = 0; j < d_pad / 8; j++) {
+        __m256 kv[KEYS_TILE];
+        if (j < full)
+            for (int u = 0; u < KT; u++) kv[u] = load8(kt + u * k_row + 8 * j);
+        else
+            for (int u = 0; u < KT; u++) kv[u] = load8_partial(kt + u * k_row + 8 * j, dim - 8 * j);
+        for (int i = 0; i < R; i++) {
+            __m256 qv = _mm256_loadu_ps(qs + i * d_pad + 8 * j);
+            IN_REGISTER8(qv);
+            for (int u = 0; u < KT; u++) dots[i][u] = _mm256_fmadd_ps(qv, kv[u], dots[i][u]);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        float sums[4];
+        horizontal_sums8(dots[i], KT, sums);
+        for (int u = 0; u < KT; u++) logits[i * BLOCK_KEYS + t + u] = sums[u];
+    }
+}
+
+/* acc[R rows][chunks c0 .. c0 + CV - 1] += p . values of a block's n keys. p: the rows'
+ * probabilities, BLOCK_KEYS apart; acc rows ``v_pad`` apart. */
+static inline __attribute__((always_inline)) void values_tile8(const float *restrict p, int n, const elem_t *restrict vb, int64_t v_row,
+                                                               int64_t v_dim, int64_t c0, const int R, const int CV, float *restrict acc,
+                                                               int64_t v_pad) {
+    __m256 av[ROWS_TILE][CHUNKS_TILE];
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < CV; c++) av[i][c] = _mm256_loadu_ps(acc + i * v_pad + 8 * (c0 + c));
+    const int64_t left = v_dim - 8 * (c0 + CV - 1); /* values in the tile's last chunk: fewer than 8 at the row's end */
+    for (int t = 0; t < n; t++) {
+        const elem_t *vt = vb + t * v_row + 8 * c0;
+        __m256 vv[CHUNKS_TILE];
+        for (int c = 0; c < CV - 1; c++) vv[c] = load8(vt + 8 * c);
+        vv[CV - 1] = left >= 8 ? load8(vt + 8 * (CV - 1)) : load8_partial(vt + 8 * (CV - 1), left);
+        for (int i = 0; i < R; i++) {
+            __m256 pi = _mm256_broadcast_ss(p + i * BLOCK_KEYS + t);
+            IN_REGISTER8(pi);
+            for (int c = 0; c < CV; c++) av[i][c] = _mm256_fmadd_ps(pi, vv[c], av[i][c]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < CV; c++) _mm256_storeu_ps(acc + i * v_pad + 8 * (c0 + c), av[i][c]);
+}
+
+#define ROWS_SWITCH8(R, CALL_R) \
+    switch (R) {                \
+    case 4: CALL_R(4); break;   \
+    case 3: CALL_R(3); break;   \
+    case 2: CALL_R(2); break;   \
+    default: CALL_R(1); break;  \
+    }
+
+/* The online-softmax update of one row for a block: logits -> probabilities (in place), the
+ * running max and sum, and the accumulator rescaled when the max grows. */
+static inline void softmax_block8(float *restrict lg, int n, float *restrict acc, int64_t v_pad, float *restrict run_max, float *restrict run_sum) {
+    for (int t = n; t < BLOCK_KEYS; t++) lg[t] = -INFINITY;
+    __m256 m8 = _mm256_loadu_ps(lg);
+    for (int t = 8; t < BLOCK_KEYS; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(lg + t));
+    const float block_max = max8(m8);
+    if (block_max > *run_max) {
+        const float correction = _mm_cvtss_f32(_mm256_castps256_ps128(exp_nonpositive8(_mm256_set1_ps(*run_max - block_max))));
+        *run_sum *= correction;
+        const __m256 c8 = _mm256_set1_ps(correction);
+        for (int64_t e = 0; e < v_pad; e += 8) _mm256_storeu_ps(acc + e, _mm256_mul_ps(_mm256_loadu_ps(acc + e), c8));
+        *run_max = block_max;
+    }
+    const __m256 m = _mm256_set1_ps(*run_max);
+    __m256 sum = _mm256_setzero_ps();
+    for (int t = 0; t < BLOCK_KEYS; t += 8) {
+        const __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(lg + t), m));
+        _mm256_storeu_ps(lg + t, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    *run_sum += sum8(sum);
+}
+
+/* Software prefetch of the n rows of a block ``row`` elements apart, ``width`` elements each. */
+static inline void prefetch_rows(const elem_t *rows, int n, int64_t row, int64_t width) {
+    for (int t = 0; t < n; t++)
+        for (int64_t e = 0; e < width; e += 64 / (int64_t)sizeof(elem_t)) _mm_prefetch((const char *)(rows + t * row + e), _MM_HINT_T0);
+}
+
+/* One (batch, kv_head) item, any widths, any number of query rows. Same arithmetic as attend_item,
+ * in another order of sums. Scratch: acc (groups x v_pad), qs (groups x d_pad), logits (groups x
+ * BLOCK_KEYS), widths padded to 8 floats. */
+static void attend_item_avx2(int64_t item, float *restrict out, const Segment *segments, int n_segments, int64_t b, int64_t h, int64_t groups,
+                             int64_t dim, int64_t v_dim, float scale, float *restrict acc, float *restrict qs, float *restrict logits,
+                             float *restrict run_max, float *restrict run_sum) {
+    const int64_t d_pad = (dim + 7) / 8 * 8, v_pad = (v_dim + 7) / 8 * 8, v_chunks = v_pad / 8;
+    for (int64_t g = 0; g < groups; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(groups * v_pad));
+    memset(qs, 0, sizeof(float) * (size_t)(groups * d_pad));
+    for (int s = 0; s < n_segments; s++) {
+        const Segment seg = segments[s];
+        const float *restrict q = seg.q + item * groups * dim;
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t d = 0; d < dim; d++) qs[g * d_pad + d] = q[g * dim + d] * scale;
+        const elem_t *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
+        const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
+        const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
+        for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
+            const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
+            const elem_t *restrict kb = kh + t0 * k_row;
+            const elem_t *restrict vb = vh + t0 * v_row;
+            const int64_t ahead = PREFETCH_BLOCKS * BLOCK_KEYS; /* rows: prefetched this far ahead, with the first row tile's logits */
+            for (int64_t g = 0; g < groups; g += ROWS_TILE) {
+                const int rows = groups - g < ROWS_TILE ? (int)(groups - g) : ROWS_TILE;
+                const int fetch = PREFETCH_BLOCKS > 0 && g == 0;
+                int t = 0;
+#define LOGITS_WIDE(R)                                                                                                  \
+    for (; t + KEYS_TILE <= n; t += KEYS_TILE) {                                                                      \
+        if (fetch && t0 + t + ahead + KEYS_TILE <= seg.keys) {                                                        \
+            prefetch_rows(kb + (t + ahead) * k_row, KEYS_TILE, k_row, dim);                                           \
+            prefetch_rows(vb + (t + ahead) * v_row, KEYS_TILE, v_row, v_dim);                                         \
+        }                                                                                                             \
+        logits_tile8(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, KEYS_TILE, logits + g * BLOCK_KEYS, t);    \
+    }
+#define LOGITS_ONE(R) for (; t < n; t++) logits_tile8(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, 1, logits + g * BLOCK_KEYS, t)
+                ROWS_SWITCH8(rows, LOGITS_WIDE)
+                ROWS_SWITCH8(rows, LOGITS_ONE)
+#undef LOGITS_WIDE
+#undef LOGITS_ONE
+            }
+            for (int64_t g = 0; g < groups; g++) softmax_block8(logits + g * BLOCK_KEYS, n, acc + g * v_pad, v_pad, run_max + g, run_sum + g);
+            for (int64_t c0 = 0; c0 < v_chunks; c0 += CHUNKS_TILE) {
+                const int chunks = v_chunks - c0 < CHUNKS_TILE ? (int)(v_chunks - c0) : CHUNKS_TILE;
+                for (int64_t g = 0; g < groups; g += ROWS_TILE) {
+                    const int rows = groups - g < ROWS_TILE ? (int)(groups - g) : ROWS_TILE;
+                    const float *pg = logits + g * BLOCK_KEYS;
+                    float *ag = acc + g * v_pad;
+#define VALUES8(R)                                                                   \
+    switch (chunks) {                                                                \
+    case 3: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 3, ag, v_pad); break;      \
+    case 2: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 2, ag, v_pad); break;      \
+    default: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 1, ag, v_pad); break;     \
+    }
+                    ROWS_SWITCH8(rows, VALUES8)
+#undef VALUES8
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const float inv = 1.0f / run_sum[g];
+        for (int64_t e = 0; e < v_dim; e++) out[g * v_dim + e] = acc[g * v_pad + e] * inv;
+    }
+}
