@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from slimkv.common.files import read_json
 from slimkv.compress.persist import load as load_compressed
 from slimkv.model import ModelConfig, SlimKVForCausalLM, load_model_folder
 from slimkv.pretrained import LoadedModel, load_pretrained, resolve_model_path
-from slimkv.pretrained.loading import COMPRESSED_MANIFEST, CONVERTED_MANIFEST, resolve_original
+from slimkv.pretrained.loading import COMPRESSED_MANIFEST, CONVERTED_MANIFEST, read_config, resolve_original
 
 
 def load_language_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
@@ -30,7 +30,7 @@ def load_language_model(name_or_path: str, *, dtype: torch.dtype = torch.float32
                                   "calibration_sources": manifest.get("calibration", {}).get("sources") or []}
         identity["base"] = identity["name"]
         return LoadedModel(model, tokenizer, identity)
-    if AutoConfig.from_pretrained(path, trust_remote_code=False).model_type == ModelConfig.model_type:
+    if read_config(path).model_type == ModelConfig.model_type:
         model = load_model_folder(path, dtype=dtype).to(device)
         if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path} holds a slimkv model without a transformers tokenizer; evaluate a training run with `slimkv eval RUN_DIR`")
@@ -56,13 +56,28 @@ def check_positions(model: torch.nn.Module, length: int, option: str) -> None:
         raise ValueError(f"{option} {length} is past this model's position limit (max_position_embeddings={limit}); use {option} <= {limit}")
 
 
+def manifest_of(name_or_path: str) -> Path | None:
+    """The manifest of a compressed or converted model folder, or None for any other model."""
+    path = resolve_model_path(name_or_path)
+    return next((path / marker for marker in (COMPRESSED_MANIFEST, CONVERTED_MANIFEST) if (path / marker).is_file()), None)
+
+
+def original_of(name_or_path: str) -> str | None:
+    """The original of a compressed or converted model (None for any other model), checked before
+    any model is loaded: present, and holding the weights it was made from (``resolve_original``)."""
+    manifest = manifest_of(name_or_path)
+    return None if manifest is None else resolve_original(read_json(manifest, expect=dict), manifest)
+
+
 def load_original(loaded: LoadedModel, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
-    """The original of a converted or compressed model (``identity["base"]``), with a clear error
-    naming the manifest when it was moved or deleted (``resolve_original``)."""
+    """The original of a converted or compressed model (``identity["base"]``), checked by
+    ``original_of``: a clear error naming the manifest when it was moved, deleted or changed."""
     identity = loaded.identity
-    manifest = Path(identity.get("manifest") or Path((identity.get("compressed") or {}).get("path", "")) / COMPRESSED_MANIFEST)
-    resolve_original({"base_model": {"name": identity["base"]}}, manifest)
-    return load_language_model(identity["base"], dtype=dtype, device=device)
+    folder = identity.get("path") if identity.get("converted") else (identity.get("compressed") or {}).get("path")
+    base = original_of(str(folder)) if folder else None
+    if base is None:
+        raise ValueError(f"{identity.get('name')} is neither a compressed nor a converted model: it has no original")
+    return load_language_model(base, dtype=dtype, device=device)
 
 
 def conversion_method(converted: dict[str, Any]) -> str:
@@ -79,6 +94,20 @@ def kept_cache_ratio(converted: dict[str, Any]) -> float:
         return float(converted["achieved_cache_ratio"])
     table = converted.get("cache_bytes") or []
     return float(table[-1]["ratio"]) if table else 1.0
+
+
+def cache_label(converted: dict[str, Any]) -> str:
+    """How a converted model's cache compares with the original's (``identity["converted"]``): a
+    per-token cache by its ratio asked and achieved; a bounded one (kvm, mla+kvm, streaming: no
+    achieved ratio, its cache stops growing) by its bytes at the longest context of its cache table."""
+    asked = "" if converted.get("cache_ratio") is None else f"cache ratio {converted['cache_ratio']}"
+    if converted.get("achieved_cache_ratio") is not None:
+        return f"{asked or 'cache'} (achieved {float(converted['achieved_cache_ratio']):.4f})"
+    table = converted.get("cache_bytes") or []
+    if not table:
+        return f"{asked + ', ' if asked else ''}bounded cache"
+    row = table[-1]
+    return f"{asked + ', ' if asked else ''}bounded cache: {row['bytes']:,} bytes at {row['context']} tokens ({float(row['ratio']):.4f} of the original's)"
 
 
 def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Path) -> None:

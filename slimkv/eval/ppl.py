@@ -16,7 +16,7 @@ from torch import nn
 
 from slimkv.common.checks import check_int
 from slimkv.data.texts import evaluation_text, text_sha256, tokenize
-from slimkv.eval.models import check_positions, conversion_method, kept_cache_ratio, load_language_model, load_original
+from slimkv.eval.models import cache_label, check_positions, conversion_method, load_language_model, original_of
 from slimkv.scoring import perplexity_of_ids
 
 
@@ -38,6 +38,7 @@ def perplexity_report(model: str, text: str = "shakespeare-val", seq_len: int = 
     if max_tokens is not None:
         check_int("--max-tokens", max_tokens, 2)
     eval_text = evaluation_text(text)
+    original = original_of(model)  # moved, deleted or changed: refused before any model loads
     loaded = load_language_model(model)
     check_positions(loaded.model, seq_len, "--seq-len")
     rows = []
@@ -49,8 +50,8 @@ def perplexity_report(model: str, text: str = "shakespeare-val", seq_len: int = 
     if text in sources:
         raise ValueError(f"text {text!r} is one of the calibration sources of this model ({', '.join(sorted(s for s in sources if s))}); "
                          "evaluate on a text it was not calibrated on")
-    if loaded.identity.get("base"):
-        base = load_original(loaded)
+    if original is not None:
+        base = load_language_model(original)
         what = "dense" if loaded.identity.get("compressed") else "original"
         rows.append({"model": f"{what} ({loaded.identity['base']})", **perplexity(base.model, base.tokenizer, eval_text, seq_len, max_tokens, progress=progress)})
         del base
@@ -60,16 +61,14 @@ def perplexity_report(model: str, text: str = "shakespeare-val", seq_len: int = 
 
 def describe(identity: dict[str, Any], spec: str) -> str:
     """A row label: the method and ratio of a compressed or converted model (for a converted one
-    also the kind of its layers, from config.json), else its name."""
+    also the kind of its layers, from config.json, and its cache: ``cache_label``), else its name."""
     if identity.get("compressed"):
         c = identity["compressed"]
         return f"{c['method']} ratio {c['ratio']} (achieved {c['achieved_ratio']:.4f})"
     if identity.get("converted"):
         c = identity["converted"]
         healed = " healed" if c.get("healing") else ""
-        if c.get("cache_ratio") is None:
-            return f"convert {conversion_method(c)} ({c['kind']} layers) cache {kept_cache_ratio(c):.4f} of the original's at {c['cache_bytes'][-1]['context']} tokens{healed}"
-        return f"convert {conversion_method(c)} ({c['kind']} layers) cache ratio {c['cache_ratio']} (achieved {c['achieved_cache_ratio']:.4f}){healed}"
+        return f"convert {conversion_method(c)} ({c['kind']} layers) {cache_label(c)}{healed}"
     return spec
 
 
