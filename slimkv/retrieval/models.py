@@ -7,8 +7,9 @@ greedy, for the few tokens its answer needs; a prompt scores the fraction of its
 the continuation (``value_found``: whole, case-insensitive), so 1 or 0 for a single needle. A cell
 is (task, length, depth) over ``samples`` prompts; its score is the mean, with the count of
 prompts fully answered and a 95% Wilson interval. Results are written after every cell, so an
-interrupted run resumes where it stopped (same options and the same weights, by folder and
-content sha256, however the model was named: else it refuses). The live
+interrupted run resumes where it stopped (same options, the same weights, by folder and content
+sha256, however the model was named, and the same haystack text, by content sha256: else it
+refuses; a results file whose cells are damaged is refused naming the file and the cell). The live
 cache of one prompt per length is measured from the cache tensors (``slimkv.eval.cache``).
 """
 
@@ -25,11 +26,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from slimkv.common.checks import check_int
+from slimkv.common.checks import check_float, check_int
 from slimkv.common.files import check_folder_target, read_json, save_figure, write_json, write_text
 from slimkv.common.plotting import new_figure
 from slimkv.data.ruler_needles import value_found
-from slimkv.data.texts import evaluation_text
+from slimkv.data.texts import evaluation_text, text_sha256
 from slimkv.eval.cache import layer_bytes
 from slimkv.eval.models import load_language_model
 from slimkv.pretrained import LoadedModel, resolve_model_path, weights_fingerprint
@@ -183,21 +184,19 @@ def evaluate(
     check_folder_target(out_dir)
     loaded = load_language_model(model)
     lengths = list(lengths or default_lengths(loaded.model))
-    builder = PromptBuilder(loaded.tokenizer, evaluation_text(haystack))
+    haystack_text = evaluation_text(haystack)
+    builder = PromptBuilder(loaded.tokenizer, haystack_text)
     grid = build_grid(builder, tasks, lengths, depths, samples, seed)
     check_lengths(grid, loaded.model)
     settings = {"model": model, "identity": loaded.identity, "weights": weights_record(model), "tasks": [t.name for t in tasks], "lengths": lengths, "depths": depths, "samples": samples,
-                "seed": seed, "haystack": haystack, "dtype": str(next(loaded.model.parameters()).dtype).replace("torch.", "")}
+                "seed": seed, "haystack": haystack, "haystack_sha256": text_sha256(haystack_text), "dtype": str(next(loaded.model.parameters()).dtype).replace("torch.", "")}
     report = {"settings": settings, "fingerprint": fingerprint(settings), "cells": {}, "cache": {}}
     path = out_dir / RESULT_FILE
     if path.is_file():
-        previous = read_json(path, expect=dict)
-        if previous.get("fingerprint") != report["fingerprint"]:
-            before = previous.get("settings", {})
-            differ = sorted(k for k in set(settings) | set(before) if k not in GRID_KEYS + NAMING_KEYS and settings.get(k) != before.get(k))
-            raise ValueError(f"{path} holds results of another model or other options (they differ in: {', '.join(differ) or 'the fingerprint'}); "
-                             "give another --out, or move that file away to start over (more tasks, lengths or depths with the same model and options are added to it)")
-        report["cells"], report["cache"] = previous.get("cells", {}), previous.get("cache", {})
+        previous = read_results(path)
+        if previous["fingerprint"] != report["fingerprint"]:
+            refuse_resume(path, previous["settings"], settings)
+        report["cells"], report["cache"] = previous["cells"], previous["cache"]
     out_dir.mkdir(parents=True, exist_ok=True)
     if export_prompts:
         write_json(out_dir / PROMPTS_FILE, {"format": PROMPTS_FORMAT, "model": model, "settings": settings,
@@ -223,6 +222,70 @@ def evaluate(
     write_text(out_dir / TABLE_FILE, format_markdown(report) + "\n")
     plot_grids(report, out_dir / PLOT_FILE)
     return report
+
+
+def refuse_resume(path: Path, before: dict[str, Any], settings: dict[str, Any]) -> None:
+    """ValueError: ``path`` holds cells another run's settings produced; say which settings differ
+    (for the haystack, whether the same file now holds another text) and what to do."""
+    differ = sorted(k for k in set(settings) | set(before) if k not in GRID_KEYS + NAMING_KEYS and settings.get(k) != before.get(k))
+    todo = "give another --out, or move that file away to start over (more tasks, lengths or depths with the same model and options are added to it)"
+    if differ == ["haystack_sha256"]:
+        recorded = before.get("haystack_sha256")
+        why = (f"the text of --haystack {settings['haystack']!r} changed since (sha256 {recorded[:12]}... then, {settings['haystack_sha256'][:12]}... now)"
+               if isinstance(recorded, str) else "they were written before the haystack's text was fingerprinted, so the text they read is unknown")
+        raise ValueError(f"{path} holds results on another haystack text: {why}; its cells and new ones would not be comparable; {todo}")
+    raise ValueError(f"{path} holds results of another model or other options (they differ in: {', '.join(differ) or 'the fingerprint'}); {todo}")
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """The results of an earlier run in ``path`` (``niah.json``), checked before they are kept
+    beside new cells: its fingerprint and settings, and every cell and cache entry with the fields
+    and value types this module writes; ValueError naming the file and the cell otherwise."""
+    report = read_json(path, expect=dict)
+    damaged = "the file was edited or damaged; move it away to start over (its cells are run again)"
+    for key, kind in (("fingerprint", str), ("settings", dict), ("cells", dict), ("cache", dict)):
+        if not isinstance(report.get(key), kind):
+            raise ValueError(f"{path}: {key} is {report.get(key)!r}, not a JSON {'object' if kind is dict else 'string'}; {damaged}")
+    for key, cell in report["cells"].items():
+        try:
+            check_cell(cell)
+        except ValueError as err:
+            raise ValueError(f"{path}: cell {key!r}: {err}; {damaged}") from None
+        if key != cell_id(cell["task"], cell["length"], cell["depth"]):
+            raise ValueError(f"{path}: cell {key!r} holds the cell {cell_id(cell['task'], cell['length'], cell['depth'])!r}; {damaged}")
+    for length, measured in report["cache"].items():
+        try:
+            if not isinstance(measured, dict):
+                raise ValueError(f"it is {measured!r}, not a JSON object")
+            check_float("bytes_per_token", measured.get("bytes_per_token"), 0.0)
+        except ValueError as err:
+            raise ValueError(f"{path}: cache at length {length!r}: {err}; {damaged}") from None
+    return report
+
+
+def check_cell(cell: Any) -> None:
+    """One cell of ``niah.json`` as ``evaluate`` writes it: ValueError naming the bad field."""
+    if not isinstance(cell, dict):
+        raise ValueError(f"it is {cell!r}, not a JSON object")
+    if not isinstance(cell.get("task"), str):
+        raise ValueError(f"task is {cell.get('task')!r}, not a task name")
+    check_int("length", cell.get("length"), 1)
+    check_float("depth", cell.get("depth"), 0.0, 1.0)
+    check_float("score", cell.get("score"), 0.0, 1.0)
+    check_float("seconds", cell.get("seconds"), 0.0)
+    prompts = {}
+    for name in ("scores", "depth_actual", "answers", "outputs"):
+        if not isinstance(cell.get(name), list) or not cell[name]:
+            raise ValueError(f"{name} is {cell.get(name)!r}, not a list with one entry per prompt")
+        prompts[name] = len(cell[name])
+    if len(set(prompts.values())) > 1:
+        raise ValueError(f"its lists have different lengths ({', '.join(f'{k} {v}' for k, v in prompts.items())}), not one entry per prompt each")
+    for index, score in enumerate(cell["scores"]):
+        check_float(f"scores[{index}]", score, 0.0, 1.0)
+    if abs(cell["score"] - sum(cell["scores"]) / len(cell["scores"])) > 1e-9:
+        raise ValueError(f"score {cell['score']} is not the mean of its scores {cell['scores']}")
+    if not all(isinstance(text, str) for text in cell["outputs"]):
+        raise ValueError("outputs holds something that is not text")
 
 
 def cell_id(task: str, length: int, depth: float) -> str:

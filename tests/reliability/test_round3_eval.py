@@ -5,9 +5,11 @@ files. Tiny local models only (no downloads)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from slimkv.bench.entries import parse_kind_overrides
 from slimkv.cli import main
@@ -19,7 +21,9 @@ from slimkv.convert.methods import parse_method
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
 from slimkv.eval import ppl
 from slimkv.pretrained.loading import COMPRESSED_MANIFEST, CONVERTED_MANIFEST
-from tests.compress.conftest import CALIB_LINES, HELD_OUT_LINES, tiny_model, write_tiny_llama_folder
+from slimkv.retrieval import models as retrieval
+from slimkv.retrieval.prompts import TASKS
+from tests.compress.conftest import CALIB_LINES, HELD_OUT_LINES, char_tokenizer, tiny_config, tiny_model, write_tiny_llama_folder
 
 MLA_KVM = "mla+kvm:chunk_size=4,window_chunks=2,rows=6,sink_len=1,transfer_steps=0,transfer_seq_len=32,transfer_windows=2"
 
@@ -27,6 +31,27 @@ MLA_KVM = "mla+kvm:chunk_size=4,window_chunks=2,rows=6,sink_len=1,transfer_steps
 @pytest.fixture
 def tiny_folder(tmp_path) -> Path:
     return write_tiny_llama_folder(tmp_path, CALIB_LINES * 30, HELD_OUT_LINES * 10)
+
+
+@pytest.fixture
+def long_folder(tmp_path) -> Path:
+    """A tiny random Llama of 1024 positions with the character tokenizer, and a prose haystack beside it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config("llama")
+    config.max_position_embeddings = 1024
+    folder = tmp_path / "tiny-long"
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    (tmp_path / "prose.txt").write_text("".join(f"Line {i} of the haystack: {HELD_OUT_LINES}" for i in range(40)))
+    return folder
+
+
+def niah(folder: Path, **changes) -> dict:
+    options = {"tasks": [TASKS["needle-word"]], "lengths": [400], "depths": [0.5], "samples": 1, "haystack": str(folder.parent / "prose.txt"),
+               "out_dir": folder.parent / "niah", "progress": False, **changes}
+    return retrieval.evaluate(str(folder), **options)
 
 
 def convert(folder: Path, method: str, ratio: float | None, out: Path) -> dict:
@@ -135,3 +160,60 @@ def test_a_damaged_source_model_is_named_in_convert_ppl_and_niah(tiny_folder, tm
         assert main(commands[0]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "conv").exists() and not (tmp_path / "niah").exists()
+
+
+def test_a_niah_resume_refuses_a_haystack_file_whose_text_changed(long_folder, tmp_path, monkeypatch):
+    """Only the haystack's path was fingerprinted: cells of the new text were merged beside cells of the old one."""
+    report = niah(long_folder)
+    recorded = report["settings"]["haystack_sha256"]
+    monkeypatch.setattr(retrieval, "generate", lambda *a, **k: pytest.fail("a cell was run"))
+    assert niah(long_folder)["cells"] == report["cells"]  # the same text resumes
+    prose = tmp_path / "prose.txt"
+    prose.write_text(prose.read_text().replace("dagger", "feather"))
+    with pytest.raises(ValueError, match=rf"niah.json holds results on another haystack text: the text of --haystack '{prose}' changed since "
+                                         rf"\(sha256 {recorded[:12]}\.\.\. then, [0-9a-f]{{12}}\.\.\. now\)"):
+        niah(long_folder, lengths=[400, 500])
+    results = tmp_path / "niah" / retrieval.RESULT_FILE
+    data = json.loads(results.read_text())
+    del data["settings"]["haystack_sha256"]  # written before the text was fingerprinted
+    data["fingerprint"] = retrieval.fingerprint(data["settings"])
+    results.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"written before the haystack's text was fingerprinted"):
+        niah(long_folder)
+    assert json.loads(results.read_text()) == data  # nothing the earlier run wrote is changed
+
+
+def damage(cell: dict, cache: dict, how: str) -> None:
+    """Edit one niah.json cell (or its cache entry) as a hand or a broken disk might."""
+    if how == "score":
+        cell["score"] = "high"
+    elif how == "scores":
+        cell["scores"] = [None]
+    elif how == "mean":
+        cell["score"] = 0.5 if cell["score"] != 0.5 else 0.25
+    elif how == "outputs":
+        del cell["outputs"]
+    elif how == "cache":
+        cache["400"]["bytes_per_token"] = "lots"
+
+
+@pytest.mark.parametrize("how, message", [
+    ("score", r"cell 'needle-word/400/0\.50': score must be a finite number >= 0\.0 and <= 1\.0, got 'high'"),
+    ("scores", r"cell 'needle-word/400/0\.50': scores\[0\] must be a finite number"),
+    ("mean", r"cell 'needle-word/400/0\.50': score [0-9.]+ is not the mean of its scores"),
+    ("outputs", r"cell 'needle-word/400/0\.50': outputs is None, not a list with one entry per prompt"),
+    ("cache", r"cache at length '400': bytes_per_token must be a finite number >= 0\.0, got 'lots'"),
+], ids=["score", "scores", "mean", "outputs", "cache"])
+def test_a_damaged_niah_json_names_the_file_and_the_cell(how, message, long_folder, tmp_path, capsys):
+    niah(long_folder)
+    results = tmp_path / "niah" / retrieval.RESULT_FILE
+    data = json.loads(results.read_text())
+    damage(data["cells"]["needle-word/400/0.50"], data["cache"], how)
+    results.write_text(json.dumps(data))
+    argv = ["eval", "niah", "--model", str(long_folder), "--tasks", "needle-word", "--lengths", "400", "--depths", "0.5", "--samples", "1",
+            "--haystack", str(tmp_path / "prose.txt"), "--out", str(tmp_path / "niah"), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(results) in err and "the file was edited or damaged; move it away to start over" in err
+    assert re.search(message, err), err
+    assert json.loads(results.read_text()) == data
