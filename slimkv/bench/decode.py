@@ -15,9 +15,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from slimkv.attention import Attention, AttentionCache, LayerShape, build_attention, kind_spec
+from slimkv.bench.roofline import add_bounds, bound_context, machine_rates, merge_rates, rates_line
 from slimkv.common.checks import check_int
 from slimkv.common.plotting import new_figure
-from slimkv.common.timing import measure_copy_bandwidth, measure_matmul_rate, time_fn, write_results
+from slimkv.common.timing import measure_copy_bandwidth, time_fn, write_results
 from slimkv.ops.native import kernel_path
 
 
@@ -205,16 +206,15 @@ def decode_sweep(
     }
 
 
-def add_roofline(payload: dict[str, Any], copy_bandwidth: float, matmul_rate: float) -> None:
-    """Give every row its roofline: the least time one step can take on this machine, the larger
-    of (cache + parameter bytes) / copy bandwidth and counted FLOPs / the large-matmul FLOP rate,
-    and ``of_roofline`` = that / the measured time (1.0 = as fast as the machine allows)."""
+def add_roofline(payload: dict[str, Any], read_bandwidth: float, fma_rate: float) -> None:
+    """Give every row its roofline (``slimkv.bench.roofline``): the least time one step can take on
+    this machine, the larger of (cache + parameter bytes) / read bandwidth and counted FLOPs / FMA
+    rate (``roofline_s``, ``roofline_bound``), the step time as a multiple of it
+    (``time_over_bound``) and its inverse ``of_roofline`` (1.0 = as fast as the machine allows)."""
+    add_bounds(payload["rows"], {"read_bytes_per_s": read_bandwidth, "fma_flop_per_s": fma_rate},
+               bytes_key=lambda row: row["cache_bytes"] + row["parameter_bytes"])
     for row in payload["rows"]:
-        memory_s = (row["cache_bytes"] + row["parameter_bytes"]) / copy_bandwidth
-        compute_s = row["flops"] / matmul_rate
-        row["roofline_s"] = max(memory_s, compute_s)
-        row["roofline_bound"] = "memory" if memory_s >= compute_s else "compute"
-        row["of_roofline"] = row["roofline_s"] / row["median_s"]
+        row["roofline_s"], row["roofline_bound"], row["of_roofline"] = row["bound_s"], row["bound"], row["bound_s"] / row["median_s"]
 
 
 def decode_table(payload: dict[str, Any], copy_bandwidth: float) -> str:
@@ -222,15 +222,17 @@ def decode_table(payload: dict[str, Any], copy_bandwidth: float) -> str:
     rows = payload["rows"]
     mha_time = {r["context"]: r["median_s"] for r in rows if r["label"] == "mha"}
     header = (f"{'variant':<16}{'context':>8}{'cache MiB':>11}{'vs mha':>8}  {'ms/token median (min-max)':<30}{'GB/s':>8}{'of copy':>9}"
-              f"{'GFLOP/s':>9}{'of roofline':>13}{'time vs mha':>13}")
+              f"{'read MiB':>10}{'MFLOP':>9}{'GFLOP/s':>9}{'bound ms':>10}{'x bound':>12}{'time vs mha':>13}")
     lines = [header, "-" * len(header)]
     for r in sorted(rows, key=lambda r: (r["label"], r["context"])):
         spread = f"{r['median_s'] * 1e3:.3f} ({r['min_s'] * 1e3:.3f}-{r['max_s'] * 1e3:.3f})"
         vs_time = f"{r['median_s'] / mha_time[r['context']]:.3f}" if r["context"] in mha_time else "-"
         lines.append(
             f"{r['label']:<16}{r['context']:>8}{r['cache_bytes'] / 2**20:>11.2f}{r['cache_ratio_to_mha']:>8.3f}  {spread:<30}"
-            f"{r['gb_per_s']:>8.2f}{r['gb_per_s'] * 1e9 / copy_bandwidth:>9.2f}{r['gflop_per_s']:>9.2f}"
-            f"{(format(r['of_roofline'], '.2f') + ' ' + r['roofline_bound'][:3]) if 'of_roofline' in r else '-':>13}{vs_time:>13}"
+            f"{r['gb_per_s']:>8.2f}{r['gb_per_s'] * 1e9 / copy_bandwidth:>9.2f}"
+            f"{format(r['bytes_read'] / 2**20, '.2f') if 'bytes_read' in r else '-':>10}{r['flops'] / 1e6:>9.2f}{r['gflop_per_s']:>9.2f}"
+            f"{format(r['roofline_s'] * 1e3, '.3f') if 'roofline_s' in r else '-':>10}"
+            f"{(format(r['time_over_bound'], '.2f') + ' ' + r['roofline_bound'][:3]) if 'time_over_bound' in r else '-':>12}{vs_time:>13}"
         )
     return "\n".join(lines)
 
@@ -263,38 +265,37 @@ def decode_figure(payload: dict[str, Any], copy_bandwidth: float):
 
 def run_decode_benchmark(name: str, variants: list[DecodeVariant], contexts: list[int], *, out_dir: str | Path,
                          targets: Callable[[dict[str, Any], float], list[dict[str, Any]]] | None = None, **sweep_options: Any) -> dict[str, Any]:
-    """Measure the copy bandwidth, run ``decode_sweep``, print the table, write ``<name>.json`` and
-    ``<name>.png`` (``write_results``); returns the JSON payload. ``targets(payload, copy
+    """Measure the copy bandwidth and the roofline's rates (before and after), run ``decode_sweep``,
+    print the table, write ``<name>.json`` and ``<name>.png`` (``write_results``); returns the JSON payload. ``targets(payload, copy
     bandwidth)`` (the benchmark's acceptance targets, which live with the benchmark script, not in
     the package) gives dicts with ``target``, ``label``, ``value``, ``met`` and optionally
     ``context``, ``reachable`` and ``basis``; they are printed and stored in the payload."""
     device = sweep_options.get("device", "cpu")
     print(f"threads: {torch.get_num_threads()}; variants: " + ", ".join(f"{v.label} {v.options or ''}".strip() for v in variants))
     dtype = sweep_options.get("dtype", torch.float32)
-    copy_before, matmul_before = measure_copy_bandwidth(device=device), measure_matmul_rate(dtype=dtype, device=device)
+    context_before, rates_before, copy_before = bound_context(dtype), machine_rates(dtype), measure_copy_bandwidth(device=device)
     payload = decode_sweep(variants, contexts, **sweep_options)
-    copy_after, matmul_after = measure_copy_bandwidth(device=device), measure_matmul_rate(dtype=dtype, device=device)
-    copy_bandwidth, matmul_rate = max(copy_before, copy_after), max(matmul_before, matmul_after)
+    context_after, rates_after, copy_after = bound_context(dtype), machine_rates(dtype), measure_copy_bandwidth(device=device)
+    copy_bandwidth, rates = max(copy_before, copy_after), merge_rates(rates_before, rates_after)
     payload["copy_bandwidth"] = {
         "bytes_per_s": copy_bandwidth,
         "samples_bytes_per_s": [copy_before, copy_after],
         "definition": "2 x bytes / time of a 256 MiB tensor copy (read + write), best of before/after the sweep",
     }
-    payload["matmul_rate"] = {
-        "flop_per_s": matmul_rate,
-        "samples_flop_per_s": [matmul_before, matmul_after],
-        "definition": "2 n^3 / time of an n x n by n x n matmul (n 1024) in the sweep's dtype, best of before/after the sweep",
-    }
-    add_roofline(payload, copy_bandwidth, matmul_rate)
+    payload["roofline"] = {**rates, **{k: v for k, v in context_before.items() if k != "load_average"},
+                           "load_average": {"before": context_before["load_average"], "after": context_after["load_average"]},
+                           "definition": "bound = max((cache + parameter bytes) / read bandwidth, counted FLOPs / FMA rate); "
+                                         "read and FMA rates: the best of before/after the sweep"}
+    add_roofline(payload, rates["read_bytes_per_s"], rates["fma_flop_per_s"])
     payload["targets"] = targets(payload, copy_bandwidth) if targets is not None else []
     payload["threads"] = torch.get_num_threads()
     payload["native_kernel"] = kernel_path(dtype)
+    payload["kernel_isa"] = context_before["kernel_isa"]
     print(decode_table(payload, copy_bandwidth))
-    print(f"native decode kernel: {payload['native_kernel'] or 'not in use (the torch path)'}")
+    print(f"native decode kernel: {payload['native_kernel'] or 'not in use (the torch path)'} (path: {payload['kernel_isa']})")
     print(f"memory-copy bandwidth: {copy_bandwidth / 1e9:.2f} GB/s (read + write counted); "
           "'of copy' = cache bytes read per second / that")
-    print(f"large-matmul rate: {matmul_rate / 1e9:.1f} GFLOP/s; 'of roofline' = max((cache + parameter bytes) / copy bandwidth, "
-          "counted FLOPs / matmul rate) / time, with the bound that sets it (mem or com)")
+    print(rates_line(rates, context_before) + "; 'x bound' = time / bound, with the side that sets it (mem or com)")
     ran = sorted({r["kind"] for r in payload["rows"]})
     print(f"kinds run: {', '.join(ran)}")
     for skip in payload["skipped"]:

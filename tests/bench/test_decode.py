@@ -11,6 +11,8 @@ import torch
 
 from slimkv.attention import build_attention
 from slimkv.bench.decode import add_roofline, fill_cache, matched_width_variants, run_decode_benchmark, step_flops
+from slimkv.bench.roofline import machine_rates
+from slimkv.ops.native import kernel_isa
 
 _spec = importlib.util.spec_from_file_location("decode_targets", Path(__file__).resolve().parents[2] / "benchmarks" / "decode_targets.py")
 decode_targets_module = importlib.util.module_from_spec(_spec)
@@ -36,10 +38,11 @@ def _row(label: str, **values) -> dict:
 def test_roofline_takes_the_slower_of_memory_and_arithmetic():
     payload = {"rows": [_row("mem", cache_bytes=900, parameter_bytes=100, flops=10, median_s=2.0),
                         _row("com", cache_bytes=10, parameter_bytes=0, flops=4000, median_s=8.0)]}
-    add_roofline(payload, copy_bandwidth=1000.0, matmul_rate=1000.0)
+    add_roofline(payload, read_bandwidth=1000.0, fma_rate=1000.0)
     mem, com = payload["rows"]
-    assert (mem["roofline_s"], mem["roofline_bound"], mem["of_roofline"]) == (1.0, "memory", 0.5)
-    assert (com["roofline_s"], com["roofline_bound"], com["of_roofline"]) == (4.0, "compute", 0.5)
+    assert (mem["roofline_s"], mem["roofline_bound"], mem["of_roofline"], mem["time_over_bound"]) == (1.0, "memory", 0.5, 2.0)
+    assert (com["roofline_s"], com["roofline_bound"], com["of_roofline"], com["time_over_bound"]) == (4.0, "compute", 0.5, 2.0)
+    assert mem["bytes_read"] == 1000 and com["bytes_read"] == 10
 
 
 def test_a_compute_bound_target_says_whether_the_machine_can_reach_it():
@@ -64,13 +67,18 @@ def test_read_bound_and_kvm_targets_say_what_the_machine_allows():
     assert targets["mqa"]["reachable"] is False
 
 
-def test_benchmark_writes_rates_and_rooflines(tmp_path, capsys):
+def test_benchmark_writes_rates_and_rooflines(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("slimkv.bench.decode.machine_rates", lambda dtype: machine_rates(dtype, read_bytes=1 << 20, gemm_size=32))
     variants = matched_width_variants(["mha", "gqa"], n_heads=2, head_dim=8)
     payload = run_decode_benchmark("decode_smoke", variants, [16], out_dir=tmp_path, d_model=16, n_heads=2, head_dim=8,
                                    dtype=torch.float64, warmup=0, repeats=1, rounds=1, targets=decode_targets_module.all_targets)
     written = json.loads((tmp_path / "decode_smoke.json").read_text())
-    assert written["matmul_rate"]["flop_per_s"] > 0 and written["copy_bandwidth"]["bytes_per_s"] > 0
+    roofline = written["roofline"]
+    assert roofline["read_bytes_per_s"] > 0 and roofline["fma_flop_per_s"] > 0 and written["copy_bandwidth"]["bytes_per_s"] > 0
+    assert set(roofline["before"]["gemm"]) == {"float64", "float32"} and roofline["threads"] == torch.get_num_threads()
+    assert roofline["kernel_isa"] == kernel_isa(torch.float64) and set(roofline["load_average"]) == {"before", "after"} and "cpu_model" in roofline
     for row in payload["rows"]:
         assert row["flops"] > 0 and row["gflop_per_s"] > 0 and 0 < row["roofline_s"] and row["roofline_bound"] in ("memory", "compute")
+        assert row["time_over_bound"] == pytest.approx(row["median_s"] / row["roofline_s"]) and row["bytes_read"] == row["cache_bytes"] + row["parameter_bytes"]
     out = capsys.readouterr().out
-    assert "large-matmul rate" in out and "bandwidth targets: stated for >= 32768 cached tokens; not evaluated" in out
+    assert "roofline: read" in out and "x bound" in out and "bandwidth targets: stated for >= 32768 cached tokens; not evaluated" in out

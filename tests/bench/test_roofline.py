@@ -1,0 +1,34 @@
+"""The roofline's measurements and arithmetic (slimkv/bench/roofline.py)."""
+
+import pytest
+import torch
+
+from slimkv.bench import roofline
+
+
+def test_the_bound_is_the_slower_of_reading_and_computing():
+    rates = {"read_bytes_per_s": 100.0, "fma_flop_per_s": 1000.0}
+    assert roofline.step_bound(200, 1000, rates) == {"bound_s": 2.0, "bound": "memory", "memory_s": 2.0, "compute_s": 1.0}
+    assert roofline.step_bound(50, 3000, rates)["bound"] == "compute" and roofline.step_bound(50, 3000, rates)["bound_s"] == 3.0
+
+
+def test_add_bounds_gives_each_row_its_multiple_of_the_bound():
+    rows = [{"flops": 10, "median_s": 3.0, "cache_bytes": 100, "weights": 100}]
+    roofline.add_bounds(rows, {"read_bytes_per_s": 100.0, "fma_flop_per_s": 1e9}, bytes_key=lambda r: r["cache_bytes"] + r["weights"])
+    assert rows[0]["bytes_read"] == 200 and rows[0]["bound_s"] == 2.0 and rows[0]["time_over_bound"] == pytest.approx(1.5)
+
+
+def test_rates_are_measured_on_this_machine():
+    rates = roofline.machine_rates(torch.bfloat16, read_bytes=4 << 20, gemm_size=32)
+    assert rates["read_bytes_per_s"] > 0 and set(rates["gemm"]) == {"bfloat16", "float32"}
+    assert rates["fma_flop_per_s"] == max(g["flop_per_s"] for g in rates["gemm"].values())
+    merged = roofline.merge_rates(rates, {**rates, "read_bytes_per_s": 2 * rates["read_bytes_per_s"]})
+    assert merged["read_bytes_per_s"] == 2 * rates["read_bytes_per_s"] and merged["before"] is rates
+
+
+def test_the_context_names_the_cpu_the_kernel_path_threads_and_load():
+    context = roofline.bound_context(torch.float32)
+    assert set(context) == {"cpu_model", "kernel_isa", "threads", "load_average"} and context["threads"] == torch.get_num_threads()
+    assert context["kernel_isa"] in ("avx512", "avx2", "portable") or context["kernel_isa"].startswith("torch (")
+    line = roofline.rates_line({"read_bytes_per_s": 2e10, "fma_flop_per_s": 1e11}, context)
+    assert "read 20.00 GB/s" in line and "FMA 100.0 GFLOP/s" in line and context["kernel_isa"] in line
