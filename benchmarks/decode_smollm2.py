@@ -7,7 +7,13 @@ tokens of held-out text, then single-token greedy decode steps are timed, the mo
 step by step (``--rounds`` rounds of ``--steps`` steps per model). Reported: median ms/token,
 tokens/s, the live cache bytes each step reads and the parameter bytes, and the ratio of each
 model's time to what its memory traffic predicts at the bandwidth the original achieves in the
-same run ((weights + cache bytes) / original's bytes per second).
+same run ((weights + cache bytes) / original's bytes per second), and each step's roofline
+(docs/evaluation.md, "Roofline and kernel paths"): bytes read (weights + cache) and FLOPs per step
+(counted by torch's FLOP counter on one extra step; transformers' fused CPU attention is invisible
+to it, so its rows take the FLOPs of slimkv's exact copy, the same arithmetic), against a read-only
+bandwidth and a small-GEMM FMA rate measured before and after the run on the same threads; the
+bound max(bytes / bandwidth, FLOPs / rate) and the time as a multiple of it, with the CPU model,
+the kernel's instruction-set path per dtype, the threads and the load.
 
     .venv/bin/python benchmarks/decode_smollm2.py --threads 1
     .venv/bin/python benchmarks/decode_smollm2.py --threads 2 --converted runs/smollm2-mla50 runs/smollm2-lrkv50
@@ -32,14 +38,16 @@ from pathlib import Path
 
 import torch
 from decode_all import DTYPES  # this folder's decode benchmark: one map of dtype names
+from torch.utils.flop_counter import FlopCounterMode
 
+from slimkv.bench.roofline import add_bounds, bound_context, machine_rates, merge_rates, rates_line
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
 from slimkv.convert.source import Source, exact_copy
 from slimkv.data.texts import evaluation_text, tokenize
 from slimkv.eval.cache import layer_bytes
 from slimkv.eval.models import load_language_model
-from slimkv.ops.native import kernel_path
+from slimkv.ops.native import kernel_isa, kernel_path
 from slimkv.pretrained import SMOLLM2, fetch_smollm2, load_pretrained
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -81,6 +89,11 @@ def step(model, cache, token: torch.Tensor, slimkv: bool) -> torch.Tensor:
     return logits[:, -1:].argmax(-1)
 
 
+def _exact_copy_label(label: str) -> str:
+    """The label of slimkv's exact copy beside transformers' ``label`` (same dtype suffix)."""
+    return label.replace("transformers (SDPA, DynamicCache)", "slimkv exact copy (gqa)")
+
+
 def main() -> None:
     args = parse()
     dtypes = args.dtypes.split(",")
@@ -103,6 +116,7 @@ def main() -> None:
             models[label if name == "float32" else f"{label} {name}"] = (model if name == "float32" else copy.deepcopy(model).to(DTYPES[name]), slim)
     text_ids = tokenize(original.tokenizer, evaluation_text("shakespeare-val"))
     load_before = os.getloadavg()
+    rates_before = {name: machine_rates(DTYPES[name]) for name in dtypes}
     rows = []
     for context in contexts:
         ids = torch.tensor([(text_ids * (context // len(text_ids) + 1))[:context]])
@@ -120,6 +134,11 @@ def main() -> None:
                     token = step(model, cache, token, slim)
                     samples[label].append(time.perf_counter() - t0)
                 state[label][1] = token
+        flops = {}
+        for label, (model, slim) in models.items():  # one more step per model, counted (after the timed ones)
+            with FlopCounterMode(display=False) as counter:
+                step(model, state[label][0], state[label][1], slim)
+            flops[label] = counter.get_total_flops()
         base_bytes = {}  # per dtype: the bytes per second of transformers' run in that dtype
         for label, (model, slim) in models.items():
             median = statistics.median(samples[label])
@@ -130,13 +149,28 @@ def main() -> None:
                 base_bytes[dtype] = (weights + cache_bytes) / median
             rows.append({"model": label, "dtype": dtype, "context": context, "median_s": median, "tokens_per_s": 1 / median, "min_s": min(samples[label]),
                          "max_s": max(samples[label]), "cache_bytes": cache_bytes, "parameter_bytes": weights, "prefill_s": state[label][2],
-                         "time_over_traffic_prediction": median / ((weights + cache_bytes) / base_bytes[dtype]), "samples_s": samples[label]})
+                         "time_over_traffic_prediction": median / ((weights + cache_bytes) / base_bytes[dtype]), "samples_s": samples[label],
+                         "flops": flops[label] if slim else flops.get(_exact_copy_label(label), flops[label]),
+                         "flops_source": "counted" if slim or _exact_copy_label(label) not in flops else "slimkv exact copy's count"})
             print(f"{context:>6} {label:<40} {median * 1e3:8.2f} ms/token {1 / median:8.1f} tok/s  cache {cache_bytes / 2**20:8.1f} MiB  "
                   f"x{rows[-1]['time_over_traffic_prediction']:.2f} of its traffic prediction", flush=True)
         del state
         gc.collect()
-    payload = {"settings": {"contexts": contexts, "threads": args.threads, "dtypes": dtypes, "native_kernel": {name: kernel_path(DTYPES[name]) for name in dtypes}, "steps": steps, "rounds": rounds, "models": list(models)},
-               "load_average": {"before": list(load_before), "after": list(os.getloadavg())}, "rows": rows}
+    rates = {name: merge_rates(rates_before[name], machine_rates(DTYPES[name])) for name in dtypes}
+    print("roofline (bytes read = weights + cache; FLOPs counted):")
+    for name in dtypes:
+        print(f"  {name}: {rates_line(rates[name], bound_context(DTYPES[name]))}")
+        mine = [r for r in rows if r["dtype"] == name]
+        add_bounds(mine, rates[name], bytes_key=lambda r: r["parameter_bytes"] + r["cache_bytes"])
+        for r in mine:
+            print(f"  {r['context']:>6} {r['model']:<40} read {r['bytes_read'] / 2**20:8.1f} MiB  {r['flops'] / 1e9:7.3f} GFLOP  "
+                  f"bound {r['bound_s'] * 1e3:7.2f} ms ({r['bound']})  time {r['median_s'] * 1e3:7.2f} ms = x{r['time_over_bound']:.2f} of the bound")
+    payload = {"settings": {"contexts": contexts, "threads": args.threads, "dtypes": dtypes, "native_kernel": {name: kernel_path(DTYPES[name]) for name in dtypes},
+                            "kernel_isa": {name: kernel_isa(DTYPES[name]) for name in dtypes}, "steps": steps, "rounds": rounds, "models": list(models)},
+               "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+               "roofline": {"rates": rates, **{k: v for k, v in bound_context().items() if k not in ("kernel_isa", "load_average")},
+                            "definition": "bound = max((weights + cache bytes) / read bandwidth, FLOPs / FMA rate); rates: best of before/after"},
+               "rows": rows}
     fig, ax = new_figure(figsize=(7, 4.5))
     for label in models:
         mine = [r for r in rows if r["model"] == label]
