@@ -14,6 +14,7 @@ from slimkv.common.checks import check_int
 from slimkv.data.texts import evaluation_text, tokenize
 from slimkv.eval.models import check_positions, load_language_model, load_original
 from slimkv.model import SlimKVCache
+from slimkv.ops.native import kernel_isa
 from slimkv.pretrained import LoadedModel
 
 
@@ -75,6 +76,7 @@ def cache_report(model: str, context: int, *, new_tokens: int = 16, text: str = 
         check_positions(base.model, context, "--context")
         rows["original"] = {"name": loaded.identity["base"], **live_cache(base, prompt, new_tokens)}
         rows["ratio_to_original"] = rows["model"]["bytes_per_token"] / rows["original"]["bytes_per_token"]
+    rows["kernel_isa"] = kernel_isa(next(loaded.model.parameters()).dtype)  # the decode kernel's path for this model's dtype
     return {"context": context, "new_tokens": new_tokens, "text": text, **rows}
 
 
@@ -88,4 +90,6 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"| {r['name']} | {r['cache_type']} ({r['dtype']}) | {r['tokens_cached']} | {r['bytes_total']:,} | {r['bytes_per_token']:,.1f} | {min(per):,.1f}-{max(per):,.1f} |")
     if "ratio_to_original" in report:
         lines.append(f"live cache ratio to the original: {report['ratio_to_original']:.4f}")
+    if "kernel_isa" in report:
+        lines.append(f"native decode kernel path: {report['kernel_isa']}")
     return "\n".join(lines)

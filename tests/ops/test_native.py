@@ -345,3 +345,12 @@ def test_builds_are_cached_by_source(tmp_path):
     first = native.build(cc, tmp_path)
     assert native.build(cc, tmp_path) == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+def test_slimkv_eval_cache_prints_the_kernel_path():
+    from slimkv.eval.cache import format_report
+
+    row = {"name": "m", "cache_type": "SlimKVCache", "dtype": "float32", "tokens_cached": 4, "bytes_total": 64, "bytes_per_token": 16.0,
+           "bytes_per_token_per_layer": [16.0]}
+    text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": native.kernel_isa()})
+    assert text.endswith(f"native decode kernel path: {native.kernel_isa()}")
