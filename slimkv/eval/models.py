@@ -5,6 +5,7 @@ training run's ``model/``) - each with the tokenizer saved beside it and where i
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,37 @@ def cache_label(converted: dict[str, Any]) -> str:
     return f"{asked + ', ' if asked else ''}bounded cache: {row['bytes']:,} bytes at {row['context']} tokens ({float(row['ratio']):.4f} of the original's)"
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def manifest_damage(manifest: dict) -> list[str]:
+    """What in a conversion manifest does not have the form ``slimkv convert`` writes (the fields
+    reports read: JSON types, numbers where numbers go); empty when it is well formed."""
+    problems = []
+    for key, kind in (("method", str), ("kind", str), ("options", dict), ("method_options", dict), ("layers", list), ("cache_bytes", list),
+                      ("cache_elements_per_token_per_layer", dict), ("calibration", dict), ("healing", dict), ("base_model", dict)):
+        if manifest.get(key) is not None and not isinstance(manifest[key], kind):
+            problems.append(f"{key} is {manifest[key]!r}, not a JSON {'object' if kind is dict else 'list' if kind is list else 'string'}")
+    for key in ("cache_ratio", "achieved_cache_ratio"):
+        if manifest.get(key) is not None and not (_is_number(manifest[key]) and 0 < manifest[key] <= 1):
+            problems.append(f"{key} is {manifest[key]!r}, not a number in (0, 1]")
+    if isinstance(manifest.get("layers"), list) and not all(isinstance(layer, dict) for layer in manifest["layers"]):
+        problems.append("layers holds entries that are not JSON objects")
+    if isinstance(manifest.get("cache_bytes"), list):
+        for row in manifest["cache_bytes"]:
+            if not isinstance(row, dict) or not all(isinstance(row.get(k), int) and not isinstance(row.get(k), bool) and row[k] > 0 for k in ("context", "bytes", "original_bytes")) \
+                    or not _is_number(row.get("ratio")):
+                problems.append(f"cache_bytes holds {row!r}, not a row of positive integers context, bytes, original_bytes and a number ratio")
+                break
+    elements = manifest.get("cache_elements_per_token_per_layer")
+    if isinstance(elements, dict):
+        for key in ("before", "after"):
+            if not isinstance(elements.get(key), list) or not all(_is_number(v) and v > 0 for v in elements[key]):
+                problems.append(f"cache_elements_per_token_per_layer.{key} is {elements.get(key)!r}, not a list of positive numbers")
+    return problems
+
+
 def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Path) -> None:
     """``slimkv_conversion.json`` must describe the model beside it (reports label the model from
     it): its kind is the layers' kind, its method and ratio are those of its recorded options,
@@ -117,6 +149,9 @@ def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Pa
     ratio follows from them and does not exceed the ratio asked. ValueError listing every
     difference. Beyond these checks the manifest's word is trusted: the ratio asked, which method
     of the kind it was (``mla``/``mla-prefix``, ``gqa``/``gqa-mean``), calibration and healing."""
+    damage = manifest_damage(manifest)
+    if damage:
+        raise ValueError(f"{path} is damaged ({'; '.join(damage)}); it was edited by hand or cut short: convert again rather than trust its labels")
     problems = []
     method, kind, ratio = manifest.get("method"), manifest.get("kind"), manifest.get("cache_ratio")
     kinds = sorted(set(model.config.layer_kinds()))
@@ -141,6 +176,8 @@ def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Pa
     for row in manifest.get("cache_bytes") or []:
         if model.cache_bytes(row["context"]) != row["bytes"]:
             problems.append(f"the cache at {row['context']} tokens is recorded as {row['bytes']} bytes, the model holds {model.cache_bytes(row['context'])}")
+        if abs(row["ratio"] - row["bytes"] / row["original_bytes"]) > 1e-9:
+            problems.append(f"the cache at {row['context']} tokens is recorded as {row['ratio']} of the original's, not its bytes / the original's")
     achieved = manifest.get("achieved_cache_ratio")
     if before and isinstance(achieved, (int, float)) and abs(achieved - sum(after) / sum(before)) > 1e-9:
         problems.append(f"achieved_cache_ratio {achieved} is not the recorded cache after / before ({sum(after) / sum(before):.6f})")

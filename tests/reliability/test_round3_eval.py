@@ -217,3 +217,37 @@ def test_a_damaged_niah_json_names_the_file_and_the_cell(how, message, long_fold
     assert str(results) in err and "the file was edited or damaged; move it away to start over" in err
     assert re.search(message, err), err
     assert json.loads(results.read_text()) == data
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"cache_bytes": "x"}, "cache_bytes is 'x', not a JSON list"),
+    ({"cache_bytes": [{"bytes": 1}]}, "cache_bytes holds {'bytes': 1}, not a row of positive integers"),
+    ({"layers": [1, 2]}, "layers holds entries that are not JSON objects"),
+    ({"options": "x"}, "options is 'x', not a JSON object"),
+    ({"calibration": "x"}, "calibration is 'x', not a JSON object"),
+    ({"healing": "yes"}, "healing is 'yes', not a JSON object"),
+    ({"achieved_cache_ratio": "half"}, r"achieved_cache_ratio is 'half', not a number in (0, 1]"),
+    ({"cache_elements_per_token_per_layer": {"before": [48.0, 48.0], "after": ["x"]}}, "cache_elements_per_token_per_layer.after is ['x'], not a list"),
+], ids=["cache_bytes", "row", "layers", "options", "calibration", "healing", "achieved", "elements"])
+def test_a_damaged_conversion_manifest_is_named_not_a_traceback(edit, message, tiny_folder, tmp_path, capsys):
+    """The manifest's labels are checked against the model; its form was not: a string where a table
+    goes failed with a TypeError, KeyError or AttributeError, or was printed as a label."""
+    out = tmp_path / "out"
+    convert(tiny_folder, "gqa", 0.5, out)
+    manifest = json.loads((out / CONVERTED_MANIFEST).read_text())
+    (out / CONVERTED_MANIFEST).write_text(json.dumps({**manifest, **edit}))
+    assert main(ppl_argv(out)) == 2
+    assert f"{out / CONVERTED_MANIFEST} is damaged ({message}" in capsys.readouterr().err
+    for command in (["eval", "cache", "--model", str(out), "--context", "64"], ["eval", "niah", "--model", str(out), "--out", str(tmp_path / "n")]):
+        assert main(command) == 2
+        assert "is damaged (" in capsys.readouterr().err
+
+
+def test_a_cache_table_row_whose_ratio_is_not_its_bytes_over_the_originals_is_refused(tiny_folder, tmp_path, capsys):
+    """The bounded label prints the table's ratio: it must follow from the bytes the model is checked to hold."""
+    out = tmp_path / "out"
+    manifest = convert(tiny_folder, MLA_KVM, 0.5, out)
+    manifest["cache_bytes"][-1]["ratio"] = 0.01
+    (out / CONVERTED_MANIFEST).write_text(json.dumps(manifest))
+    assert main(ppl_argv(out)) == 2
+    assert "tokens is recorded as 0.01 of the original's, not its bytes / the original's" in capsys.readouterr().err
