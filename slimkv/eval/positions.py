@@ -34,7 +34,7 @@ def parse_length(text: str, train_len: int) -> int:
     text = str(text).strip()
     try:
         length = round(float(text[:-1]) * train_len) if text.lower().endswith("x") else int(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # infx, 1e999k: no integer
         raise ValueError(f"--length must be a token count or a multiple like 4x of the training length, got {text!r}") from None
     check_int("--length", length, 2)
     return length

@@ -48,7 +48,7 @@ def parse_lengths(text: str) -> list[int]:
     for part in (p.strip().lower() for p in str(text).split(",") if p.strip()):
         try:
             value = int(float(part[:-1]) * 1024) if part.endswith("k") else int(part)
-        except ValueError:
+        except (ValueError, OverflowError):  # infx, 1e999k: no integer
             raise ValueError(f"--lengths: {part!r} is not a token count (like 2048 or 2k)") from None
         check_int("--lengths entry", value, 64)
         lengths.append(value)

@@ -52,7 +52,7 @@ def parse_lengths(text: str, train_len: int) -> list[int]:
     for part in (p.strip() for p in str(text).split(",")):
         try:
             value = round(float(part[:-1]) * train_len) if part.lower().endswith("x") else int(part)
-        except ValueError:
+        except (ValueError, OverflowError):  # infx, 1e999k: no integer
             raise ValueError(f"--lengths: {part!r} is not a token count or a multiple like 2x of the training length") from None
         check_int("--lengths entry", value, 1)
         lengths.append(value)

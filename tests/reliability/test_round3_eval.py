@@ -251,3 +251,14 @@ def test_a_cache_table_row_whose_ratio_is_not_its_bytes_over_the_originals_is_re
     (out / CONVERTED_MANIFEST).write_text(json.dumps(manifest))
     assert main(ppl_argv(out)) == 2
     assert "tokens is recorded as 0.01 of the original's, not its bytes / the original's" in capsys.readouterr().err
+
+
+def test_an_infinite_length_is_refused_naming_the_option():
+    """``infk`` / ``infx`` overflowed into a raw OverflowError."""
+    from slimkv.eval import positions
+    from slimkv.retrieval import runs
+
+    for parse, text, option in ((retrieval.parse_lengths, "1024,infk", "--lengths"), (lambda t: runs.parse_lengths(t, 32), "1x,infx", "--lengths"),
+                                (lambda t: positions.parse_length(t, 32), "1e999x", "--length")):
+        with pytest.raises(ValueError, match=rf"^{option}"):
+            parse(text)
