@@ -11,22 +11,45 @@ native / torch. The kernel's output is checked against the torch path's before t
     .venv/bin/python benchmarks/decode_native.py --threads 1,2 --contexts 4096,32768
 
 Writes benchmarks/results/decode_native_<threads>thread.json and .png. Run it on a quiet machine.
+
+With ``--layers``, the kernel's instruction-set paths side by side instead (docs/evaluation.md,
+"Roofline and kernel paths"): one layer of every kind at matched width (decode_all.py's variants),
+its cache filled to ``--contexts``, in each of ``--dtypes``; each step is timed with the kernel
+call routed to each path in turn, interleaved in rounds, and so is the kernel call alone on the
+arguments the layer passed. Paths: ``generic`` (the portable C built for this CPU without AVX-512:
+what a CPU with AVX2 and no AVX-512 ran before the AVX2 path), ``avx2``, ``avx512`` (where the CPU
+has it) and ``portable`` (no -march). Each row has its roofline (bytes read and FLOPs of the layer
+step and of the kernel call; a read-only bandwidth and a small-GEMM rate measured before and after
+each dtype) and its time against the generic path's.
+
+    .venv/bin/python benchmarks/decode_native.py --layers --contexts 32768 --dtypes float32,bfloat16
+
+writes benchmarks/results/decode_roofline_layer.json (``--name``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import torch
-from decode_all import int_list  # this folder's decode benchmark: one parser for comma-separated counts
+from decode_all import DTYPES, dtype_list, int_list  # this folder's decode benchmark: its parsers and dtype names
 
+from slimkv.attention import ATTENTION_KINDS, build_attention
+from slimkv.bench.decode import fill_cache, matched_width_variants, step_flops
+from slimkv.bench.roofline import add_bounds, bound_context, machine_rates, merge_rates, rates_line
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
+from slimkv.ops import attention as attention_ops
 from slimkv.ops import native
 from slimkv.ops.attention import matmul_decode_attention
+from slimkv.ops.kvm import core as kvm_core
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COPY_BYTES = 256 << 20
@@ -65,6 +88,137 @@ def measure(kv_heads: int, context: int, *, heads: int, head_dim: int, rounds: i
     return row
 
 
+PATHS = {"generic": ("avx2", ("-DSLIMKV_PORTABLE",)), "avx2": ("avx2", ()), "avx512": ("avx512", ()), "portable": ("portable", ())}
+"""--layers' paths -> (native.ISAS name, extra flags): ``generic`` is the portable C built for this CPU without AVX-512."""
+
+
+def path_libraries(dtype: torch.dtype) -> dict[str, Any]:
+    """The kernel library of every path in ``PATHS`` this CPU can run, for caches of ``dtype``."""
+    cc, runnable = native.compiler(), native.runnable_isas()
+    if cc is None:
+        raise SystemExit("error: no C compiler: there are no kernel paths to compare")
+    return {name: native.load(native.build(cc, native.cache_dir() / "kernels", dtype, isa, flags), dtype)
+            for name, (isa, flags) in PATHS.items() if isa in runnable}
+
+
+@contextlib.contextmanager
+def routed_kernel(library: Any = None, calls: list | None = None) -> Iterator[None]:
+    """Within: every native decode call of a layer goes to ``library`` (None: the default build),
+    and its arguments are appended to ``calls``."""
+    real = native.native_decode_attention
+
+    def route(queries, segments, scale, default):
+        if calls is not None:
+            calls.append((queries, segments, scale))
+        return real(queries, segments, scale, library if library is not None else default)
+
+    with mock.patch.object(attention_ops, "native_decode_attention", route), mock.patch.object(kvm_core, "native_decode_attention", route):
+        yield
+
+
+def call_cost(queries, segments) -> tuple[int, int]:
+    """(bytes read, FLOPs) of one kernel call: each segment's key and value rows (values inside
+    the key rows, as MLA's, counted once) and 2 FLOPs per query head, key and channel."""
+    nbytes = flops = 0
+    for q, (k, v) in zip(queries, segments):
+        rows = k.shape[0] * k.shape[1] * k.shape[2]
+        offset = (v.data_ptr() - k.data_ptr()) // k.element_size()
+        inside = v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() and 0 <= offset < k.stride(2) and v.stride() == k.stride()
+        nbytes += rows * k.element_size() * (max(k.shape[3], offset + v.shape[3]) if inside else k.shape[3] + v.shape[3])
+        flops += 2 * q.shape[0] * q.shape[1] * k.shape[2] * (k.shape[3] + v.shape[3])
+    return nbytes, flops
+
+
+def _seconds(fn, repeats: int) -> list[float]:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+@torch.no_grad()
+def layer_rows(label: str, kind: str, options: dict, context: int, dtype: torch.dtype, libraries: dict, *, heads: int, head_dim: int,
+               rounds: int) -> list[dict]:
+    """One row per path: the layer step and its kernel call alone, interleaved medians (ms)."""
+    torch.manual_seed(0)
+    attn = build_attention(kind, heads * head_dim, heads, head_dim, **options).to(dtype).eval()
+    cache = attn.new_cache(1, dtype=dtype)
+    fill_cache(attn, cache, context, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, 1, attn.d_model, dtype=dtype)
+    calls: list = []
+    with routed_kernel(calls=calls):
+        attn(x, cache=cache)
+    layer_bytes = cache.nbytes() + sum(p.numel() * p.element_size() for p in attn.parameters())
+    flops = step_flops(attn, cache)
+    names = list(libraries) if calls else ["default"]
+    samples = {name: {"layer": [], "kernel": []} for name in names}
+    for _ in range(rounds):
+        for name in names:
+            library = libraries.get(name)
+            with routed_kernel(library):
+                samples[name]["layer"] += _seconds(lambda: attn(x, cache=cache), 2)
+            if calls:
+                samples[name]["kernel"] += _seconds(lambda lib=library: [native.native_decode_attention(*c, lib) for c in calls], 2)
+    kernel_bytes, kernel_flops = (sum(c) for c in zip(*(call_cost(q, s) for q, s, _ in calls))) if calls else (0, 0)
+    rows = []
+    for name in names:
+        row = {"label": label, "kind": kind, "options": options, "dtype": str(dtype).removeprefix("torch."), "context": context, "path": name,
+               "path_isa": native.library_isa(libraries[name]) if name in libraries else native.kernel_isa(dtype), "kernel_calls": len(calls),
+               "layer_s": statistics.median(samples[name]["layer"]), "layer_bytes": layer_bytes, "layer_flops": flops, "samples_s": samples[name]}
+        if calls:
+            row.update(kernel_s=statistics.median(samples[name]["kernel"]), kernel_bytes=kernel_bytes, kernel_flops=kernel_flops)
+        rows.append(row)
+    return rows
+
+
+def _bounds(rows: list[dict], rates: dict) -> None:
+    """Each row's layer and kernel bounds and times as multiples of them (``slimkv.bench.roofline``)."""
+    for row in rows:
+        for part in ("layer", "kernel") if "kernel_s" in row else ("layer",):
+            view = {"flops": row[f"{part}_flops"], "median_s": row[f"{part}_s"], "bytes": row[f"{part}_bytes"]}
+            add_bounds([view], rates, bytes_key=lambda r: r["bytes"])
+            row.update({f"{part}_{k}": view[k] for k in ("bound_s", "bound", "time_over_bound")})
+    for row in rows:
+        base = next((r for r in rows if r["label"] == row["label"] and r["dtype"] == row["dtype"] and r["path"] == "generic"), None)
+        if base is not None:
+            row["layer_speedup_over_generic"] = base["layer_s"] / row["layer_s"]
+            if "kernel_s" in row:
+                row["kernel_speedup_over_generic"] = base["kernel_s"] / row["kernel_s"]
+
+
+def layer_benchmark(name: str, kinds: list[str] | None, context: int, dtypes: list[torch.dtype], *, rounds: int, heads: int, head_dim: int,
+                    out_dir: str) -> dict:
+    """The --layers benchmark: every kind x dtype x path; prints the table, writes ``<name>.json``."""
+    variants = matched_width_variants(kinds or list(ATTENTION_KINDS), heads, head_dim)
+    rows, rates, contexts = [], {}, {}
+    for dtype in dtypes:
+        key = str(dtype).removeprefix("torch.")
+        libraries, contexts[key], before = path_libraries(dtype), bound_context(dtype), machine_rates(dtype)
+        mine = [r for v in variants for r in layer_rows(v.label, v.kind, v.options, context, dtype, libraries, heads=heads, head_dim=head_dim, rounds=rounds)]
+        rates[key] = merge_rates(before, machine_rates(dtype))
+        contexts[key]["load_average_after"] = bound_context(dtype)["load_average"]
+        _bounds(mine, rates[key])
+        rows += mine
+        print(rates_line(rates[key], contexts[key]))
+        print(f"{'variant':<16}{'dtype':>9}{'path':>10}  {'kernel ms':>10}{'x bound':>12}{'vs generic':>11}  {'layer ms':>10}{'x bound':>12}{'vs generic':>11}")
+        for r in mine:
+            kernel = (f"{r['kernel_s'] * 1e3:>10.3f}{format(r['kernel_time_over_bound'], '.2f') + ' ' + r['kernel_bound'][:3]:>12}"
+                      f"{r.get('kernel_speedup_over_generic', float('nan')):>11.2f}") if "kernel_s" in r else f"{'no kernel call':>33}"
+            print(f"{r['label']:<16}{key:>9}{r['path']:>10}  {kernel}  {r['layer_s'] * 1e3:>10.3f}"
+                  f"{format(r['layer_time_over_bound'], '.2f') + ' ' + r['layer_bound'][:3]:>12}{r.get('layer_speedup_over_generic', float('nan')):>11.2f}")
+    payload = {"settings": {"context": context, "heads": heads, "head_dim": head_dim, "rounds": rounds, "threads": torch.get_num_threads(),
+                            "dtypes": list(rates), "paths": {k: list(v[1]) + [v[0]] for k, v in PATHS.items()}},
+               "roofline": {"rates": rates, "context": contexts, "definition": "bound = max(bytes / read bandwidth, FLOPs / FMA rate); layer: cache + "
+                            "parameter bytes and counted FLOPs; kernel: the rows its call reads and 2 FLOPs per head, key and channel"},
+               "rows": rows}
+    path = write_results(name, payload, out_dir)
+    print(f"wrote {path}")
+    return payload
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384, 32768], help="cached tokens (default 1024,4096,16384,32768)")
@@ -74,7 +228,17 @@ def main() -> None:
     p.add_argument("--threads", type=int_list, default=[1])
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--layers", action="store_true", help="every kind's layer on each instruction-set path instead (see above)")
+    p.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"], help="with --layers: comma-separated dtypes")
+    p.add_argument("--kinds", default=None, help="with --layers: comma-separated kinds (default every registered kind)")
+    p.add_argument("--name", default="decode_roofline_layer", help="with --layers: the results file name")
     args = p.parse_args()
+    if args.layers:
+        torch.set_num_threads(args.threads[0])
+        kinds = [k.strip() for k in args.kinds.split(",")] if args.kinds else None
+        layer_benchmark(args.name, kinds, args.contexts[-1], [DTYPES[d] for d in args.dtypes], rounds=args.rounds, heads=args.heads,
+                        head_dim=args.head_dim, out_dir=args.out_dir)
+        return
     library = native.decode_kernel()
     if library is None:
         raise SystemExit("error: the native kernel is not available here (no C compiler, or SLIMKV_NATIVE=0); nothing to compare")
