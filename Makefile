@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo lint clean bench-kvpress-env bench-kvpress
+.PHONY: setup test demo lint clean bench-kvpress-env bench-kvpress ruler-env
 
 setup: $(STAMP)
 
@@ -49,5 +49,23 @@ bench-kvpress: $(KVPRESS_STAMP)
 	@test -n "$(PROMPTS)" -a -n "$(OUT)" || { echo "usage: make bench-kvpress PROMPTS=niah_prompts.json OUT=DIR [MODEL_DIR=DIR] [KVPRESS_ARGS=...]" >&2; exit 2; }
 	$(KVPRESS_PY) benchmarks/kvpress_niah.py --prompts "$(PROMPTS)" --out "$(OUT)" $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") $(KVPRESS_ARGS)
 
+# slimkv eval ruler (lm-eval's RULER tasks, docs/ruler.md) in its own venv: slimkv and its pins plus
+# lm-eval 0.4.13, wonderwords, nltk and optimum-quanto (benchmarks/ruler/requirements.txt).
+#   make ruler-env
+#   .venv-ruler/bin/slimkv eval ruler --model smollm2 --out DIR [--caches none,quanto-int4] [--lengths 2k] [--limit 40]
+RULER_VENV := .venv-ruler
+RULER_PY := $(RULER_VENV)/bin/python
+RULER_STAMP := $(RULER_VENV)/.installed
+
+ruler-env: $(RULER_STAMP)
+
+$(RULER_STAMP): pyproject.toml requirements.lock benchmarks/ruler/requirements.txt
+	$(PYTHON) -m venv $(RULER_VENV)
+	$(RULER_PY) -m pip install -q --upgrade pip
+	$(RULER_PY) -m pip install -q torch==2.13.0
+	$(RULER_PY) -m pip install -q -r requirements.lock -r benchmarks/ruler/requirements.txt
+	$(RULER_PY) -m pip install -q --no-deps -e .
+	touch $(RULER_STAMP)
+
 clean:
-	rm -rf $(VENV) $(KVPRESS_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(KVPRESS_VENV) $(RULER_VENV) .pytest_cache .ruff_cache

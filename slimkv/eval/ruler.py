@@ -1,0 +1,293 @@
+"""RULER through lm-evaluation-harness (``slimkv eval ruler``; docs/ruler.md).
+
+lm-eval's offline RULER tasks (their data generated on this machine from the model's tokenizer)
+run on any model slimkv loads, under a named KV-cache option (``slimkv.eval.ruler_cache``). A
+cell is (cache option, task, length): one ``lm_eval.simple_evaluate`` over the first ``limit``
+prompts of that task and length, greedy, with ``max_gen_toks`` new tokens at most. lm-eval's
+results JSON and per-sample JSONL stay in the cell's folder exactly as lm-eval writes them, its
+metric is the score (never rescored here); slimkv's ``cell.json`` beside them adds the count, a 95%
+Wilson interval of the prompts fully answered, seconds, load, and the live cache bytes per token
+after a prefill of that length with the ratio to the bfloat16 original's. A finished cell (its
+``cell.json``, written last and atomically) is skipped when the run is repeated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from slimkv.common.checks import check_choice, check_float, check_int
+from slimkv.common.files import check_folder_target, read_json, write_json, write_text
+from slimkv.common.timing import machine_info, package_versions, write_results
+from slimkv.eval import ruler_cache
+from slimkv.eval.models import load_language_model, load_original
+from slimkv.pretrained import LoadedModel, resolve_model_path
+from slimkv.retrieval.models import position_limit, weights_record, wilson
+
+RESULT_NAME, TABLE_FILE, PROBES_FILE, CELL_FILE = "ruler", "ruler.md", "probes.json", "cell.json"
+MIN_LENGTH = 1024
+INSTALL_HINT = "run `make ruler-env`, then `.venv-ruler/bin/slimkv eval ruler ...`"
+# Offline tasks: haystack, the generated tokens RULER leaves room for in each prompt, and the
+# default max_gen_toks (what the answer needs with SmolLM2's tokenizer, which splits digits:
+# " 8284194." is 9 tokens, a UUID 32; vt, cwe and fwe keep lm-eval's own).
+OFFLINE_TASKS = {
+    "niah_single_1": ("repeated sentences, one 7-digit number", 128, 16),
+    "niah_multikey_2": ("needle-shaped distractors, one 7-digit number", 128, 16),
+    "niah_multikey_3": ("needle-shaped distractors, one UUID", 128, 48),
+    "ruler_vt": ("variable tracking", 30, 30),
+    "ruler_cwe": ("common words", 120, 120),
+    "ruler_fwe": ("frequent words", 50, 50),
+}
+HUB_TASKS = {**dict.fromkeys(("niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multiquery", "niah_multivalue", "ruler"),
+                             "its haystack is Paul Graham's essays, which lm-eval downloads from the Hugging Face hub"),
+             **dict.fromkeys(("ruler_qa_squad", "ruler_qa_hotpot"), "its documents are SQuAD / HotpotQA, which lm-eval downloads from the Hugging Face hub")}
+
+
+def check_lm_eval() -> None:
+    """lm-eval and the packages its RULER tasks import must be installed; ImportError saying how."""
+    missing = [name for name in ("lm_eval", "wonderwords", "nltk") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"slimkv eval ruler needs lm-eval 0.4.13, wonderwords and nltk; not installed here: {', '.join(missing)}. {INSTALL_HINT}")
+
+
+def parse_tasks(text: str) -> list[str]:
+    """``"niah_single_1,ruler_vt"`` -> offline task names; a hub task is refused, naming it and why."""
+    tasks = [t.strip() for t in str(text).split(",") if t.strip()]
+    for task in tasks:
+        if task in HUB_TASKS:
+            raise ValueError(f"--tasks {task}: {HUB_TASKS[task]}, and this machine works offline; offline tasks: {', '.join(OFFLINE_TASKS)}")
+        check_choice("--tasks", task, OFFLINE_TASKS)
+    if not tasks or len(set(tasks)) != len(tasks):
+        raise ValueError(f"--tasks must list distinct tasks among {', '.join(OFFLINE_TASKS)}, got {text!r}")
+    return tasks
+
+
+def check_lengths(lengths: list[int], model: torch.nn.Module) -> None:
+    """Every length at least ``MIN_LENGTH`` and within the model's positions (RULER sizes prompt
+    plus answer to the length); ValueError naming --lengths and the limit, before any work."""
+    limit = position_limit(model)
+    for length in lengths:
+        if length < MIN_LENGTH or (limit is not None and length > limit):
+            raise ValueError(f"--lengths {length}: RULER lengths run from {MIN_LENGTH} to the model's positions "
+                             f"(max_position_embeddings={limit}); use --lengths within {MIN_LENGTH}..{limit}")
+
+
+def gen_tokens(tasks: list[str], override: int | None) -> dict[str, int]:
+    """max_gen_toks per task: the task's default, or ``override`` (at most the room RULER leaves)."""
+    if override is None:
+        return {t: OFFLINE_TASKS[t][2] for t in tasks}
+    for task in tasks:
+        check_int(f"--max-gen-toks (for {task}, whose prompts leave room for {OFFLINE_TASKS[task][1]})", override, 1, OFFLINE_TASKS[task][1])
+    return dict.fromkeys(tasks, override)
+
+
+def cell_id(option: str, task: str, length: int) -> str:
+    return f"{option}/{task}/{length}"
+
+
+def summarize_cell(results: dict[str, Any], samples: list[dict[str, Any]], task: str, length: int) -> dict[str, Any]:
+    """lm-eval's score of ``task`` at ``length`` (its metric named by the length) from its results
+    JSON, the per-sample values lm-eval recorded in its samples (``samples``), the prompts fully
+    answered among them and the 95% Wilson interval of that proportion (for the binary tasks, the
+    niah ones, the score's own interval)."""
+    metric = f"{length},none"
+    score = results["results"][task][metric]
+    values = [float(s[str(length)]) for s in samples]
+    n = len(values)
+    effective = results.get("n-samples", {}).get(task, {}).get("effective")
+    if effective is not None and effective != n:
+        raise ValueError(f"lm-eval's results count {effective} samples of {task}, its samples file {n}")
+    full = sum(v == 1.0 for v in values)
+    low, high = wilson(full, n)
+    return {"score": score, "n": n, "full": full, "binary": all(v in (0.0, 1.0) for v in values), "wilson95": [low, high]}
+
+
+def plan(pending: list[dict[str, Any]], budget_s: float | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Split cells (each with ``estimate_s``) into those that fit ``budget_s`` in grid order and the
+    rest (all fit without a budget): the first cell that would pass the budget ends the run."""
+    if budget_s is None:
+        return list(pending), []
+    total = 0.0
+    for index, cell in enumerate(pending):
+        total += cell["estimate_s"]
+        if total > budget_s:
+            return pending[:index], pending[index:]
+    return list(pending), []
+
+
+def estimate_cell(probe_row: dict[str, Any], limit: int, max_gen_toks: int) -> float:
+    """Seconds of a cell: ``limit`` prompts, each a prefill of the probe's length and ``max_gen_toks``
+    decode steps at the probe's cost (an upper bound: generation may stop early)."""
+    return limit * (probe_row["prefill_s"] + max_gen_toks * probe_row["decode_s_per_token"])
+
+
+def run_cell(loaded: LoadedModel, option: str, task: str, length: int, *, limit: int, max_gen_toks: int, seed: int, tokenizer_dir: str,
+             cell_dir: Path) -> tuple[Path, Path, float]:
+    """One ``lm_eval.simple_evaluate`` of ``task`` at ``length`` under cache ``option``; lm-eval's
+    results JSON and samples JSONL, written by its ``EvaluationTracker`` into ``cell_dir``, and the
+    seconds spent in ``generate()`` (the rest is lm-eval building the task's data)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    new_cache = ruler_cache.cache_factory(loaded.model, option)
+
+    class CacheOptionLM(HFLM):
+        """HFLM generating every prompt into a fresh cache of the option (the model's own for
+        ``none``), timing its ``generate()`` calls (``generate_s``)."""
+
+        generate_s = 0.0
+
+        def _model_generate(self, context, max_length, stop, **generation_kwargs):
+            if new_cache is not None:
+                generation_kwargs["cache"] = new_cache()
+            t0 = time.perf_counter()
+            out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+            self.generate_s += time.perf_counter() - t0
+            return out
+
+    for stale in [*cell_dir.glob("lm_eval_*.json"), *cell_dir.glob("samples_*.jsonl")]:  # an interrupted attempt's files
+        stale.unlink()
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    lm = CacheOptionLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=1, max_length=length)
+    tracker = EvaluationTracker(output_path=str(cell_dir / "lm_eval.json"))
+    results = simple_evaluate(model=lm, tasks=[task], limit=limit, gen_kwargs={"max_gen_toks": max_gen_toks}, log_samples=True, evaluation_tracker=tracker,
+                              task_manager=TaskManager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer_dir}), random_seed=seed, verbosity="WARNING")
+    samples = results.pop("samples")
+    tracker.save_results_aggregated(results=results, samples=samples)
+    tracker.save_results_samples(task_name=task, samples=samples[task])
+    written = sorted(cell_dir.glob("lm_eval_*.json")), sorted(cell_dir.glob("samples_*.jsonl"))
+    if len(written[0]) != 1 or len(written[1]) != 1:
+        raise RuntimeError(f"lm-eval did not write one results JSON and one samples JSONL into {cell_dir}")
+    return written[0][0], written[1][0], lm.generate_s
+
+
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[str], limit: int, max_gen_toks: int | None = None, seed: int = 0,
+             out_dir: str | Path, budget_minutes: float | None = None, plan_only: bool = False, progress: bool = True,
+             say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run (or resume) every (cache, task, length) cell of ``model`` into ``out_dir``; every option
+    is checked before the model loads or the first cell runs. Writes ``ruler.json`` (with
+    ``write_results``' provenance) and ``ruler.md`` after each cell; returns the summary."""
+    started = time.perf_counter()
+    check_lm_eval()
+    ruler_cache.check_backends(caches)
+    check_int("--limit", limit, 1)
+    if budget_minutes is not None:
+        check_float("--budget-minutes", budget_minutes, 0.0, open_low=True)
+    check_int("--seed", seed, 0)
+    check_folder_target(out_dir)
+    gen = gen_tokens(tasks, max_gen_toks)
+    out_dir = Path(out_dir)
+    loaded = load_language_model(model)
+    if loaded.tokenizer is None:
+        raise ValueError(f"--model {model}: no tokenizer is saved beside the model; RULER builds its prompts with it")
+    check_lengths(lengths, loaded.model)
+    ruler_cache.check_model_takes(loaded.model, caches)
+    dtype = next(loaded.model.parameters()).dtype
+    base = {"model": model, "identity": loaded.identity, "weights": weights_record(model), "dtype": str(dtype).replace("torch.", ""), "limit": limit,
+            "seed": seed, "lm_eval": package_versions(("lm_eval",))["lm_eval"]}
+    cells = {cell_id(o, t, n): {"option": o, "task": t, "length": n} for n in lengths for t in tasks for o in caches}
+    finished = {}
+    for key, cell in cells.items():
+        cell["settings"] = {**base, **cell, "max_gen_toks": gen[cell["task"]], **ruler_cache.option_settings(cell["option"])}
+        path = out_dir / "cells" / key / CELL_FILE
+        if path.is_file():
+            previous = read_json(path, expect=dict)
+            differ = sorted(k for k in set(cell["settings"]) | set(previous["settings"]) if k not in ("model", "identity")
+                            and cell["settings"].get(k) != previous["settings"].get(k))
+            if differ:
+                raise ValueError(f"{path} holds cell {key} of other settings (they differ in: {', '.join(differ)}); give another --out, or move it away to run it again")
+            finished[key] = previous
+    pending = [key for key in cells if key not in finished]
+    probes = read_json(out_dir / PROBES_FILE, expect=dict) if (out_dir / PROBES_FILE).is_file() else {}
+    vocab = len(loaded.tokenizer)
+    for option, length in dict.fromkeys((cells[k]["option"], cells[k]["length"]) for k in pending):
+        if f"{option}/{length}" not in probes:
+            say(f"timing one {length}-token prompt under --caches {option} (the planner's cost, and the cache's bytes)")
+            probes[f"{option}/{length}"] = ruler_cache.probe(loaded.model, option, length, vocab)
+            write_json(out_dir / PROBES_FILE, probes)
+    original = None
+    for length in dict.fromkeys(cells[k]["length"] for k in pending):
+        if f"reference/{length}" not in probes:  # the original's own DynamicCache, counted at 2 bytes an element
+            if loaded.identity.get("base"):
+                original = original or load_original(loaded)
+                probes[f"reference/{length}"] = ruler_cache.probe(original.model, "none", length, vocab, decode_tokens=0)
+            else:
+                probes[f"reference/{length}"] = probes.get(f"none/{length}") or ruler_cache.probe(loaded.model, "none", length, vocab, decode_tokens=0)
+            write_json(out_dir / PROBES_FILE, probes)
+    for key in pending:
+        cell = cells[key]
+        cell["estimate_s"] = estimate_cell(probes[f"{cell['option']}/{cell['length']}"], limit, gen[cell["task"]])
+    budget_s = None if budget_minutes is None else budget_minutes * 60 - (time.perf_counter() - started)
+    run, skipped = plan([dict(cells[k], id=k) for k in pending], budget_s)
+    say(f"{len(finished)} of {len(cells)} cells finished before; {len(run)} to run, about {sum(c['estimate_s'] for c in run) / 60:.1f} min "
+        f"({limit} prompts each, upper bound from the timed prompt)" + (f", within --budget-minutes {budget_minutes}" if budget_minutes else ""))
+    for cell in run:
+        say(f"  run   {cell['id']}: ~{cell['estimate_s'] / 60:.1f} min")
+    for cell in skipped:
+        say(f"  skip  {cell['id']}: ~{cell['estimate_s'] / 60:.1f} min, past the budget")
+    report = {"settings": {**base, "tasks": tasks, "lengths": lengths, "caches": caches, "max_gen_toks": gen, "budget_minutes": budget_minutes}, "cells": {},
+              "not_run": [c["id"] for c in skipped], "probes": probes}
+    report["cells"] = {k: v["summary"] for k, v in finished.items()}
+    if plan_only:
+        return report
+    bar = tqdm(total=len(cells), initial=len(finished), desc=f"ruler {Path(model).name}", unit="cell", disable=not progress)
+    for cell in run:
+        cell_dir = out_dir / "cells" / cell["id"]
+        load_start, t0 = os.getloadavg(), time.perf_counter()
+        results_path, samples_path, generate_s = run_cell(loaded, cell["option"], cell["task"], cell["length"], limit=limit, max_gen_toks=gen[cell["task"]], seed=seed,
+                                              tokenizer_dir=str(resolve_model_path(model)), cell_dir=cell_dir)
+        seconds = time.perf_counter() - t0
+        summary = summarize_cell(read_json(results_path, expect=dict), read_samples(samples_path), cell["task"], cell["length"])
+        measured = probes[f"{cell['option']}/{cell['length']}"]
+        reference = ruler_cache.bf16_reference(probes[f"reference/{cell['length']}"])
+        summary.update({"option": cell["option"], "task": cell["task"], "length": cell["length"], "max_gen_toks": gen[cell["task"]],
+                        "bytes_per_token": measured["bytes_per_token"], "bytes_ratio_to_bf16_original": measured["bytes_per_token"] / reference,
+                        "bytes_per_token_after_decode": measured["bytes_per_token_after_decode"], "seconds": seconds,
+                        "seconds_per_sample": seconds / summary["n"], "generate_s_per_sample": generate_s / summary["n"], "estimate_s": cell["estimate_s"], "load_average_start": list(load_start),
+                        "load_average_end": list(os.getloadavg()), "threads": torch.get_num_threads(),
+                        "lm_eval_results": str(results_path.relative_to(out_dir)), "lm_eval_samples": str(samples_path.relative_to(out_dir))})
+        write_json(cell_dir / CELL_FILE, {"settings": cell["settings"], "summary": summary, "probe": measured, "machine": machine_info()})
+        report["cells"][cell["id"]] = summary
+        write_summary(report, out_dir)
+        bar.update()
+        bar.set_postfix_str(f"{cell['id']} {summary['score']:.2f}")
+    bar.close()
+    write_summary(report, out_dir)
+    return report
+
+
+def write_summary(report: dict[str, Any], out_dir: Path) -> None:
+    """``ruler.json`` (machine and provenance added by ``write_results``) and ``ruler.md``."""
+    write_results(RESULT_NAME, report, out_dir)
+    write_text(out_dir / TABLE_FILE, format_markdown(report) + "\n")
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """One row per finished cell: score, full / n with the Wilson interval, cache bytes and time."""
+    s = report["settings"]
+    lines = [f"# RULER (lm-eval {s['lm_eval']}): {s['model']}", "",
+             f"{s['limit']} prompts per cell, greedy, max_gen_toks {s['max_gen_toks']}, seed {s['seed']}, model in {s['dtype']}. "
+             "Score: lm-eval's metric. Cache bytes per token: the live cache after a prefill of the length; ratio to the bfloat16 original's.", "",
+             "| cache | task | length | score | full / n (95% CI) | bytes/token | ratio to bf16 | s/sample (generate) | load (start) |",
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in report["cells"].values():
+        lines.append(f"| {r['option']} | {r['task']} | {r['length']} | {r['score']:.3f} | {r['full']}/{r['n']} ({r['wilson95'][0]:.2f}-{r['wilson95'][1]:.2f}) | "
+                     f"{r['bytes_per_token']:,.0f} | {r['bytes_ratio_to_bf16_original']:.3f} | {r['seconds_per_sample']:.1f} ({r['generate_s_per_sample']:.1f}) | {r['load_average_start'][0]:.2f} |")
+    if report.get("not_run"):
+        lines += ["", "Not run (past --budget-minutes): " + ", ".join(report["not_run"])]
+    return "\n".join(lines)

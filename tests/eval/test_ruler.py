@@ -1,0 +1,227 @@
+"""``slimkv eval ruler`` (``slimkv.eval.ruler``, ``slimkv.eval.ruler_cache``, ``slimkv.cli.ruler``)
+without lm-eval: option checks, the planner, the summary of lm-eval-shaped results, resume, and
+the live cache bytes of the cache options on tiny random models. One test runs the real lm-eval
+path where lm-eval is installed (.venv-ruler)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from slimkv import ModelConfig, SlimKVForCausalLM
+from slimkv.cli.ruler import add_ruler_command
+from slimkv.eval import ruler, ruler_cache
+from tests.compress.conftest import char_tokenizer
+
+HAS_LM_EVAL = all(importlib.util.find_spec(m) is not None for m in ("lm_eval", "wonderwords", "nltk"))
+HAS_QUANTO = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
+LAYERS, KV_HEADS, HEAD_DIM = 2, 1, 64
+
+
+def tiny_llama(positions: int = 2048) -> torch.nn.Module:
+    """A 2-layer Llama, one KV head of 64 channels (quanto's group of 64 divides it), 99 tokens."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=99, hidden_size=128, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=KV_HEADS,
+                         head_dim=HEAD_DIM, max_position_embeddings=positions, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture
+def tiny_folder(tmp_path):
+    folder = tmp_path / "tiny-llama"
+    tiny_llama().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_tasks_refuse_hub_and_unknown_names():
+    assert ruler.parse_tasks("niah_single_1, ruler_vt") == ["niah_single_1", "ruler_vt"]
+    with pytest.raises(ValueError, match="--tasks niah_single_2: its haystack is Paul Graham's essays"):
+        ruler.parse_tasks("niah_single_1,niah_single_2")
+    with pytest.raises(ValueError, match="--tasks ruler_qa_squad"):
+        ruler.parse_tasks("ruler_qa_squad")
+    with pytest.raises(ValueError, match="did you mean niah_single_1"):
+        ruler.parse_tasks("niah_singel_1")
+    with pytest.raises(ValueError, match="distinct"):
+        ruler.parse_tasks("ruler_vt,ruler_vt")
+
+
+def test_cache_options_are_checked_by_name():
+    assert ruler_cache.parse_caches("none,quanto-int4,bfloat16") == ["none", "quanto-int4", "bfloat16"]
+    with pytest.raises(ValueError, match="--caches press:snapkv: kvpress presses are not yet supported"):
+        ruler_cache.parse_caches("press:snapkv")
+    with pytest.raises(ValueError, match="--caches='quanto-int3' is not allowed"):
+        ruler_cache.parse_caches("quanto-int3")
+    with pytest.raises(ValueError, match="distinct"):
+        ruler_cache.parse_caches("none,none")
+
+
+def test_lengths_must_fit_the_model_positions_and_gen_tokens_the_room():
+    model = tiny_llama(positions=4096)
+    ruler.check_lengths([1024, 4096], model)
+    with pytest.raises(ValueError, match=r"--lengths 8192: .*max_position_embeddings=4096.*1024\.\.4096"):
+        ruler.check_lengths([2048, 8192], model)
+    with pytest.raises(ValueError, match="--lengths 512"):
+        ruler.check_lengths([512], model)
+    assert ruler.gen_tokens(["niah_single_1", "ruler_vt"], None) == {"niah_single_1": 16, "ruler_vt": 30}
+    assert ruler.gen_tokens(["niah_single_1"], 64) == {"niah_single_1": 64}
+    with pytest.raises(ValueError, match="--max-gen-toks .for ruler_vt.*<= 30"):
+        ruler.gen_tokens(["niah_single_1", "ruler_vt"], 64)
+
+
+def test_missing_packages_say_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("lm_eval", "optimum.quanto", "hqq") else real(name, *a))
+    with pytest.raises(ImportError, match=r"lm_eval.*make ruler-env.*\.venv-ruler/bin/slimkv eval ruler"):
+        ruler.check_lm_eval()
+    with pytest.raises(ImportError, match="--caches quanto-int2 needs optimum-quanto.*make ruler-env"):
+        ruler_cache.check_backends(["none", "quanto-int2"])
+    ruler_cache.check_backends(["none", "bfloat16"])
+
+
+def test_a_slimkv_model_takes_only_its_own_cache():
+    model = SlimKVForCausalLM(ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, attention="mla", attention_options={"kv_rank": 8})).eval()
+    ruler_cache.check_model_takes(model, ["none"])
+    with pytest.raises(ValueError, match="--caches quanto-int4: this is a slimkv model .mla layers.*SlimKVCache"):
+        ruler_cache.check_model_takes(model, ["none", "quanto-int4"])
+    odd = tiny_llama()
+    odd.config.head_dim = 48
+    with pytest.raises(ValueError, match="--caches hqq-int2: the quantized cache groups 64 channels.*head_dim 48"):
+        ruler_cache.check_model_takes(odd, ["bfloat16", "hqq-int2"])
+
+
+def test_planner_keeps_grid_order_within_the_budget():
+    cells = [{"id": c, "estimate_s": s} for c, s in (("a", 60.0), ("b", 100.0), ("c", 10.0))]
+    assert ruler.plan(cells, None) == (cells, [])
+    assert ruler.plan(cells, 170.0) == (cells, [])
+    assert ruler.plan(cells, 165.0) == (cells[:2], cells[2:])
+    assert ruler.plan(cells, 59.0) == ([], cells)
+    row = {"prefill_s": 2.0, "decode_s_per_token": 0.1}
+    assert ruler.estimate_cell(row, limit=40, max_gen_toks=16) == pytest.approx(40 * (2.0 + 1.6))
+
+
+def lm_eval_shaped(task: str, length: int, values: list[float]) -> tuple[dict, list[dict]]:
+    """An lm-eval results JSON and its samples, as lm-eval 0.4.13 writes them for a RULER task."""
+    results = {"results": {task: {"alias": task, "4096,none": -1, f"{length},none": sum(values) / len(values), f"{length},none_stderr": "N/A"}},
+               "n-samples": {task: {"original": 500, "effective": len(values)}}}
+    samples = [{"doc_id": i, "4096": -1.0, str(length): v, "resps": [["x"]]} for i, v in enumerate(values)]
+    return results, samples
+
+
+def test_summary_takes_lm_evals_score_and_counts_full_answers():
+    results, samples = lm_eval_shaped("niah_single_1", 2048, [1.0, 1.0, 0.0, 1.0])
+    row = ruler.summarize_cell(results, samples, "niah_single_1", 2048)
+    assert row["score"] == 0.75 and row["n"] == 4 and row["full"] == 3 and row["binary"]
+    low, high = row["wilson95"]
+    assert 0.2 < low < 0.75 < high < 1.0
+    results, samples = lm_eval_shaped("ruler_cwe", 1024, [1.0, 0.5, 0.9])
+    row = ruler.summarize_cell(results, samples, "ruler_cwe", 1024)
+    assert row["score"] == pytest.approx(0.8) and row["full"] == 1 and not row["binary"]
+    results["n-samples"]["ruler_cwe"]["effective"] = 5
+    with pytest.raises(ValueError, match="count 5 samples"):
+        ruler.summarize_cell(results, samples, "ruler_cwe", 1024)
+
+
+def test_cache_bytes_of_the_dynamic_and_cast_caches_are_their_tensors():
+    model = tiny_llama()
+    full = ruler_cache.probe(model, "none", 300, 99, decode_tokens=2)
+    assert full["cache_type"] == "DynamicCache" and full["tokens"] == 300
+    assert full["bytes_per_token"] == 2 * LAYERS * KV_HEADS * HEAD_DIM * 4  # float32 keys and values
+    assert full["bytes_per_token_after_decode"] == full["bytes_per_token"]
+    half = ruler_cache.probe(model, "bfloat16", 300, 99, decode_tokens=2)
+    assert half["bytes_per_token"] == 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
+    assert ruler_cache.bf16_reference(full) == half["bytes_per_token"]
+    ids = torch.randint(3, 99, (1, 20))
+    new_cache = ruler_cache.cache_factory(model, "bfloat16")
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=2, cache=new_cache())
+    assert out.shape == (1, 23)
+
+
+def test_tensor_bytes_counts_each_tensor_once_through_containers():
+    scale = torch.zeros(4, dtype=torch.float16)
+    packed = torch.zeros(10, dtype=torch.uint8)
+    assert ruler_cache.tensor_bytes((packed, {"scale": scale, "zero": scale, "nbits": 4})) == 10 + 8
+
+
+@pytest.mark.skipif(not HAS_QUANTO, reason="optimum-quanto not installed: make ruler-env")
+def test_quantized_cache_bytes_count_packed_data_scales_and_the_residual_window():
+    model = tiny_llama()
+    row = ruler_cache.probe(model, "quanto-int4", 300, 99, decode_tokens=4)
+    # per token, layer, K or V: 64 channels at 4 bits (32 bytes) and one group's float32 scale and zero point
+    per_token = LAYERS * 2 * KV_HEADS * (HEAD_DIM // 2 + 8)
+    assert row["bytes_per_token"] == per_token
+    residual = 4 * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4  # 4 decoded tokens kept in float32
+    assert row["bytes_per_token_after_decode"] == pytest.approx((300 * per_token + residual) / 304)
+
+
+def fake_run_cell(calls):
+    """A stand-in for lm-eval: writes lm-eval-shaped files into the cell's folder."""
+
+    def run(loaded, option, task, length, *, limit, max_gen_toks, seed, tokenizer_dir, cell_dir):
+        calls.append((option, task, length))
+        cell_dir.mkdir(parents=True, exist_ok=True)
+        results, samples = lm_eval_shaped(task, length, [1.0] * limit)
+        (cell_dir / "lm_eval_t.json").write_text(json.dumps(results))
+        (cell_dir / "samples_t.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+        return cell_dir / "lm_eval_t.json", cell_dir / "samples_t.jsonl", 1.0
+
+    return run
+
+
+def test_resume_skips_finished_cells_and_refuses_other_settings(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(ruler, "check_lm_eval", lambda: None)
+    calls: list = []
+    monkeypatch.setattr(ruler, "run_cell", fake_run_cell(calls))
+    out = tmp_path / "out"
+    options = {"tasks": ["niah_single_1", "ruler_vt"], "lengths": [1024], "caches": ["none", "bfloat16"], "limit": 3, "out_dir": out, "progress": False,
+               "say": lambda _: None}
+    report = ruler.evaluate(str(tiny_folder), **options)
+    assert len(calls) == 4 and set(report["cells"]) == {f"{o}/{t}/1024" for o in ("none", "bfloat16") for t in ("niah_single_1", "ruler_vt")}
+    row = report["cells"]["bfloat16/ruler_vt/1024"]
+    assert row["n"] == 3 and row["score"] == 1.0 and row["bytes_ratio_to_bf16_original"] == 1.0
+    assert report["cells"]["none/ruler_vt/1024"]["bytes_ratio_to_bf16_original"] == 2.0  # the float32 original
+    saved = json.loads((out / "ruler.json").read_text())
+    assert saved["cells"] == json.loads(json.dumps(report["cells"])) and "git_commit" in saved["machine"]
+    calls.clear()
+    ruler.evaluate(str(tiny_folder), **options)
+    assert calls == []
+    (out / "cells" / "none" / "ruler_vt" / "1024" / ruler.CELL_FILE).unlink()
+    ruler.evaluate(str(tiny_folder), **options)
+    assert calls == [("none", "ruler_vt", 1024)]
+    with pytest.raises(ValueError, match="differ in: limit"):
+        ruler.evaluate(str(tiny_folder), **{**options, "limit": 4})
+
+
+def test_budget_plan_runs_nothing_past_it(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(ruler, "check_lm_eval", lambda: None)
+    calls: list = []
+    monkeypatch.setattr(ruler, "run_cell", fake_run_cell(calls))
+    said: list[str] = []
+    report = ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["none"], limit=2, out_dir=tmp_path / "o",
+                            budget_minutes=1e-6, progress=False, say=said.append)
+    assert calls == [] and report["not_run"] == ["none/niah_single_1/1024"]
+    assert any(line.startswith("  skip  none/niah_single_1/1024") for line in said)
+
+
+def test_add_ruler_command_registers_on_subparsers_and_on_the_task_table():
+    parser = argparse.ArgumentParser()
+    add_ruler_command(parser.add_subparsers())
+    args = parser.parse_args(["ruler", "--model", "smollm2", "--out", "o", "--caches", "none,quanto-int4"])
+    assert args.caches == "none,quanto-int4" and args.limit == 20 and callable(args.task_run)
+    table: dict = {}
+    add_ruler_command(table)
+    assert set(table) == {"ruler"} and len(table["ruler"]) == 3
+
+
+@pytest.mark.skipif(not HAS_LM_EVAL, reason="lm-eval not installed: make ruler-env")
+def test_real_lm_eval_cell_on_a_tiny_model(tiny_folder, tmp_path):
+    report = ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["bfloat16"], limit=1, max_gen_toks=4,
+                            out_dir=tmp_path / "o", progress=False, say=lambda _: None)
+    row = report["cells"]["bfloat16/niah_single_1/1024"]
+    assert row["n"] == 1 and 0.0 <= row["score"] <= 1.0
+    assert (tmp_path / "o" / row["lm_eval_results"]).is_file() and (tmp_path / "o" / row["lm_eval_samples"]).is_file()
