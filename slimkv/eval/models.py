@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from slimkv.common.files import read_json
 from slimkv.compress.persist import load as load_compressed
 from slimkv.model import ModelConfig, SlimKVForCausalLM, load_model_folder
 from slimkv.pretrained import LoadedModel, load_pretrained, resolve_model_path
-from slimkv.pretrained.loading import COMPRESSED_MANIFEST, CONVERTED_MANIFEST, read_config, resolve_original
+from slimkv.pretrained.loading import COMPRESSED_MANIFEST, CONVERTED_MANIFEST, load_tokenizer, read_config, resolve_original
 
 
 def load_language_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
@@ -24,6 +23,9 @@ def load_language_model(name_or_path: str, *, dtype: torch.dtype = torch.float32
     or converted model, names its original (``identity["base"]``) so reports can show both."""
     path = resolve_model_path(name_or_path)
     if (path / COMPRESSED_MANIFEST).is_file():
+        damage = compression_damage(read_json(path / COMPRESSED_MANIFEST, expect=dict))
+        if damage:
+            raise ValueError(f"{path / COMPRESSED_MANIFEST} is damaged ({'; '.join(damage)}); it was edited by hand or cut short: compress again rather than trust its labels")
         model, tokenizer, manifest = load_compressed(path, dtype=dtype, device=device, return_manifest=True)
         identity = dict(manifest["base_model"])
         identity["compressed"] = {"path": str(path), "method": manifest["method"], "ratio": manifest["ratio"], "achieved_ratio": manifest["achieved_ratio"],
@@ -35,7 +37,7 @@ def load_language_model(name_or_path: str, *, dtype: torch.dtype = torch.float32
         model = load_model_folder(path, dtype=dtype).to(device)
         if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path} holds a slimkv model without a transformers tokenizer; evaluate a training run with `slimkv eval RUN_DIR`")
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        tokenizer = load_tokenizer(path)
         identity = {"name": str(Path(path).resolve()), "path": str(Path(path).resolve()), "model_type": ModelConfig.model_type}
         if (path / CONVERTED_MANIFEST).is_file():
             manifest = read_json(path / CONVERTED_MANIFEST, expect=dict)
@@ -115,17 +117,37 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def form_problems(manifest: dict, kinds: dict[str, type], fractions: tuple[str, ...], required: tuple[str, ...] = ()) -> list[str]:
+    """What in a manifest does not have the form slimkv writes: a field of ``kinds`` of another JSON
+    type, a field of ``fractions`` that is not a number in [0, 1], a ``required`` field missing
+    (the others may be null)."""
+    names = {dict: "object", list: "list", str: "string"}
+    problems = [f"{key} is missing" for key in required if manifest.get(key) is None]
+    problems += [f"{key} is {manifest[key]!r}, not a JSON {names[kind]}" for key, kind in kinds.items()
+                 if manifest.get(key) is not None and not isinstance(manifest[key], kind)]
+    problems += [f"{key} is {manifest[key]!r}, not a number in [0, 1]" for key in fractions
+                 if manifest.get(key) is not None and not (_is_number(manifest[key]) and 0 <= manifest[key] <= 1)]
+    return problems
+
+
+def compression_damage(manifest: dict) -> list[str]:
+    """What in a compression manifest (``slimkv_compression.json``) reports read is not of the form
+    ``slimkv compress`` writes; empty when it is well formed."""
+    problems = form_problems(manifest, {"method": str, "base_model": dict, "calibration": dict}, ("ratio", "achieved_ratio"),
+                             required=("method", "ratio", "achieved_ratio", "base_model"))
+    calibration = manifest.get("calibration")
+    sources = calibration.get("sources") if isinstance(calibration, dict) else None
+    if sources is not None and not (isinstance(sources, list) and all(isinstance(s, str) for s in sources)):
+        problems.append(f"calibration.sources is {sources!r}, not a list of text names")
+    return problems
+
+
 def manifest_damage(manifest: dict) -> list[str]:
     """What in a conversion manifest does not have the form ``slimkv convert`` writes (the fields
     reports read: JSON types, numbers where numbers go); empty when it is well formed."""
-    problems = []
-    for key, kind in (("method", str), ("kind", str), ("options", dict), ("method_options", dict), ("layers", list), ("cache_bytes", list),
-                      ("cache_elements_per_token_per_layer", dict), ("calibration", dict), ("healing", dict), ("base_model", dict)):
-        if manifest.get(key) is not None and not isinstance(manifest[key], kind):
-            problems.append(f"{key} is {manifest[key]!r}, not a JSON {'object' if kind is dict else 'list' if kind is list else 'string'}")
-    for key in ("cache_ratio", "achieved_cache_ratio"):
-        if manifest.get(key) is not None and not (_is_number(manifest[key]) and 0 < manifest[key] <= 1):
-            problems.append(f"{key} is {manifest[key]!r}, not a number in (0, 1]")
+    problems = form_problems(manifest, {"method": str, "kind": str, "options": dict, "method_options": dict, "layers": list, "cache_bytes": list,
+                                        "cache_elements_per_token_per_layer": dict, "calibration": dict, "healing": dict, "base_model": dict},
+                             ("cache_ratio", "achieved_cache_ratio"))
     if isinstance(manifest.get("layers"), list) and not all(isinstance(layer, dict) for layer in manifest["layers"]):
         problems.append("layers holds entries that are not JSON objects")
     if isinstance(manifest.get("cache_bytes"), list):

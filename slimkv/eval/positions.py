@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from slimkv.common.checks import check_int
-from slimkv.common.files import check_folder_target, save_figure, write_json
+from slimkv.common.files import check_folder_target, check_writable, save_figure, write_json
 from slimkv.common.plotting import new_figure
 from slimkv.scoring import eval_windows
 from slimkv.train.checkpoint import load_run
@@ -77,6 +77,7 @@ def positions_report(run_dir: str | Path, *, length: str, buckets: int, max_sequ
     run_dir = Path(run_dir)
     if out_dir is not None:
         check_folder_target(out_dir)
+        check_writable(out_dir)
     model, cfg, dataset = load_run(run_dir)
     total = parse_length(length, cfg.seq_len)
     bucket_edges(total, buckets)

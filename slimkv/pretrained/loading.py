@@ -101,9 +101,22 @@ def read_config(path: Path):
         raise ValueError(f"{file} cannot be read as a {model_type} config ({' '.join(str(err).split())[:300]}); the file was edited or damaged") from None
 
 
+def load_tokenizer(path: Path):
+    """The transformers tokenizer saved in the model folder ``path`` (never remote code); ValueError
+    naming the folder when its tokenizer files are missing or damaged (transformers and tokenizers
+    fail with errors of many types there, none naming the file)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 (re-raised with the folder named)
+        raise ValueError(f"the tokenizer in {path} cannot be loaded ({' '.join(str(err).split())[:300]}); "
+                         "its tokenizer files (tokenizer.json, tokenizer_config.json) are missing or damaged") from None
+
+
 def load_pretrained(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
     """Load ``smollm2`` or a local transformers folder of a supported family (safetensors only)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
     for marker, what, how in ((COMPRESSED_MANIFEST, "compressed", "slimkv.compress.load"), (CONVERTED_MANIFEST, "converted", "AutoModelForCausalLM after `import slimkv`")):
@@ -127,7 +140,7 @@ def load_pretrained(name_or_path: str, *, dtype: torch.dtype = torch.float32, de
         raise ValueError(f"{path}: the weights do not fit config.json ({'; '.join(f'{k}: {v}' for k, v in problems.items())}); "
                          "a file is incomplete, or config.json was edited")
     model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    tokenizer = load_tokenizer(path)
     identity = {"name": SMOLLM2 if name_or_path == SMOLLM2 else str(path.resolve()), "path": str(path.resolve()), "model_type": config.model_type}
     if (path / SOURCE_FILE).is_file():
         identity["source"] = read_json(path / SOURCE_FILE)

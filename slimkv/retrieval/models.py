@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from slimkv.common.checks import check_float, check_int
-from slimkv.common.files import check_folder_target, read_json, save_figure, write_json, write_text
+from slimkv.common.files import check_folder_target, check_writable, read_json, save_figure, write_json, write_text
 from slimkv.common.plotting import new_figure
 from slimkv.data.ruler_needles import value_found
 from slimkv.data.texts import evaluation_text, text_sha256
@@ -182,6 +182,7 @@ def evaluate(
     check_int("--batch-size", batch_size, 1)
     out_dir = Path(out_dir)
     check_folder_target(out_dir)
+    check_writable(out_dir)
     loaded = load_language_model(model)
     lengths = list(lengths or default_lengths(loaded.model))
     haystack_text = evaluation_text(haystack)

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from slimkv.common.checks import check_int
-from slimkv.common.files import check_folder_target, save_figure, write_json
+from slimkv.common.files import check_folder_target, check_writable, save_figure, write_json
 from slimkv.common.plotting import new_figure
 from slimkv.data.ruler_needles import NEUTRAL_TEXT, NeedleBuilder, NeedleDocument, random_key, random_value, value_found
 from slimkv.train.checkpoint import load_run
@@ -204,6 +204,7 @@ def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: 
     run_dir = Path(run_dir)
     if out_dir is not None:
         check_folder_target(out_dir)
+        check_writable(out_dir)
     model, cfg, dataset = load_run(run_dir)
     length_list, depth_list = parse_lengths(lengths, cfg.seq_len), parse_depths(depths)
     results = evaluate_niah(model, dataset, tasks=tasks, lengths=length_list, depths=depth_list, samples=samples, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, progress=progress)

@@ -35,7 +35,7 @@ def tiny_folder(tmp_path) -> Path:
 
 @pytest.fixture
 def long_folder(tmp_path) -> Path:
-    """A tiny random Llama of 1024 positions with the character tokenizer, and a prose haystack beside it."""
+    """A tiny random Llama of 1024 positions with the character tokenizer, a prose haystack and a held-out text beside it."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -45,6 +45,7 @@ def long_folder(tmp_path) -> Path:
     AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
     (tmp_path / "prose.txt").write_text("".join(f"Line {i} of the haystack: {HELD_OUT_LINES}" for i in range(40)))
+    (tmp_path / "held.txt").write_text(HELD_OUT_LINES * 10)
     return folder
 
 
@@ -226,7 +227,7 @@ def test_a_damaged_niah_json_names_the_file_and_the_cell(how, message, long_fold
     ({"options": "x"}, "options is 'x', not a JSON object"),
     ({"calibration": "x"}, "calibration is 'x', not a JSON object"),
     ({"healing": "yes"}, "healing is 'yes', not a JSON object"),
-    ({"achieved_cache_ratio": "half"}, r"achieved_cache_ratio is 'half', not a number in (0, 1]"),
+    ({"achieved_cache_ratio": "half"}, "achieved_cache_ratio is 'half', not a number in [0, 1]"),
     ({"cache_elements_per_token_per_layer": {"before": [48.0, 48.0], "after": ["x"]}}, "cache_elements_per_token_per_layer.after is ['x'], not a list"),
 ], ids=["cache_bytes", "row", "layers", "options", "calibration", "healing", "achieved", "elements"])
 def test_a_damaged_conversion_manifest_is_named_not_a_traceback(edit, message, tiny_folder, tmp_path, capsys):
@@ -262,3 +263,46 @@ def test_an_infinite_length_is_refused_naming_the_option():
                                 (lambda t: positions.parse_length(t, 32), "1e999x", "--length")):
         with pytest.raises(ValueError, match=rf"^{option}"):
             parse(text)
+
+
+def test_a_damaged_tokenizer_names_the_folder(long_folder, tmp_path, capsys):
+    """transformers and tokenizers fail there with errors that name no file (JSONDecodeError, 'Couldn't instantiate the backend tokenizer')."""
+    (long_folder / "tokenizer.json").write_text("{")
+    niah_argv = ["eval", "niah", "--model", str(long_folder), "--tasks", "passkey", "--lengths", "300", "--out", str(tmp_path / "n")]
+    for argv in (ppl_argv(long_folder), niah_argv):
+        assert main(argv) == 2
+        assert f"the tokenizer in {long_folder} cannot be loaded (" in capsys.readouterr().err
+    (long_folder / "tokenizer.json").unlink()
+    (long_folder / "tokenizer_config.json").unlink()
+    assert main(ppl_argv(long_folder)) == 2
+    assert "its tokenizer files (tokenizer.json, tokenizer_config.json) are missing or damaged" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"achieved_ratio": "x"}, "achieved_ratio is 'x', not a number in [0, 1]"),  # was "Unknown format code 'f' for object of type 'str'"
+    ({"method": 5}, "method is 5, not a JSON string"),  # was printed as the label "5 ratio 0.3"
+    ({"calibration": "x"}, "calibration is 'x', not a JSON object"),  # was an AttributeError
+    ({"ratio": None}, "ratio is missing"),
+], ids=["achieved", "method", "calibration", "ratio"])
+def test_a_damaged_compression_manifest_is_named(edit, message, tiny_folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    manifest = compress_pretrained(str(tiny_folder), CompressOptions("svd", 0.3), "", 64, out, progress=False)[1]
+    stored = json.loads((out / COMPRESSED_MANIFEST).read_text())
+    (out / COMPRESSED_MANIFEST).write_text(json.dumps({**stored, **edit}))
+    assert manifest["method"] == "svd" and main(ppl_argv(out)) == 2
+    assert f"{out / COMPRESSED_MANIFEST} is damaged ({message}" in capsys.readouterr().err
+
+
+def test_an_out_folder_under_a_file_is_refused_before_any_work(long_folder, tmp_path):
+    """It failed with a bare '[Errno 20] Not a directory' once the work was done (or at its first write)."""
+    from slimkv.eval import positions
+    from slimkv.retrieval import runs
+
+    under = tmp_path / "prose.txt" / "results"
+    message = rf"--out {under} cannot be created: {tmp_path / 'prose.txt'} is a file, not a folder"
+    with pytest.raises(ValueError, match=message):
+        niah(long_folder, out_dir=under)
+    with pytest.raises(ValueError, match=message):
+        runs.niah_report(tmp_path / "no-run", tasks=["s1"], lengths="1x", depths="0.5", samples=1, max_new_tokens=4, seed=0, batch_size=1, out_dir=under)
+    with pytest.raises(ValueError, match=message):
+        positions.positions_report(tmp_path / "no-run", length="2x", buckets=2, max_sequences=1, batch_size=1, out_dir=under)
