@@ -235,7 +235,7 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     budget_s = None if budget_minutes is None else budget_minutes * 60 - (time.perf_counter() - started)
     run, skipped = plan([dict(cells[k], id=k) for k in pending], budget_s)
     say(f"{len(finished)} of {len(cells)} cells finished before; {len(run)} to run, about {sum(c['estimate_s'] for c in run) / 60:.1f} min "
-        f"({limit} prompts each, upper bound from the timed prompt)" + (f", within --budget-minutes {budget_minutes}" if budget_minutes else ""))
+        f"({limit} prompts each, upper bound from the timed prompt)" + (f", within --budget-minutes {budget_minutes:.1f}" if budget_minutes else ""))
     for cell in run:
         say(f"  run   {cell['id']}: ~{cell['estimate_s'] / 60:.1f} min")
     for cell in skipped:
@@ -263,6 +263,7 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
                         "lm_eval_results": str(results_path.relative_to(out_dir)), "lm_eval_samples": str(samples_path.relative_to(out_dir))})
         write_json(cell_dir / CELL_FILE, {"settings": cell["settings"], "summary": summary, "probe": measured, "machine": machine_info()})
         report["cells"][cell["id"]] = summary
+        report["cells"] = {k: report["cells"][k] for k in cells if k in report["cells"]}  # grid order, resumed cells included
         write_summary(report, out_dir)
         bar.update()
         bar.set_postfix_str(f"{cell['id']} {summary['score']:.2f}")
