@@ -58,6 +58,9 @@ class LayerContext:
     # per probed plan, the KL (nats/token) of the model with this layer alone converted as that plan
     # says (``slimkv.convert.sensitivity``); measured only for a method whose settings ask for it
     sensitivity: list[float] | None = None
+    # per role score (``slimkv.convert.roles.SCORES``), one value per KV head of this layer; measured
+    # only for a method that reads roles (``Conversion.measure``)
+    roles: dict[str, list[float]] | None = None
 
     def affine(self) -> AffineLayer:
         """The layer's projections as maps of x' = [x; 1] with their moments (module docstring);

@@ -15,7 +15,9 @@ receives them as keyword arguments), be sized by its options instead of a cache 
 A method whose plan reads measured per-layer sensitivities gives ``probe_plans(layers, ratio,
 **settings)``: the plans of the models to probe (``None`` when the settings do not ask for it);
 each of their layers alone is then swapped into the original (``convert.sensitivity``) and
-``plan`` reads ``LayerContext.sensitivity`` (one KL per probed plan).
+``plan`` reads ``LayerContext.sensitivity`` (one KL per probed plan). A method whose plan reads the
+original's head roles gives ``measure(source, settings, calib=, seed=, progress=)``
+(``convert.roles``), whose scores ``plan`` reads in ``LayerContext.roles``.
 
 ``LayerContext`` hands a method one source layer in slimkv's conventions (``slimkv.convert.source``)
 with its calibration statistics. The numerics of the built-in methods live in their own modules
@@ -31,7 +33,7 @@ from typing import Any
 
 from slimkv.common.checks import close_matches
 from slimkv.common.spec import parse_item, split_items
-from slimkv.convert import gqa, kvm, latent, lrkv, mla, streaming
+from slimkv.convert import gqa, hybrid, kvm, latent, lrkv, mla, streaming
 from slimkv.convert.context import LayerContext, LayerFit
 from slimkv.convert.source import Shape
 
@@ -54,9 +56,11 @@ class Conversion:
     check: Callable[[Shape, dict[str, Any]], None] | None = None
     sized_by_ratio: bool = True
     refine: Callable[..., dict[str, Any]] | None = None
-    refine_text: Callable[[dict[str, Any]], tuple[int, int]] | None = None  # (tokens, window) ``refine`` samples from the calibration text
+    text_demand: Callable[[dict[str, Any], Shape], tuple[int, int]] | None = None  # (tokens, window) ``refine`` or ``measure`` reads from the calibration text, checked before any work
     distances: bool = True  # whether the fit reads the attention-distance statistics (the costly part of calibration)
     probe_plans: Callable[..., list[list[dict[str, Any]]] | None] | None = None  # plans whose layers are probed one by one
+    measure: Callable[..., dict[str, Any]] | None = None  # head roles of the original (``convert.roles``), before ``plan``
+    ratio_floor: Callable[[Shape, dict[str, Any]], float] | None = None  # the smallest ratio under these settings (else ``min_ratio``)
 
 
 CONVERSIONS: dict[str, Conversion] = {}
@@ -66,13 +70,15 @@ def register_conversion(name: str, *, kind: str, plan: Callable, fit: Callable, 
                         options: Callable[[Shape], dict[str, Any]] = lambda shape: {}, description: str = "",
                         settings: dict[str, Any] | None = None, check: Callable[[Shape, dict[str, Any]], None] | None = None,
                         sized_by_ratio: bool = True, refine: Callable[..., dict[str, Any]] | None = None,
-                        refine_text: Callable[[dict[str, Any]], tuple[int, int]] | None = None, distances: bool = True,
-                        probe_plans: Callable[..., list[list[dict[str, Any]]] | None] | None = None) -> None:
+                        text_demand: Callable[[dict[str, Any], Shape], tuple[int, int]] | None = None, distances: bool = True,
+                        probe_plans: Callable[..., list[list[dict[str, Any]]] | None] | None = None,
+                        measure: Callable[..., dict[str, Any]] | None = None,
+                        ratio_floor: Callable[[Shape, dict[str, Any]], float] | None = None) -> None:
     """Add a conversion method (``slimkv convert --to NAME``; the module docstring)."""
     if name in CONVERSIONS:
         raise ValueError(f"conversion method {name!r} is already registered")
-    CONVERSIONS[name] = Conversion(name, kind, min_ratio, plan, fit, options, description, dict(settings or {}), check, sized_by_ratio, refine, refine_text, distances,
-                                   probe_plans)
+    CONVERSIONS[name] = Conversion(name, kind, min_ratio, plan, fit, options, description, dict(settings or {}), check, sized_by_ratio, refine, text_demand, distances,
+                                   probe_plans, measure, ratio_floor)
 
 
 def get_conversion(name: str) -> Conversion:
@@ -126,13 +132,13 @@ register_conversion(
 )
 register_conversion(
     "kvm", kind="kvm", plan=kvm.plan, fit=kvm.fit_layer, settings=kvm.METHOD_OPTIONS, check=kvm.check_options, sized_by_ratio=False,
-    refine=kvm.attention_transfer, refine_text=kvm.transfer_demand,
+    refine=kvm.attention_transfer, text_demand=lambda settings, shape: kvm.transfer_demand(settings),
     description="key-value means: exact window + bounded state of key/value means (partial RoPE, attention transfer); no --cache-ratio",
 )
 register_conversion(
     "mla+kvm", kind="mla-kvm", min_ratio=mla.min_ratio, plan=kvm.plan_latent, fit=kvm.fit_latent_layer,
     options=lambda shape: {"latent_norm": False}, settings=kvm.LATENT_OPTIONS, check=kvm.check_latent_options,
-    refine=kvm.attention_transfer, refine_text=kvm.transfer_demand,
+    refine=kvm.attention_transfer, text_demand=lambda settings, shape: kvm.transfer_demand(settings),
     description="mla's latent rows for the window, KVM's bounded state of latent means for the past (attention transfer); --cache-ratio sizes the rows",
 )
 register_conversion(
@@ -144,6 +150,12 @@ register_conversion(
     "streaming", kind="streaming", plan=streaming.plan, fit=streaming.fit_layer, settings=streaming.METHOD_OPTIONS, check=streaming.check_options,
     sized_by_ratio=False, distances=False,
     description="attention sinks + sliding window (StreamingLLM), weights unchanged: the bounded-memory baseline; no --cache-ratio",
+)
+register_conversion(
+    "hybrid", kind="hybrid", plan=hybrid.plan, fit=hybrid.fit_layer, settings=hybrid.METHOD_OPTIONS, check=hybrid.check_options, distances=False,
+    measure=hybrid.measure_roles, ratio_floor=hybrid.ratio_floor, text_demand=hybrid.text_demand,
+    description="per-head cache roles: the KV heads that retrieve (measured on copy contexts) keep every token, the rest sinks + a window; "
+                "weights unchanged; --cache-ratio is the budget at `at` tokens",
 )
 register_conversion(
     "gqa", kind="gqa", min_ratio=gqa.min_ratio,

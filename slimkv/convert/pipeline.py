@@ -34,6 +34,8 @@ from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfig, check_heal_text, check_resumable, heal
 from slimkv.convert.methods import Conversion, LayerContext, parse_method
+from slimkv.convert.roles import SCORES as ROLE_SCORES
+from slimkv.convert.roles import plot_head_roles
 from slimkv.convert.source import Shape, Source, check_convertible, copy_shared_weights, exact_copy, slimkv_config
 from slimkv.data.texts import (
     MIXED_CALIBRATION,
@@ -52,6 +54,7 @@ OUTPUT_NAMES = ("config.json", "model.safetensors", "generation_config.json", "t
 FORMAT = "slimkv-converted"
 FORMAT_VERSION = 1
 EXPORTS = ("deepseek",)
+HEAD_ROLES_PLOT = "head_roles.png"  # the measured roles as a layer x KV head heatmap, beside a model whose method measured them
 
 
 @dataclass
@@ -105,7 +108,7 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
     method, settings = parse_method(options.method)
     if method.check is not None:
         method.check(shape, settings, heal_cfg.seq_len if heal_cfg is not None else None)
-    minimum = method.min_ratio(shape)
+    minimum = method.ratio_floor(shape, settings) if method.ratio_floor is not None else method.min_ratio(shape)
     if method.sized_by_ratio and options.cache_ratio < minimum:
         raise ValueError(f"--cache-ratio {options.cache_ratio} is below what --to {options.method} can represent for this model: "
                          f"the minimum is {minimum:.4f} ({method.description})")
@@ -113,8 +116,8 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     sources = calibration_sources(options.calib)
     check_calibration_size(tokenizer, sources, options.calib_tokens, options.calib_seq_len)
-    if method.refine_text is not None:
-        check_calibration_size(tokenizer, sources, *method.refine_text(settings))
+    if method.text_demand is not None:
+        check_calibration_size(tokenizer, sources, *method.text_demand(settings, shape))
     if heal_cfg is not None:
         check_heal_text(tokenizer, heal_cfg)
 
@@ -156,6 +159,9 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     inv_freq = source.rotary_inv_freq()
     layers = [LayerContext(i, shape, source.attention(i), stats[i], inv_freq) for i in range(shape.n_layers)]
     measured_sensitivity = measure_sensitivity(source, method, layers, options.cache_ratio, settings, windows, progress)
+    roles = method.measure(source, settings, calib=options.calib, seed=options.seed, progress=progress) if method.measure is not None else None
+    for layer in layers if roles is not None else ():
+        layer.roles = {name: roles[name][layer.index] for name in ROLE_SCORES}
     plan, allocation = method.plan(layers, options.cache_ratio, **settings)
     planned = time.perf_counter()
     model, layer_info, changed = build_converted(source, method, layers, plan)
@@ -176,6 +182,7 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
         "refinement": refined,
         "allocation": allocation,
         "sensitivity": measured_sensitivity,
+        "head_roles": roles,
         "layers": layer_info,
         "changed_parameters": changed,
         "calibration": {
@@ -246,6 +253,8 @@ def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str,
             manifest = {**manifest, CONVERSION_KEY: weights_fingerprint(folder)}
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
+        if manifest.get("head_roles"):
+            plot_head_roles(manifest["head_roles"], folder / HEAD_ROLES_PLOT)
         if manifest["options"].get("export") == "deepseek":
             manifest = {**manifest, "export": export_deepseek(model, tokenizer, folder / EXPORT_FOLDER)}
         write_json(folder / CONVERTED_MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, **CONVERTED_FOLDER.file_record(folder)})

@@ -1,0 +1,104 @@
+"""``hybrid``: per-head cache roles. The KV heads listed in ``full_heads`` keep every token (the
+heads that copy from far back: retrieval heads); the others keep attention sinks and a sliding
+window (StreamingLLM), so their cache stops growing. The weights are GQA's; only what each KV head
+remembers differs (DuoAttention's split of retrieval and streaming heads, Xiao et al. 2024).
+
+Query head h reads KV head h // (n_heads / n_kv_heads), as in GQA, so a KV head's role is its
+query heads' too. ``convert --to hybrid`` chooses the roles from measured retrieval scores
+(``slimkv.convert.roles``). Positions are the tokens' own in both roles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slimkv.attention.base import Presets, register_attention
+from slimkv.attention.mha import MultiHeadAttention
+from slimkv.attention.streaming import StreamingCache, streaming_attention, streaming_attention_reference
+from slimkv.common.buffer import GrowableBuffer, dtype_bytes
+from slimkv.common.checks import check_int
+from slimkv.ops.attention import attend
+
+
+class HybridCache(StreamingCache):
+    """The full heads' keys/values for every token, and the streaming heads' sinks and window
+    (``StreamingCache``'s buffers, over the streaming heads only)."""
+
+    def __init__(self, owner_spec: tuple, batch_size: int, full_heads: int, streaming_heads: int, head_dim: int, sink_len: int, window: int, *,
+                 dtype, device) -> None:
+        super().__init__(owner_spec, batch_size, streaming_heads, head_dim, sink_len, window, dtype=dtype, device=device)
+        self.full_k, self.full_v = (GrowableBuffer(batch_size, full_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+
+    def tensors(self):
+        return iter((self.full_k, self.full_v, *super().tensors()))
+
+
+class HybridAttention(MultiHeadAttention):
+    """``hybrid``: KV heads ``full_heads`` exact, the rest ``sink_len`` sinks + a ``window``."""
+
+    kind = "hybrid"
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int | None = None, *, full_heads: list[int], window: int, sink_len: int = 4,
+                 n_kv_heads: int | None = None, **common) -> None:
+        check_int("window", window, 1)
+        check_int("sink_len", sink_len, 0)
+        super().__init__(d_model, n_heads, head_dim, n_kv_heads=n_kv_heads, **common)
+        heads = list(full_heads) if isinstance(full_heads, (list, tuple)) else None
+        if heads is None or any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < self.n_kv_heads for h in heads) \
+                or len(set(heads)) != len(heads):
+            raise ValueError(f"full_heads={full_heads!r} must be a list of distinct KV head indices from 0 to {self.n_kv_heads - 1}")
+        self.window, self.sink_len, self.full_heads = window, sink_len, sorted(heads)
+        self.streaming_heads = [g for g in range(self.n_kv_heads) if g not in self.full_heads]
+        group = self.n_heads // self.n_kv_heads
+        self._full_queries = [g * group + j for g in self.full_heads for j in range(group)]
+        self._streaming_queries = [g * group + j for g in self.streaming_heads for j in range(group)]
+
+    def cache_spec(self) -> tuple:
+        return super().cache_spec() + (self.sink_len, tuple(self.full_heads))
+
+    def new_cache(self, batch_size: int, dtype=None, device=None) -> HybridCache:
+        b, dtype, device = self._cache_args(batch_size, dtype, device)
+        return HybridCache(self.cache_spec(), b, len(self.full_heads), len(self.streaming_heads), self.head_dim, self.sink_len, self.window,
+                           dtype=dtype, device=device)
+
+    def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
+        kept = min(seq_len, self.sink_len) + min(max(seq_len - self.sink_len, 0), self.window - 1)
+        rows = seq_len * len(self.full_heads) + kept * len(self.streaming_heads)
+        return batch_size * rows * 2 * self.head_dim * dtype_bytes(dtype)
+
+    def _forward(self, x: torch.Tensor, cache: HybridCache | None) -> torch.Tensor:
+        start = cache.seq_len if cache is not None else 0
+        q, k, v = self.project_qkv(x, start)  # (b, H, t, d), (b, G, t, d)
+        b, t = x.shape[:2]
+        out = q.new_empty(b, self.n_heads, t, self.head_dim)
+        if self.full_heads:
+            kf, vf = k[:, self.full_heads], v[:, self.full_heads]
+            if cache is not None:
+                kf, vf = cache.full_k.append(kf.detach()), cache.full_v.append(vf.detach())
+            out[:, self._full_queries] = attend(q[:, self._full_queries], kf, vf, backend=self.backend)
+        q_pos = torch.arange(start, start + t, device=x.device)
+        ks, vs = k[:, self.streaming_heads], v[:, self.streaming_heads]
+        keys, values, k_pos = ks, vs, q_pos
+        if cache is not None:
+            k_pos = torch.cat((cache.positions(), q_pos))
+            keys = torch.cat((cache.sink_k.view(), cache.recent_k.view(), ks), dim=2)
+            values = torch.cat((cache.sink_v.view(), cache.recent_v.view(), vs), dim=2)
+            cache.add(ks, vs)
+        if self.streaming_heads:
+            run = streaming_attention_reference if self.backend == "reference" else streaming_attention
+            out[:, self._streaming_queries] = run(q[:, self._streaming_queries], keys, values, q_pos, k_pos, self.sink_len, self.window)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", sink_len={self.sink_len}, full_heads={self.full_heads}"
+
+
+register_attention(
+    "hybrid",
+    HybridAttention,
+    example_options=[{"n_kv_heads": 2, "full_heads": [1], "window": 4, "sink_len": 2}, {"full_heads": [0, 2], "window": 1, "sink_len": 1},
+                     {"n_kv_heads": 2, "full_heads": [], "window": 5, "sink_len": 0}, {"n_kv_heads": 2, "full_heads": [0, 1], "window": 3}],
+    description="per-head cache roles: listed KV heads keep every token, the others sinks + a window (DuoAttention-style)",
+    presets=Presets(comparable=lambda shape, explicit: ({"full_heads": [0], "window": max(1, shape.seq_len // 2), "sink_len": 4},
+                                                        "KV head 0 exact, the rest a window of seq_len / 2 and 4 sinks")),
+)

@@ -1,0 +1,103 @@
+"""Pretrained GQA -> ``hybrid`` (per-head cache roles): the KV heads that retrieve keep every token,
+the others keep attention sinks and a window; the weights are the original's, unchanged.
+
+1. **Roles, measured** (``convert.roles``): every (layer, KV head) of the original gets a
+   retrieval score on copy contexts built from the calibration prose (no evaluation template).
+2. **The budget.** ``--cache-ratio R`` is the kept fraction of the original cache at ``at``
+   tokens (default: the model's positions, at most 8192). With T KV heads in all, N = ``at`` and
+   K the tokens a streaming head keeps at N (sinks + window - 1), k exact heads cost
+   (k N + (T - k) K) / (T N) of the original: the largest k within R are exact.
+3. **Which heads.** The k highest-scoring heads over all layers (``score``: ``window_loss``, the
+   output change a window alone causes, or ``copy_mass``) are exact; the rest stream.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from slimkv.common.checks import check_choice, check_int
+from slimkv.convert.context import LayerContext, LayerFit
+from slimkv.convert.roles import SCORES, copy_contexts, measure_head_roles
+from slimkv.convert.source import Shape, Source, gqa_state
+from slimkv.data.texts import calibration_sources
+
+METHOD_OPTIONS = {"window": 256, "sink_len": 4, "at": None, "score": "window_loss", "roles_seq_len": None, "roles_contexts": 2}
+MAX_AT = 8192
+ROLES_SEQ_LEN = 2048
+
+
+def budget_length(shape: Shape, options: dict[str, Any]) -> int:
+    """N, the context the budget is measured at."""
+    return options["at"] if options["at"] is not None else min(MAX_AT, shape.max_position_embeddings)
+
+
+def streaming_tokens(length: int, options: dict[str, Any]) -> int:
+    """Tokens a streaming head keeps after ``length`` tokens (as ``HybridAttention``'s cache)."""
+    sinks = min(length, options["sink_len"])
+    return sinks + min(max(length - sinks, 0), options["window"] - 1)
+
+
+def ratio_floor(shape: Shape, options: dict[str, Any]) -> float:
+    """The smallest ratio: every head streaming."""
+    length = budget_length(shape, options)
+    return streaming_tokens(length, options) / length
+
+
+def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
+    """Every ``--to hybrid`` option, before any work: ValueError naming the option."""
+    positions = shape.max_position_embeddings
+    check_int("--to hybrid: window", options["window"], 1, positions - 1)
+    check_int("--to hybrid: sink_len", options["sink_len"], 0, positions - 1)
+    check_choice("--to hybrid: score", options["score"], SCORES)
+    check_int("--to hybrid: roles_contexts", options["roles_contexts"], 1)
+    if options["at"] is not None:
+        check_int("--to hybrid: at", options["at"], options["window"] + options["sink_len"] + 1, positions)
+    if options["roles_seq_len"] is not None:
+        check_int("--to hybrid: roles_seq_len", options["roles_seq_len"], 4 * options["window"], positions)
+    elif min(ROLES_SEQ_LEN, positions) < 4 * options["window"]:
+        raise ValueError(f"--to hybrid: window={options['window']} is too long to measure roles in this model's {positions} positions "
+                         f"(copy contexts of {min(ROLES_SEQ_LEN, positions)} tokens need a window of at most a quarter of them)")
+
+
+def roles_length(shape: Shape, options: dict[str, Any]) -> int:
+    """The length of the copy contexts the roles are measured on."""
+    return options["roles_seq_len"] or min(ROLES_SEQ_LEN, shape.max_position_embeddings)
+
+
+def text_demand(options: dict[str, Any], shape: Shape) -> tuple[int, int]:
+    """(tokens, window) of calibration prose the copy contexts need, checked before any work: 2 x
+    their length in all, taken as ``check_calibration_size`` counts it (in windows of a quarter of
+    it, so every source of a mix can give its share)."""
+    length = roles_length(shape, options)
+    return 2 * length, max(2, length // 4)
+
+
+def measure_roles(source: Source, options: dict[str, Any], *, calib: str, seed: int, progress: bool = True) -> dict[str, Any]:
+    """Step 1: both role scores of every (layer, KV head) on copy contexts from the calibration text."""
+    length = roles_length(source.shape, options)
+    documents = [doc for _name, docs in calibration_sources(calib) for doc in docs]
+    contexts = copy_contexts(source.loaded.tokenizer, documents, length, options["roles_contexts"], seed + 2)
+    return measure_head_roles(source.model, contexts, sink_len=options["sink_len"], window=options["window"], progress=progress)
+
+
+def plan(layers: list[LayerContext], ratio: float, **options: Any) -> tuple[list[dict[str, Any]], str]:
+    """Steps 2-3 of the module docstring: per layer, the KV heads that keep every token."""
+    shape = layers[0].shape
+    length, kept = budget_length(shape, options), streaming_tokens(budget_length(shape, options), options)
+    total = shape.n_layers * shape.n_kv_heads
+    exact = max(0, min(total, math.floor((ratio * total * length - total * kept) / (length - kept) + 1e-9)))
+    ranked = sorted(((layer.roles[options["score"]][g], layer.index, g) for layer in layers for g in range(shape.n_kv_heads)), reverse=True)
+    chosen = {(i, g) for _score, i, g in ranked[:exact]}
+    plans = [{"full_heads": [g for g in range(shape.n_kv_heads) if (layer.index, g) in chosen], "window": options["window"],
+              "sink_len": options["sink_len"]} for layer in layers]
+    achieved = (exact * length + (total - exact) * kept) / (total * length)
+    return plans, (f"{exact} of {total} KV heads keep every token (the highest {options['score']}), the others {options['sink_len']} sinks and a "
+                   f"window of {options['window']}: {achieved:.4f} of the original cache at {length} tokens (asked {ratio})")
+
+
+def fit_layer(layer: LayerContext, options: dict[str, Any]) -> LayerFit:
+    """The original layer's weights; the roles decide only what each KV head caches."""
+    layer_opts = {"n_kv_heads": layer.shape.n_kv_heads, "full_heads": list(options["full_heads"]), "window": options["window"],
+                  "sink_len": options["sink_len"]}
+    return LayerFit(gqa_state(layer.weights, layer.shape.qkv_bias), [], {"full_heads": list(options["full_heads"])}, layer_opts)

@@ -1,0 +1,99 @@
+"""``convert --to hybrid`` and the head-role measurement (``convert.roles``): a head that attends to
+the first copy scores as a retrieval head and a local one does not, the contexts use no evaluation
+template, the plan meets the budget with the best-scoring heads, a window covering the sequence is
+the original, and bad options fail before any work."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from slimkv.convert import hybrid
+from slimkv.convert.context import LayerContext
+from slimkv.convert.pipeline import HEAD_ROLES_PLOT, check_before_work, convert_pretrained
+from slimkv.convert.roles import FORMATS, CopyContext, copy_contexts, layer_scores
+from slimkv.eval.cache import cache_report
+from slimkv.eval.models import load_language_model
+from slimkv.pretrained.loading import CONVERTED_MANIFEST
+from tests.compress.conftest import char_tokenizer
+from tests.convert.conftest import CALIB
+from tests.convert.test_kvm import kvm_options
+
+
+def test_a_copying_head_scores_high_and_a_local_head_low():
+    length, d, heads = 64, 4, 2
+    context = CopyContext("word-list", torch.zeros(length, dtype=torch.long), slice(8, 16), slice(56, 64))
+    weights = torch.zeros(heads, length, length)
+    for q in range(length):
+        weights[1, q, q] = 1.0  # head 1 (KV head 1): attends to itself, a local head
+        source = q - 48 if 56 <= q < 64 else q
+        weights[0, q, source] = 1.0  # head 0 (KV head 0): reads the first copy while reading the repeat
+    values = torch.randn(heads, length, d, generator=torch.Generator().manual_seed(0))
+    copy_mass, window_loss = layer_scores(weights, values, torch.eye(heads * d), context, sink_len=1, window=4)
+    assert copy_mass.tolist() == pytest.approx([1.0, 0.0])
+    assert window_loss[0] > 0.5 and window_loss[1] == pytest.approx(0.0)
+
+
+def test_copy_contexts_repeat_their_source_far_back_in_every_format():
+    tokenizer = char_tokenizer()
+    contexts = copy_contexts(tokenizer, [CALIB], 400, 2, seed=0)
+    assert [c.format for c in contexts] == [f for f in FORMATS for _ in range(2)]
+    for c in contexts:
+        assert c.ids.numel() == 400 and torch.equal(c.ids[c.source], c.ids[c.copy])
+        assert c.copy.start - c.source.stop >= 200
+    text = "".join(tokenizer.decode(c.ids.tolist()) for c in contexts).lower()
+    assert "pass key" not in text and "passkey" not in text and "magic number" not in text and "needle" not in text
+
+
+def layers_with_scores(scores: list[list[float]], shape) -> list[LayerContext]:
+    return [LayerContext(i, shape, None, None, None, roles={"window_loss": row, "copy_mass": row}) for i, row in enumerate(scores)]
+
+
+def test_the_plan_keeps_the_best_heads_the_budget_allows(tiny_folder, tmp_path):
+    from tests.compress.conftest import tiny_model
+    from tests.convert.test_methods import contexts
+
+    source, _ = contexts(tiny_model("llama"))
+    shape = source.shape  # 2 layers x 2 KV heads, 128 positions
+    options = {**hybrid.METHOD_OPTIONS, "window": 8, "sink_len": 2}
+    layers = layers_with_scores([[0.1, 0.9], [0.5, 0.2]], shape)
+    kept = hybrid.streaming_tokens(128, options)  # 2 sinks + 7 window tokens
+    for ratio in (0.2, 0.5, 0.8):
+        plans, text = hybrid.plan(layers, ratio, **options)
+        exact = sum(len(p["full_heads"]) for p in plans)
+        assert (exact * 128 + (4 - exact) * kept) / (4 * 128) <= ratio < ((exact + 1) * 128 + (3 - exact) * kept) / (4 * 128)
+        best = sorted(((s, i, g) for i, row in enumerate([[0.1, 0.9], [0.5, 0.2]]) for g, s in enumerate(row)), reverse=True)[:exact]
+        assert {(i, g) for _s, i, g in best} == {(i, g) for i, p in enumerate(plans) for g in p["full_heads"]}
+    assert math.isclose(hybrid.ratio_floor(shape, options), kept / 128)
+
+
+def test_end_to_end_the_roles_are_recorded_and_a_long_window_is_the_original(tiny_folder, tmp_path):
+    out = tmp_path / "out"
+    method = "hybrid:window=30,sink_len=2,roles_contexts=1"
+    model, manifest = convert_pretrained(str(tiny_folder), kvm_options(tmp_path, method, cache_ratio=0.9), out, progress=False)
+    stored = json.loads((out / CONVERTED_MANIFEST).read_text())
+    roles = stored["head_roles"]
+    assert len(roles["window_loss"]) == 2 and len(roles["window_loss"][0]) == 2 and roles["contexts"] == dict.fromkeys(FORMATS, 1)
+    assert (out / HEAD_ROLES_PLOT).stat().st_size > 1000 and HEAD_ROLES_PLOT in stored["files"]
+    assert stored["changed_parameters"] == [] and stored["achieved_cache_ratio"] is None
+    reloaded = load_language_model(str(out))
+    original = load_language_model(str(tiny_folder))
+    ids = torch.randint(3, 99, (1, 30))  # no longer than the window: nothing is forgotten
+    with torch.no_grad():
+        assert torch.allclose(reloaded.model(ids).logits, original.model(ids).logits, atol=1e-4)
+    report = cache_report(str(out), 120, new_tokens=4, text=str(tmp_path / "held.txt"))
+    assert report["model"]["bytes_per_token"] < report["original"]["bytes_per_token"]  # the streaming heads forget past their window
+
+
+@pytest.mark.parametrize("method, ratio, message", [
+    ("hybrid:window=8,score=bogus", 0.5, r"--to hybrid: score=.bogus. is not allowed"),
+    ("hybrid:window=8,at=4", 0.5, r"--to hybrid: at must be an integer >= 13"),
+    ("hybrid:window=64", 0.5, r"window=64 is too long to measure roles"),
+    ("hybrid:window=8,sink_len=2", 0.01, r"--cache-ratio 0.01 is below what --to hybrid:window=8,sink_len=2 can represent"),
+])
+def test_bad_options_fail_before_any_work(tiny_folder, tmp_path, no_loading, method, ratio, message):
+    with pytest.raises(ValueError, match=message):
+        check_before_work(str(tiny_folder), kvm_options(tmp_path, method, cache_ratio=ratio), tmp_path / "out")
