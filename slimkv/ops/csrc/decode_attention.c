@@ -25,7 +25,9 @@
  *   whole rows (block_rows_avx512); any other widths and group counts (MLA's latent rows, LRKV's
  *   rows, 9 query heads per key head) take tiles over 16-float chunks (attend_item_wide).
  * - "avx2" (decode_avx2.h, AVX2 and FMA without AVX-512): tiles over 8-float chunks sized for 16
- *   vector registers, for every width (attend_item_avx2).
+ *   vector registers, for every width, when several query rows share a key/value head (GQA, MQA,
+ *   MLA, LRKV: attend_item_avx2), and for bfloat16 rows always; float32 rows with one query row per
+ *   head (MHA, latent) take attend_item, which measured faster there (nothing shares a key chunk).
  * - "portable": attend_item below, plain C written for the compiler to vectorize (any CPU).
  *
  * Threads: the (batch, kv_head) pairs are split over ``threads`` POSIX threads (1: the caller's).
@@ -217,7 +219,12 @@ static void *run_job(void *arg) {
     DISPATCH_AVX512(8, 8)
     DISPATCH_TILED(attend_item_wide)
 #elif defined(SLIMKV_PATH_AVX2)
-    DISPATCH_TILED(attend_item_avx2)
+#ifndef SLIMKV_BF16
+    if (job->groups > 1) /* float32 rows with one query row per head (MHA) ran faster in attend_item here */
+#endif
+    {
+        DISPATCH_TILED(attend_item_avx2)
+    }
 #endif
     DISPATCH(64, 64)
     DISPATCH(32, 32)
