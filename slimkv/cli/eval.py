@@ -269,6 +269,9 @@ def _eval(args: argparse.Namespace) -> int:
         task_args = task_parser(args.target).parse_args(args.rest)
         return int(task_args.task_run(task_args) or 0)
     options = lm_eval_parser().parse_args(args.rest)
+    for flag in ("max_tokens", "context", "batch_size"):
+        if getattr(options, flag) is not None:
+            check_int(f"--{flag.replace('_', '-')}", getattr(options, flag), 1)
     evaluate_run(args.target, max_tokens=options.max_tokens, context=options.context, batch_size=options.batch_size, seed=options.seed, progress=not options.no_progress)
     return 0
 

@@ -22,7 +22,7 @@ import torch
 
 from slimkv.attention import build_attention
 from slimkv.common.checks import check_float, check_int
-from slimkv.common.files import write_json
+from slimkv.common.files import check_file_target, write_json
 from slimkv.data.texts import evaluation_text
 from slimkv.scoring import eval_windows, lm_metrics, score_windows
 from slimkv.train.checkpoint import load_run
@@ -130,6 +130,7 @@ def evaluate_run(
     if context is not None:
         check_int("context", context, 1)
     model, cfg, dataset = load_run(run_dir)
+    check_file_target(run_dir / EVAL_FILE, "RUN_DIR")  # a folder in its place fails now, not after the work
     context = cfg.seq_len if context is None else context
     check_int("context", context, 1)
     batch_size = batch_size or cfg.batch_size

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from slimkv.common.checks import check_int
-from slimkv.common.files import check_folder_target, check_writable, save_figure, write_json
+from slimkv.common.files import check_file_target, check_folder_target, check_writable, save_figure, write_json
 from slimkv.common.plotting import new_figure
 from slimkv.scoring import eval_windows
 from slimkv.train.checkpoint import load_run
@@ -79,6 +79,9 @@ def positions_report(run_dir: str | Path, *, length: str, buckets: int, max_sequ
         check_folder_target(out_dir)
         check_writable(out_dir)
     model, cfg, dataset = load_run(run_dir)
+    target = Path(out_dir) if out_dir is not None else run_dir
+    for name in (RESULT_FILE, PLOT_FILE):  # a folder in their place fails now, not after the work
+        check_file_target(target / name, "--out" if out_dir is not None else "RUN_DIR")
     total = parse_length(length, cfg.seq_len)
     bucket_edges(total, buckets)
     windows = eval_windows(dataset.val, total, max_sequences)
@@ -100,10 +103,9 @@ def positions_report(run_dir: str | Path, *, length: str, buckets: int, max_sequ
         "mean_nll_beyond_train_len": float(beyond.mean()) if beyond.numel() else None,
         "position_convention": "position p predicts token p+1 from the p+1 tokens before it",
     }
-    out_dir = Path(out_dir) if out_dir is not None else run_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / RESULT_FILE, report)
-    plot_positions([report], out_dir / PLOT_FILE)
+    target.mkdir(parents=True, exist_ok=True)
+    write_json(target / RESULT_FILE, report)
+    plot_positions([report], target / PLOT_FILE)
     return report
 
 

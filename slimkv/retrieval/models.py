@@ -27,7 +27,15 @@ import torch
 from tqdm import tqdm
 
 from slimkv.common.checks import check_float, check_int
-from slimkv.common.files import check_folder_target, check_writable, read_json, save_figure, write_json, write_text
+from slimkv.common.files import (
+    check_file_target,
+    check_folder_target,
+    check_writable,
+    read_json,
+    save_figure,
+    write_json,
+    write_text,
+)
 from slimkv.common.plotting import new_figure
 from slimkv.data.ruler_needles import value_found
 from slimkv.data.texts import evaluation_text, text_sha256
@@ -183,6 +191,8 @@ def evaluate(
     out_dir = Path(out_dir)
     check_folder_target(out_dir)
     check_writable(out_dir)
+    for name in (RESULT_FILE, TABLE_FILE, PLOT_FILE) + ((PROMPTS_FILE,) if export_prompts else ()):  # a folder in their place fails now, not after the work
+        check_file_target(out_dir / name, "--out")
     loaded = load_language_model(model)
     lengths = list(lengths or default_lengths(loaded.model))
     haystack_text = evaluation_text(haystack)

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from slimkv.common.checks import check_int
-from slimkv.common.files import check_folder_target, check_writable, save_figure, write_json
+from slimkv.common.files import check_file_target, check_folder_target, check_writable, save_figure, write_json
 from slimkv.common.plotting import new_figure
 from slimkv.data.ruler_needles import NEUTRAL_TEXT, NeedleBuilder, NeedleDocument, random_key, random_value, value_found
 from slimkv.train.checkpoint import load_run
@@ -206,6 +206,9 @@ def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: 
         check_folder_target(out_dir)
         check_writable(out_dir)
     model, cfg, dataset = load_run(run_dir)
+    target = Path(out_dir) if out_dir is not None else run_dir
+    for name in (RESULT_FILE, PLOT_FILE):  # a folder in their place fails now, not after the work
+        check_file_target(target / name, "--out" if out_dir is not None else "RUN_DIR")
     length_list, depth_list = parse_lengths(lengths, cfg.seq_len), parse_depths(depths)
     results = evaluate_niah(model, dataset, tasks=tasks, lengths=length_list, depths=depth_list, samples=samples, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, progress=progress)
     report = {
@@ -227,10 +230,9 @@ def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: 
         "seed": seed,
         "tasks": results,
     }
-    out_dir = Path(out_dir) if out_dir is not None else run_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / RESULT_FILE, report)
-    plot_grids(report, out_dir / PLOT_FILE)
+    target.mkdir(parents=True, exist_ok=True)
+    write_json(target / RESULT_FILE, report)
+    plot_grids(report, target / PLOT_FILE)
     return report
 
 

@@ -306,3 +306,44 @@ def test_an_out_folder_under_a_file_is_refused_before_any_work(long_folder, tmp_
         runs.niah_report(tmp_path / "no-run", tasks=["s1"], lengths="1x", depths="0.5", samples=1, max_new_tokens=4, seed=0, batch_size=1, out_dir=under)
     with pytest.raises(ValueError, match=message):
         positions.positions_report(tmp_path / "no-run", length="2x", buckets=2, max_sequences=1, batch_size=1, out_dir=under)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, tiny_cache) -> Path:
+    """A tiny training run (3 steps on the tiny dataset)."""
+    from slimkv.train import train
+    from tests.train.tiny import one_thread, tiny_config
+
+    run_dir = tmp_path_factory.mktemp("round3") / "run"
+    with pytest.MonkeyPatch.context() as mp, one_thread():
+        mp.setenv("SLIMKV_CACHE", str(tiny_cache))
+        train(tiny_config(steps=3), run_dir, progress=False)
+    return run_dir
+
+
+def test_a_folder_where_a_result_file_goes_fails_before_the_work(trained_run, long_folder, tmp_path, capsys, monkeypatch):
+    """write_json refused it only at the end, after the whole evaluation (or, for niah --model, after the first cell)."""
+    from slimkv.eval import lm
+
+    (tmp_path / "niah").mkdir()
+    (tmp_path / "niah" / retrieval.TABLE_FILE).mkdir()
+    monkeypatch.setattr(retrieval, "generate", lambda *a, **k: pytest.fail("a cell was run"))
+    with pytest.raises(ValueError, match=rf"--out {tmp_path / 'niah' / retrieval.TABLE_FILE} is a folder; give a file path to write to"):
+        niah(long_folder)
+    monkeypatch.setattr(lm, "score_windows", lambda *a, **k: pytest.fail("the run was evaluated"))
+    for argv, name in ((["eval", str(trained_run), "--max-tokens", "64", "--no-progress"], "eval.json"),
+                       (["eval", "positions", str(trained_run), "--length", "2x", "--buckets", "2", "--max-sequences", "1", "--no-progress"], "positions.png"),
+                       (["eval", "niah", str(trained_run), "--tasks", "s1", "--lengths", "1x", "--samples", "1", "--no-progress"], "niah.png")):
+        (trained_run / name).mkdir()
+        try:
+            assert main(argv) == 2
+            assert f"RUN_DIR {trained_run / name} is a folder; give a file path to write to" in capsys.readouterr().err
+        finally:
+            (trained_run / name).rmdir()
+
+
+def test_slimkv_eval_run_dir_names_its_options(trained_run, capsys):
+    """The checks said context / max_tokens / batch_size, the names of the library's arguments."""
+    for flag in ("--context", "--max-tokens", "--batch-size"):
+        assert main(["eval", str(trained_run), flag, "0", "--no-progress"]) == 2
+        assert f"{flag} must be an integer >= 1, got 0" in capsys.readouterr().err
