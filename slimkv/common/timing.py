@@ -76,7 +76,7 @@ def _cpu_facts() -> dict[str, Any]:
     return facts
 
 
-PROVENANCE_PACKAGES = ("torch", "transformers", "numpy", "lm_eval", "optimum-quanto")
+PROVENANCE_PACKAGES = ("torch", "transformers", "numpy", "lm_eval", "optimum-quanto", "hqq")
 
 
 def package_versions(names: tuple[str, ...] = PROVENANCE_PACKAGES) -> dict[str, str | None]:

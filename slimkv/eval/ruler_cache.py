@@ -67,8 +67,8 @@ def check_backends(options: list[str]) -> None:
             except ModuleNotFoundError:
                 found = False
             if not found:
-                raise ImportError(f"--caches {option} needs {package}, which is not installed here; `make ruler-env` installs optimum-quanto "
-                                  f"into .venv-ruler{' (hqq is not part of it: pip install hqq there)' if package == 'hqq' else ''}")
+                raise ImportError(f"--caches {option} needs {package}, which is not installed here; `make ruler-env` installs it (with optimum-quanto "
+                                  "and hqq) into .venv-ruler: use .venv-ruler/bin/slimkv")
 
 
 def check_model_takes(model: torch.nn.Module, options: list[str]) -> None:

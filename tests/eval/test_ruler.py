@@ -19,7 +19,8 @@ from slimkv.eval import ruler, ruler_cache
 from tests.compress.conftest import char_tokenizer
 
 HAS_LM_EVAL = all(importlib.util.find_spec(m) is not None for m in ("lm_eval", "wonderwords", "nltk"))
-HAS_QUANTO = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
+HAS_BACKEND = {"quanto": importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None,
+               "hqq": importlib.util.find_spec("hqq") is not None}
 LAYERS, KV_HEADS, HEAD_DIM = 2, 1, 64
 
 
@@ -79,7 +80,7 @@ def test_missing_packages_say_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("lm_eval", "optimum.quanto", "hqq") else real(name, *a))
     with pytest.raises(ImportError, match=r"lm_eval.*make ruler-env.*\.venv-ruler/bin/slimkv eval ruler"):
         ruler.check_lm_eval()
-    with pytest.raises(ImportError, match="--caches quanto-int2 needs optimum-quanto.*make ruler-env"):
+    with pytest.raises(ImportError, match="--caches quanto-int2 needs optimum-quanto.*make ruler-env.*venv-ruler/bin/slimkv"):
         ruler_cache.check_backends(["none", "quanto-int2"])
     ruler_cache.check_backends(["none", "bfloat16"])
 
@@ -148,12 +149,15 @@ def test_tensor_bytes_counts_each_tensor_once_through_containers():
     assert ruler_cache.tensor_bytes((packed, {"scale": scale, "zero": scale, "nbits": 4})) == 10 + 8
 
 
-@pytest.mark.skipif(not HAS_QUANTO, reason="optimum-quanto not installed: make ruler-env")
-def test_quantized_cache_bytes_count_packed_data_scales_and_the_residual_window():
+@pytest.mark.parametrize("option", ["quanto-int4", "quanto-int2", "hqq-int4"])
+def test_quantized_cache_bytes_count_packed_data_scales_and_the_residual_window(option):
+    backend, nbits = ruler_cache.QUANTIZED[option]
+    if not HAS_BACKEND[backend]:
+        pytest.skip(f"{backend} not installed: make ruler-env")
     model = tiny_llama()
-    row = ruler_cache.probe(model, "quanto-int4", 300, 99, decode_tokens=4)
-    # per token, layer, K or V: 64 channels at 4 bits (32 bytes) and one group's float32 scale and zero point
-    per_token = LAYERS * 2 * KV_HEADS * (HEAD_DIM // 2 + 8)
+    row = ruler_cache.probe(model, option, 300, 99, decode_tokens=4)
+    # per token, layer, K or V: 64 channels at nbits (packed) and one group's float32 scale and zero point
+    per_token = LAYERS * 2 * KV_HEADS * (HEAD_DIM * nbits // 8 + 8)
     assert row["bytes_per_token"] == per_token
     residual = 4 * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4  # 4 decoded tokens kept in float32
     assert row["bytes_per_token_after_decode"] == pytest.approx((300 * per_token + residual) / 304)
