@@ -31,6 +31,7 @@ from slimkv.common.files import (
     check_file_target,
     check_folder_target,
     check_writable,
+    folder_lock,
     read_json,
     save_figure,
     write_json,
@@ -202,37 +203,37 @@ def evaluate(
     settings = {"model": model, "identity": loaded.identity, "weights": weights_record(model), "tasks": [t.name for t in tasks], "lengths": lengths, "depths": depths, "samples": samples,
                 "seed": seed, "haystack": haystack, "haystack_sha256": text_sha256(haystack_text), "dtype": str(next(loaded.model.parameters()).dtype).replace("torch.", "")}
     report = {"settings": settings, "fingerprint": fingerprint(settings), "cells": {}, "cache": {}}
-    path = out_dir / RESULT_FILE
-    if path.is_file():
-        previous = read_results(path)
-        if previous["fingerprint"] != report["fingerprint"]:
-            refuse_resume(path, previous["settings"], settings)
-        report["cells"], report["cache"] = previous["cells"], previous["cache"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if export_prompts:
-        write_json(out_dir / PROMPTS_FILE, {"format": PROMPTS_FORMAT, "model": model, "settings": settings,
-                                            "prompts": [p.to_json() for cell in grid.values() for p in cell]})
-    todo = [key for key in grid if cell_id(*key) not in report["cells"]]
-    bar = tqdm(total=len(grid), initial=len(grid) - len(todo), desc=f"niah {Path(model).name}", unit="cell", disable=not progress)
-    for key in todo:
-        prompts = grid[key]
-        started = time.perf_counter()
-        outputs, measured = generate(loaded, prompts, batch_size)
-        scores = [score_output(p.answers, text) for p, text in zip(prompts, outputs)]
-        report["cells"][cell_id(*key)] = {
-            "task": key[0], "length": key[1], "depth": key[2], "score": float(np.mean(scores)), "scores": scores,
-            "depth_actual": [p.depth_actual for p in prompts], "answers": [p.answers for p in prompts], "outputs": outputs,
-            "seconds": time.perf_counter() - started,
-        }
-        report["cache"].setdefault(str(key[1]), measured)
+    with folder_lock(out_dir, "eval niah run (into this --out)"):  # created here; a second run into it would overwrite this one's cells
+        path = out_dir / RESULT_FILE
+        if path.is_file():
+            previous = read_results(path)
+            if previous["fingerprint"] != report["fingerprint"]:
+                refuse_resume(path, previous["settings"], settings)
+            report["cells"], report["cache"] = previous["cells"], previous["cache"]
+        if export_prompts:
+            write_json(out_dir / PROMPTS_FILE, {"format": PROMPTS_FORMAT, "model": model, "settings": settings,
+                                                "prompts": [p.to_json() for cell in grid.values() for p in cell]})
+        todo = [key for key in grid if cell_id(*key) not in report["cells"]]
+        bar = tqdm(total=len(grid), initial=len(grid) - len(todo), desc=f"niah {Path(model).name}", unit="cell", disable=not progress)
+        for key in todo:
+            prompts = grid[key]
+            started = time.perf_counter()
+            outputs, measured = generate(loaded, prompts, batch_size)
+            scores = [score_output(p.answers, text) for p, text in zip(prompts, outputs)]
+            report["cells"][cell_id(*key)] = {
+                "task": key[0], "length": key[1], "depth": key[2], "score": float(np.mean(scores)), "scores": scores,
+                "depth_actual": [p.depth_actual for p in prompts], "answers": [p.answers for p in prompts], "outputs": outputs,
+                "seconds": time.perf_counter() - started,
+            }
+            report["cache"].setdefault(str(key[1]), measured)
+            write_json(path, report)
+            bar.update()
+        bar.close()
+        summarize(report)
         write_json(path, report)
-        bar.update()
-    bar.close()
-    summarize(report)
-    write_json(path, report)
-    write_text(out_dir / TABLE_FILE, format_markdown(report) + "\n")
-    plot_grids(report, out_dir / PLOT_FILE)
-    return report
+        write_text(out_dir / TABLE_FILE, format_markdown(report) + "\n")
+        plot_grids(report, out_dir / PLOT_FILE)
+        return report
 
 
 def refuse_resume(path: Path, before: dict[str, Any], settings: dict[str, Any]) -> None:

@@ -347,3 +347,14 @@ def test_slimkv_eval_run_dir_names_its_options(trained_run, capsys):
     for flag in ("--context", "--max-tokens", "--batch-size"):
         assert main(["eval", str(trained_run), flag, "0", "--no-progress"]) == 2
         assert f"{flag} must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_second_niah_run_into_the_same_out_is_refused(long_folder, tmp_path):
+    """Each run rewrites niah.json from its own cells after every cell: two at once lost each other's."""
+    from slimkv.common.files import FolderBusyError, folder_lock
+
+    out = tmp_path / "niah"
+    with folder_lock(out, "test"), pytest.raises(FolderBusyError, match=rf"{out} is in use by another slimkv eval niah run"):
+        niah(long_folder)
+    assert list(out.iterdir()) == []
+    assert set(niah(long_folder)["cells"]) == {"needle-word/400/0.50"}  # the lock goes with the run
