@@ -111,7 +111,7 @@ class AttentionSpec:
             raise ValueError(f"entry {text!r}: an empty kind in the pattern {head!r} (write KIND+KIND, e.g. swa+kvm)")
         shared: dict[str, Any] = {}
         per_kind: dict[str, dict[str, Any]] = {}
-        for item in split_items(tail):
+        for item in split_items(tail, f"entry {text!r}"):
             name, value = parse_item(item, f"entry {text!r}")
             kind, dot, option = name.rpartition(".")
             if dot:
@@ -187,16 +187,17 @@ class AttentionSpec:
 # ---------------------------------------------------------------- pieces of the text grammar
 
 
-def split_items(text: str) -> list[str]:
+def split_items(text: str, where: str | None = None) -> list[str]:
     """The ``NAME=VALUE`` items of one option list, comma-separated (not splitting inside [...] or
-    {...}; empty items dropped); ValueError naming a NAME given twice (it would silently win)."""
+    {...}; empty items dropped); ValueError naming a NAME given twice (it would silently win), and
+    ``where`` the list comes from (``--to kvm:...``) when given."""
     items = _split(text)
     seen: dict[str, str] = {}
     for item in items:
         name, sep, _ = item.partition("=")
         name = name.strip()
         if sep and name in seen:
-            raise ValueError(f"option {name!r} is given twice in {text.strip()!r} ({seen[name]!r} and {item!r}); give it once")
+            raise ValueError(f"{where + ': ' if where else ''}option {name!r} is given twice in {text.strip()!r} ({seen[name]!r} and {item!r}); give it once")
         seen[name] = item
     return items
 
