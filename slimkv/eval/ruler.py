@@ -257,6 +257,7 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
         reference = ruler_cache.bf16_reference(probes[f"reference/{cell['length']}"])
         summary.update({"option": cell["option"], "task": cell["task"], "length": cell["length"], "max_gen_toks": gen[cell["task"]],
                         "bytes_per_token": measured["bytes_per_token"], "bytes_ratio_to_bf16_original": measured["bytes_per_token"] / reference,
+                        "ratio_reference": loaded.identity.get("base") or f"{model} itself (it names no original)",
                         "bytes_per_token_after_decode": measured["bytes_per_token_after_decode"], "seconds": seconds,
                         "seconds_per_sample": seconds / summary["n"], "generate_s_per_sample": generate_s / summary["n"], "estimate_s": cell["estimate_s"], "load_average_start": list(load_start),
                         "load_average_end": list(os.getloadavg()), "threads": torch.get_num_threads(),

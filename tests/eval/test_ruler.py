@@ -201,6 +201,24 @@ def test_resume_skips_finished_cells_and_refuses_other_settings(tiny_folder, tmp
         ruler.evaluate(str(tiny_folder), **{**options, "limit": 4})
 
 
+def test_a_slimkv_model_folder_runs_with_its_own_cache_measured_by_nbytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(ruler, "check_lm_eval", lambda: None)
+    calls: list = []
+    monkeypatch.setattr(ruler, "run_cell", fake_run_cell(calls))
+    torch.manual_seed(0)
+    model = SlimKVForCausalLM(ModelConfig(vocab_size=99, d_model=32, n_layers=2, n_heads=4, attention="mla", attention_options={"kv_rank": 8, "rope_dim": 8})).eval()
+    folder = tmp_path / "tiny-slimkv"
+    model.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    options = {"tasks": ["niah_single_1"], "lengths": [1024], "limit": 1, "out_dir": tmp_path / "o", "progress": False, "say": lambda _: None}
+    with pytest.raises(ValueError, match="--caches bfloat16: this is a slimkv model"):
+        ruler.evaluate(str(folder), caches=["none", "bfloat16"], **options)
+    assert calls == []
+    row = ruler.evaluate(str(folder), caches=["none"], **options)["cells"]["none/niah_single_1/1024"]
+    assert row["bytes_per_token"] == 2 * (8 + 8) * 4  # two layers of one float32 latent row (kv_rank + rope_dim) per token
+    assert "itself" in row["ratio_reference"]
+
+
 def test_budget_plan_runs_nothing_past_it(tiny_folder, tmp_path, monkeypatch):
     monkeypatch.setattr(ruler, "check_lm_eval", lambda: None)
     calls: list = []
