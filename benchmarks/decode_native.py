@@ -13,8 +13,9 @@ native / torch. The kernel's output is checked against the torch path's before t
 Writes benchmarks/results/decode_native_<threads>thread.json and .png. Run it on a quiet machine.
 
 With ``--layers``, the kernel's instruction-set paths side by side instead (docs/evaluation.md,
-"Roofline and kernel paths"): one layer of every kind at matched width (decode_all.py's variants),
-its cache filled to ``--contexts``, in each of ``--dtypes``; each step is timed with the kernel
+"Roofline and kernel paths"): one layer of every kind at matched width (decode_all.py's variants,
+less the ``expanded`` reference decode paths, whose step is the rebuilding of keys and values, not
+the kernel), its cache filled to the last of ``--contexts``, in each of ``--dtypes``; each step is timed with the kernel
 call routed to each path in turn, interleaved in rounds, and so is the kernel call alone on the
 arguments the layer passed. Paths: ``generic`` (the portable C built for this CPU without AVX-512:
 what a CPU with AVX2 and no AVX-512 ran before the AVX2 path), ``avx2``, ``avx512`` (where the CPU
@@ -22,7 +23,7 @@ has it) and ``portable`` (no -march). Each row has its roofline (bytes read and 
 step and of the kernel call; a read-only bandwidth and a small-GEMM rate measured before and after
 each dtype) and its time against the generic path's.
 
-    .venv/bin/python benchmarks/decode_native.py --layers --contexts 32768 --dtypes float32,bfloat16
+    .venv/bin/python benchmarks/decode_native.py --layers --contexts 32768 --dtypes float32,bfloat16 --rounds 5
 
 writes benchmarks/results/decode_roofline_layer.json (``--name``).
 """
@@ -148,6 +149,7 @@ def layer_rows(label: str, kind: str, options: dict, context: int, dtype: torch.
     cache = attn.new_cache(1, dtype=dtype)
     fill_cache(attn, cache, context, generator=torch.Generator().manual_seed(0))
     x = torch.randn(1, 1, attn.d_model, dtype=dtype)
+    attn(x, cache=cache)  # a step at a multiple of KVM's chunk folds; the next ones are plain decode steps
     calls: list = []
     with routed_kernel(calls=calls):
         attn(x, cache=cache)
@@ -159,9 +161,9 @@ def layer_rows(label: str, kind: str, options: dict, context: int, dtype: torch.
         for name in names:
             library = libraries.get(name)
             with routed_kernel(library):
-                samples[name]["layer"] += _seconds(lambda: attn(x, cache=cache), 2)
+                samples[name]["layer"] += _seconds(lambda: attn(x, cache=cache), 1)
             if calls:
-                samples[name]["kernel"] += _seconds(lambda lib=library: [native.native_decode_attention(*c, lib) for c in calls], 2)
+                samples[name]["kernel"] += _seconds(lambda lib=library: [native.native_decode_attention(*c, lib) for c in calls], 3)
     kernel_bytes, kernel_flops = (sum(c) for c in zip(*(call_cost(q, s) for q, s, _ in calls))) if calls else (0, 0)
     rows = []
     for name in names:
@@ -192,7 +194,7 @@ def _bounds(rows: list[dict], rates: dict) -> None:
 def layer_benchmark(name: str, kinds: list[str] | None, context: int, dtypes: list[torch.dtype], *, rounds: int, heads: int, head_dim: int,
                     out_dir: str) -> dict:
     """The --layers benchmark: every kind x dtype x path; prints the table, writes ``<name>.json``."""
-    variants = matched_width_variants(kinds or list(ATTENTION_KINDS), heads, head_dim)
+    variants = [v for v in matched_width_variants(kinds or list(ATTENTION_KINDS), heads, head_dim) if v.options.get("decode_path") != "expanded"]
     rows, rates, contexts = [], {}, {}
     for dtype in dtypes:
         key = str(dtype).removeprefix("torch.")
