@@ -11,7 +11,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from torch import nn
 
-from slimkv.common.files import read_json, sha256_file
+from slimkv.common.files import content_sha256, read_json
 from slimkv.common.quiet import quiet_transformers
 from slimkv.pretrained.families import SUPPORTED_TEXT, family_of
 from slimkv.pretrained.smollm2 import FETCH_HINT, SMOLLM2, SOURCE_FILE, smollm2_dir
@@ -78,11 +78,13 @@ def resolve_original(manifest: dict, manifest_path: Path) -> str:
 
 
 def weights_fingerprint(path: Path) -> str:
-    """sha256 over the folder's safetensors files (the base model's identity in manifests)."""
+    """sha256 over the folder's safetensors files (the base model's identity in manifests). Each
+    file's sha256 is remembered while its size, mtime and inode stay (``content_sha256``), so a
+    command that fingerprints one original twice (convert, then heal) reads it once."""
     digest = hashlib.sha256()
-    for file in sorted(path.glob("*.safetensors")):
+    for file in sorted(Path(path).glob("*.safetensors")):
         digest.update(file.name.encode())
-        digest.update(sha256_file(file).encode())
+        digest.update(content_sha256(file).encode())
     return digest.hexdigest()
 
 

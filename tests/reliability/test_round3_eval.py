@@ -358,3 +358,17 @@ def test_a_second_niah_run_into_the_same_out_is_refused(long_folder, tmp_path):
         niah(long_folder)
     assert list(out.iterdir()) == []
     assert set(niah(long_folder)["cells"]) == {"needle-word/400/0.50"}  # the lock goes with the run
+
+
+def test_fingerprinting_an_original_twice_reads_it_once(tiny_folder, monkeypatch):
+    """resolve_original hashes the original's weights: convert then heal (or ppl after convert in one process) must not read them twice."""
+    from slimkv.common import files
+    from slimkv.pretrained import weights_fingerprint
+
+    reads = []
+    real = files.sha256_file
+    monkeypatch.setattr(files, "sha256_file", lambda path, *a: reads.append(path) or real(path, *a))
+    first = weights_fingerprint(tiny_folder)
+    assert weights_fingerprint(tiny_folder) == first and len(reads) == 1
+    tiny_model("llama", seed=1).save_pretrained(tiny_folder)
+    assert weights_fingerprint(tiny_folder) != first and len(reads) == 2  # new weights are read again
