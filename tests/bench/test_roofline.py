@@ -32,3 +32,45 @@ def test_the_context_names_the_cpu_the_kernel_path_threads_and_load():
     assert context["kernel_isa"] in ("avx512", "avx2", "portable") or context["kernel_isa"].startswith("torch (")
     line = roofline.rates_line({"read_bytes_per_s": 2e10, "fma_flop_per_s": 1e11}, context)
     assert "read 20.00 GB/s" in line and "FMA 100.0 GFLOP/s" in line and context["kernel_isa"] in line
+
+
+def _decode_native():
+    """benchmarks/decode_native.py as a module (it imports its neighbour decode_all.py)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location("decode_native", folder / "decode_native.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
+    return module
+
+
+def test_a_kernel_call_reads_values_inside_the_key_rows_once():
+    bench = _decode_native()
+    rows = torch.zeros(1, 1, 10, 288)
+    q = torch.zeros(1, 8, 1, 288)
+    assert bench.call_cost([q], [(rows, rows[..., 32:])]) == (10 * 288 * 4, 2 * 8 * 10 * (288 + 256))
+    k, v = torch.zeros(1, 2, 10, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 10, 64, dtype=torch.bfloat16)
+    assert bench.call_cost([q[..., :64]], [(k, v)]) == (2 * 10 * 128 * 2, 2 * 8 * 10 * 128)
+
+
+def test_layer_steps_can_be_routed_to_one_kernel_path():
+    from slimkv.ops import native
+    from slimkv.ops.attention import decode_attention
+
+    library = native.decode_kernel()
+    if library is None:
+        pytest.skip("no C compiler: no kernel call to route")
+    bench = _decode_native()
+    calls = []
+    q, k, v = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 50, 32), torch.randn(1, 2, 50, 32)
+    with bench.routed_kernel(native.isa_kernel(torch.float32, "portable"), calls):
+        out = decode_attention(q, k, v)
+    assert len(calls) == 1 and calls[0][1][0][0] is k
+    torch.testing.assert_close(out, decode_attention(q, k, v), rtol=1e-5, atol=2e-6)
