@@ -42,6 +42,9 @@ PPL_FILE = "ppl.json"
 PPL_TEXTS = ("shakespeare-val", "austen")  # the held-out plays and another author and era
 NAME = "niah_smollm2"
 GRID = {"tasks": ["passkey", "needle-number"], "depths": [0.1, 0.5, 0.9], "samples": 1, "seed": 0, "haystack": "shakespeare-val"}
+# the same tasks with 40 prompts per length (2 tasks x 4 depths x 5 samples), enough for intervals that can separate methods
+POWER_GRID = {"tasks": ["passkey", "needle-number"], "depths": [0.0, 0.25, 0.5, 0.75], "samples": 5, "seed": 0, "haystack": "shakespeare-val"}
+GRIDS = {"main": GRID, "power": POWER_GRID}
 NOTES = {
     "slimkv rows": "the model's own generate() over the whole prompt; budget = the cache ratio asked of `convert`, cache kept = achieved; "
                    "bytes/token measured from the live cache after the prompt and the answer",
@@ -67,11 +70,12 @@ def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = retrieval.parse_lengths(args.lengths)
+    grid = GRIDS[args.grid]
     for model in args.models:
         out = Path(args.runs) / Path(model).name
         print(f"=== {model}: {time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.2f}, {torch.get_num_threads()} threads", flush=True)
-        retrieval.evaluate(model, tasks=[TASKS[t] for t in GRID["tasks"]], lengths=lengths, depths=GRID["depths"], samples=GRID["samples"], seed=GRID["seed"],
-                           haystack=GRID["haystack"], out_dir=out, export_prompts=True)
+        retrieval.evaluate(model, tasks=[TASKS[t] for t in grid["tasks"]], lengths=lengths, depths=grid["depths"], samples=grid["samples"], seed=grid["seed"],
+                           haystack=grid["haystack"], out_dir=out, export_prompts=True)
 
 
 def ppl(args: argparse.Namespace) -> None:
@@ -104,7 +108,7 @@ def report(args: argparse.Namespace) -> None:
     if args.add:  # the rows of the committed comparison whose runs are not in --runs (measured earlier, their folders gone)
         fresh = {row["label"] for row in rows}
         earlier = read_json(out.with_suffix(".json"), expect=dict)
-        if earlier["grid"] != GRID:
+        if earlier["grid"] != GRIDS[args.grid]:
             raise SystemExit(f"--add: {out.with_suffix('.json')} was measured on another grid ({earlier['grid']}); it cannot be extended")
         rows += [row for row in earlier["rows"] if row["tool"] == "slimkv" and row["label"] not in fresh]
     rows.sort(key=lambda row: (-row["cache_budget"], row["label"]))
@@ -123,7 +127,7 @@ def report(args: argparse.Namespace) -> None:
             row["seconds"] += generations.get("seconds", 0.0)
             row["sources"].append(f"{path.parent.name}/{path.name}")
         rows += [generations_row(g, prompts, ", ".join(g["sources"])) for g in merged.values()]
-    data = comparison(rows, GRID, NOTES)
+    data = comparison(rows, GRIDS[args.grid], NOTES)
     if out.name != NAME:  # another comparison than the main one: its own file and title
         data.update(source=out.with_suffix(".json").name, title=args.title or out.name)
     write_json(out.with_suffix(".json"), data)
@@ -149,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
                    "room for the answer)")
     r.add_argument("--runs", default="runs/niah", help="where each model's niah.json goes (default runs/niah)")
     r.add_argument("--threads", type=int, default=None, help="torch threads")
+    r.add_argument("--grid", choices=GRIDS, default="main", help="main: 6 prompts per length (the committed comparison); power: 40")
     r.set_defaults(func=run)
     q = sub.add_parser("ppl", help="perplexity of each model (and its original) on the held-out plays and Austen")
     q.add_argument("models", nargs="+")
@@ -161,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--kvpress", nargs="*", default=[], help="folders of kvpress generation files (benchmarks/kvpress_niah.py --out)")
     s.add_argument("--out", default=str(RESULTS / NAME), help="output path without suffix (default benchmarks/results/niah_smollm2)")
     s.add_argument("--title", default=None, help="the title's subject for another --out than the default")
+    s.add_argument("--grid", choices=GRIDS, default="main", help="the grid the runs were measured on (as `run --grid`)")
     s.add_argument("--add", action="store_true", help="keep the slimkv rows of the --out JSON there whose runs are not in --runs (the new runs' rows replace theirs)")
     s.set_defaults(func=report)
     c = sub.add_parser("check", help="the committed markdown matches what its JSON renders")

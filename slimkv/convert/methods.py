@@ -61,6 +61,7 @@ class Conversion:
     probe_plans: Callable[..., list[list[dict[str, Any]]] | None] | None = None  # plans whose layers are probed one by one
     measure: Callable[..., dict[str, Any]] | None = None  # head roles of the original (``convert.roles``), before ``plan``
     ratio_floor: Callable[[Shape, dict[str, Any]], float] | None = None  # the smallest ratio under these settings (else ``min_ratio``)
+    statistics: bool = True  # whether plan or fit read calibration statistics at all (else the calibration pass is skipped)
 
 
 CONVERSIONS: dict[str, Conversion] = {}
@@ -73,12 +74,12 @@ def register_conversion(name: str, *, kind: str, plan: Callable, fit: Callable, 
                         text_demand: Callable[[dict[str, Any], Shape], tuple[int, int]] | None = None, distances: bool = True,
                         probe_plans: Callable[..., list[list[dict[str, Any]]] | None] | None = None,
                         measure: Callable[..., dict[str, Any]] | None = None,
-                        ratio_floor: Callable[[Shape, dict[str, Any]], float] | None = None) -> None:
+                        ratio_floor: Callable[[Shape, dict[str, Any]], float] | None = None, statistics: bool = True) -> None:
     """Add a conversion method (``slimkv convert --to NAME``; the module docstring)."""
     if name in CONVERSIONS:
         raise ValueError(f"conversion method {name!r} is already registered")
     CONVERSIONS[name] = Conversion(name, kind, min_ratio, plan, fit, options, description, dict(settings or {}), check, sized_by_ratio, refine, text_demand, distances,
-                                   probe_plans, measure, ratio_floor)
+                                   probe_plans, measure, ratio_floor, statistics)
 
 
 def get_conversion(name: str) -> Conversion:
@@ -153,7 +154,7 @@ register_conversion(
 )
 register_conversion(
     "hybrid", kind="hybrid", plan=hybrid.plan, fit=hybrid.fit_layer, settings=hybrid.METHOD_OPTIONS, check=hybrid.check_options, distances=False,
-    measure=hybrid.measure_roles, ratio_floor=hybrid.ratio_floor, text_demand=hybrid.text_demand,
+    measure=hybrid.measure_roles, ratio_floor=hybrid.ratio_floor, text_demand=hybrid.text_demand, statistics=False,
     description="per-head cache roles: the KV heads that retrieve (measured on copy contexts) keep every token, the rest sinks + a window; "
                 "weights unchanged; --cache-ratio is the budget at `at` tokens",
 )

@@ -154,7 +154,7 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     method, settings = parse_method(options.method)
     sources = calibration_sources(options.calib)
     windows = calibration_ids(source.loaded.tokenizer, sources, options.calib_tokens, options.calib_seq_len, options.seed)
-    stats = layer_statistics(source, windows, distances=method.distances, progress=progress)
+    stats = layer_statistics(source, windows, distances=method.distances, progress=progress) if method.statistics else [None] * shape.n_layers
     calibrated = time.perf_counter()
     inv_freq = source.rotary_inv_freq()
     layers = [LayerContext(i, shape, source.attention(i), stats[i], inv_freq) for i in range(shape.n_layers)]
@@ -193,8 +193,9 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
             "seq_len": windows.shape[1],
             "tokens": windows.numel(),
             "seed": options.seed,
-            "statistics": "one pass of the original model: attention-input second moment and mean"
-                          + (", attention mass per distance" if method.distances else "") + ", per layer",
+            "statistics": ("one pass of the original model: attention-input second moment and mean"
+                           + (", attention mass per distance" if method.distances else "") + ", per layer") if method.statistics
+                          else "none (the method reads no calibration statistics)",
         },
         "options": asdict(options),
         "seconds": {"calibration": calibrated - started, "plan": planned - calibrated, "fit": fitted - planned, "refine": finished - fitted,
