@@ -226,7 +226,8 @@ def parse_item(item: str, where: str) -> tuple[str, Any]:
     try:
         return name, read_value(raw)
     except yaml.YAMLError as err:
-        raise ValueError(f"{where}: cannot read the value {raw!r} of option {name!r}: {err}") from None
+        why = ", ".join(part for part in (getattr(err, "context", None), getattr(err, "problem", None)) if part) or " ".join(str(err).split())
+        raise ValueError(f"{where}: cannot read the value {raw!r} of option {name!r} ({why}); write it as YAML, e.g. 8, 0.5, sqrt or [1, 2]") from None
 
 
 def read_value(raw: str) -> Any:

@@ -372,3 +372,11 @@ def test_fingerprinting_an_original_twice_reads_it_once(tiny_folder, monkeypatch
     assert weights_fingerprint(tiny_folder) == first and len(reads) == 1
     tiny_model("llama", seed=1).save_pretrained(tiny_folder)
     assert weights_fingerprint(tiny_folder) != first and len(reads) == 2  # new weights are read again
+
+
+def test_an_unreadable_option_value_is_one_line_naming_the_option():
+    """The YAML error came as several lines of parser context ('in "<unicode string>", line 1, column 1: ...')."""
+    with pytest.raises(ValueError) as caught:
+        AttentionSpec.parse("lrkv:rank=[1,2")
+    assert str(caught.value) == ("entry 'lrkv:rank=[1,2': cannot read the value '[1,2' of option 'rank' (while parsing a flow sequence, expected ',' or ']', "
+                                 "but got '<stream end>'); write it as YAML, e.g. 8, 0.5, sqrt or [1, 2]")
