@@ -132,7 +132,8 @@ def load_pretrained(name_or_path: str, *, dtype: torch.dtype = torch.float32, de
         with quiet_transformers():
             model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=False, output_loading_info=True)
     except (OSError, SafetensorError) as err:
-        raise ValueError(f"the weights in {path} cannot be read ({err}); a file is truncated or damaged") from None
+        again = f"; run `slimkv models fetch {SMOLLM2} --force` to convert it again" if name_or_path == SMOLLM2 else ""
+        raise ValueError(f"the weights in {path} cannot be read ({err}); a file is truncated or damaged{again}") from None
     except RuntimeError as err:
         if "mismatched_sizes" not in str(err):
             raise

@@ -20,6 +20,7 @@ from slimkv.compress.workflow import compress_pretrained
 from slimkv.convert.methods import parse_method
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
 from slimkv.eval import ppl
+from slimkv.pretrained import loading
 from slimkv.pretrained.loading import COMPRESSED_MANIFEST, CONVERTED_MANIFEST
 from slimkv.retrieval import models as retrieval
 from slimkv.retrieval.prompts import TASKS
@@ -133,7 +134,7 @@ def test_the_healing_resume_checks_the_original_in_the_same_place(tiny_folder, t
         resolve_original({"base_model": {**manifest["base_model"], "weights_sha256": 5}}, out / CONVERTED_MANIFEST)
 
 
-def test_a_damaged_source_model_is_named_in_convert_ppl_and_niah(tiny_folder, tmp_path, capsys):
+def test_a_damaged_source_model_is_named_in_convert_ppl_and_niah(tiny_folder, tmp_path, capsys, monkeypatch):
     weights = tiny_folder / "model.safetensors"
     whole = weights.read_bytes()
     commands = (ppl_argv(tiny_folder),
@@ -145,6 +146,9 @@ def test_a_damaged_source_model_is_named_in_convert_ppl_and_niah(tiny_folder, tm
     for argv in commands:
         assert main(argv) == 2, argv
         assert f"the weights in {tiny_folder} cannot be read (" in capsys.readouterr().err
+    monkeypatch.setattr(loading, "smollm2_dir", lambda: tiny_folder)  # the cached SmolLM2 copy, cut short
+    assert main(["eval", "ppl", "--model", "smollm2", "--text", str(tmp_path / "held.txt"), "--seq-len", "32"]) == 2
+    assert "a file is truncated or damaged; run `slimkv models fetch smollm2 --force` to convert it again" in capsys.readouterr().err
     from safetensors.torch import load_file, save_file
 
     weights.write_bytes(whole)
