@@ -74,6 +74,11 @@ def parse_depths(text: str) -> list[float]:
         depths = []
     if not depths or any(not (0.0 <= d <= 1.0) for d in depths) or len(set(depths)) != len(depths):
         raise ValueError(f"--depths must be distinct comma-separated fractions in [0, 1], got {text!r}")
+    cells: dict[str, float] = {}
+    for depth in depths:  # a cell is named by its depth to 2 decimals (cell_id): two depths there would be one cell
+        if f"{depth:.2f}" in cells:
+            raise ValueError(f"--depths {cells[f'{depth:.2f}']:g} and {depth:g} are one cell (depth {depth:.2f}): give depths at least 0.01 apart")
+        cells[f"{depth:.2f}"] = depth
     return depths
 
 

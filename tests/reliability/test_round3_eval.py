@@ -384,3 +384,10 @@ def test_an_unreadable_option_value_is_one_line_naming_the_option():
         AttentionSpec.parse("lrkv:rank=[1,2")
     assert str(caught.value) == ("entry 'lrkv:rank=[1,2': cannot read the value '[1,2' of option 'rank' (while parsing a flow sequence, expected ',' or ']', "
                                  "but got '<stream end>'); write it as YAML, e.g. 8, 0.5, sqrt or [1, 2]")
+
+
+def test_depths_that_name_one_cell_are_refused():
+    """A cell is keyed by its depth to 2 decimals: with --depths 0,0.001 the second overwrote the first and was reported for both."""
+    with pytest.raises(ValueError, match=r"--depths 0 and 0\.001 are one cell \(depth 0\.00\): give depths at least 0\.01 apart"):
+        retrieval.parse_depths("0,0.001,0.5")
+    assert retrieval.parse_depths("0,0.01,0.5,1") == [0.0, 0.01, 0.5, 1.0]
