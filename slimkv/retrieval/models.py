@@ -215,6 +215,11 @@ def evaluate(
             if previous["fingerprint"] != report["fingerprint"]:
                 refuse_resume(path, previous["settings"], settings)
             report["cells"], report["cache"] = previous["cells"], previous["cache"]
+            for task, length, depth in grid:
+                kept = report["cells"].get(cell_id(task, length, depth))
+                if kept is not None and kept["depth"] != depth:
+                    raise ValueError(f"{path} holds the cell {cell_id(task, length, depth)!r} at depth {kept['depth']:g}, not {depth:g}; "
+                                     f"give --depths {kept['depth']:g} to reuse it, or another --out")
         if export_prompts:
             write_json(out_dir / PROMPTS_FILE, {"format": PROMPTS_FORMAT, "model": model, "settings": settings,
                                                 "prompts": [p.to_json() for cell in grid.values() for p in cell]})

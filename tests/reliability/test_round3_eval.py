@@ -391,3 +391,10 @@ def test_depths_that_name_one_cell_are_refused():
     with pytest.raises(ValueError, match=r"--depths 0 and 0\.001 are one cell \(depth 0\.00\): give depths at least 0\.01 apart"):
         retrieval.parse_depths("0,0.001,0.5")
     assert retrieval.parse_depths("0,0.01,0.5,1") == [0.0, 0.01, 0.5, 1.0]
+
+
+def test_a_resume_does_not_reuse_a_cell_of_a_nearby_depth(long_folder, monkeypatch):
+    niah(long_folder)
+    monkeypatch.setattr(retrieval, "generate", lambda *a, **k: pytest.fail("a cell was run"))
+    with pytest.raises(ValueError, match=r"holds the cell 'needle-word/400/0\.50' at depth 0\.5, not 0\.501; give --depths 0\.5 to reuse it"):
+        niah(long_folder, depths=[0.501])
