@@ -128,8 +128,21 @@ def score_output(answers: list[str], output: str) -> float:
 
 
 def build_grid(builder: PromptBuilder, tasks: list[RetrievalTask], lengths: list[int], depths: list[float], samples: int, seed: int) -> dict[tuple[str, int, float], list[RetrievalPrompt]]:
-    """Every prompt of the grid, built (and checked) before any model runs."""
-    return {(t.name, n, d): [builder.build(t, n, d, s, seed) for s in range(samples)] for t in tasks for n in lengths for d in depths}
+    """Every prompt of the grid, built (and checked) before any model runs; ValueError when the
+    haystack's lines are too few to set two of the depths apart (needles sit at line starts, so
+    both cells would hold the same prompts)."""
+    grid = {(t.name, n, d): [builder.build(t, n, d, s, seed) for s in range(samples)] for t in tasks for n in lengths for d in depths}
+    for t in tasks:
+        for n in lengths:
+            for s in range(samples):
+                placed: dict[float, float] = {}
+                for d in depths:
+                    actual = grid[t.name, n, d][s].depth_actual
+                    if actual in placed:
+                        raise ValueError(f"--depths {placed[actual]:g} and {d:g} put the needle of a {n}-token {t.name} prompt on the same line (depth {actual:.2f}): "
+                                         "the haystack has too few line breaks there; give depths further apart, longer --lengths, or a --haystack with shorter lines")
+                    placed[actual] = d
+    return grid
 
 
 @torch.no_grad()

@@ -164,6 +164,9 @@ class PromptBuilder:
         if budget < 1:
             raise ValueError(f"--lengths {length} is too short for task {task.name}: its preamble, needles and question alone take {length - budget} tokens")
         haystack = self.lines.haystack(self.sources[task.haystack], start, budget)
+        if depth > 0 and not np.isin(haystack, self.lines.line_ends).any():
+            raise ValueError(f"--haystack: the {len(haystack)}-token haystack of a {length}-token {task.name} prompt holds no line break, and needles sit "
+                             f"at line starts: every depth would be 0; give a --haystack text with lines")
         cuts = [self.lines.boundary_near(haystack, d) for d in [depth, *other_depths]]
         order = sorted(range(len(needles)), key=lambda i: (cuts[i], i))
         context, last = list(preamble), 0

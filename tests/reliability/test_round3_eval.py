@@ -398,3 +398,19 @@ def test_a_resume_does_not_reuse_a_cell_of_a_nearby_depth(long_folder, monkeypat
     monkeypatch.setattr(retrieval, "generate", lambda *a, **k: pytest.fail("a cell was run"))
     with pytest.raises(ValueError, match=r"holds the cell 'needle-word/400/0\.50' at depth 0\.5, not 0\.501; give --depths 0\.5 to reuse it"):
         niah(long_folder, depths=[0.501])
+
+
+def test_a_haystack_without_lines_to_place_the_needle_at_each_depth_is_refused():
+    """Needles sit at line starts: a haystack without line breaks put every needle at depth 0 and
+    reported it as depth 1, and too few lines put two depths' needles on one line (the same prompts in two cells)."""
+    from slimkv.retrieval.prompts import PromptBuilder
+
+    one_line = PromptBuilder(char_tokenizer(), "x" * 3000)
+    with pytest.raises(ValueError, match=r"--haystack: the \d+-token haystack of a 400-token needle-number prompt holds no line break"):
+        retrieval.build_grid(one_line, [TASKS["needle-number"]], [400], [0.0, 1.0], 1, 0)
+    assert retrieval.build_grid(one_line, [TASKS["needle-number"]], [400], [0.0], 1, 0)  # depth 0 needs no line break
+    long_lines = PromptBuilder(char_tokenizer(), ("y" * 149 + "\n") * 40)
+    with pytest.raises(ValueError, match=r"--depths 0\.45 and 0\.55 put the needle of a 700-token needle-number prompt on the same line"):
+        retrieval.build_grid(long_lines, [TASKS["needle-number"]], [700], [0.45, 0.55], 1, 0)
+    grid = retrieval.build_grid(long_lines, [TASKS["needle-number"]], [700], [0.0, 0.5, 1.0], 1, 0)
+    assert len({cell[0].depth_actual for cell in grid.values()}) == 3
