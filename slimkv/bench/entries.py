@@ -67,6 +67,8 @@ def parse_kind_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
         if not dot or not kind or not option:
             raise ValueError(f"--kind-option expects KIND.NAME=VALUE (e.g. lrkv.rank=16), got {item!r}")
         kind_spec(kind)
+        if option in out.get(kind, {}):
+            raise ValueError(f"--kind-option {kind}.{option} is given twice ({kind}.{option}={out[kind][option]!r} and {item!r}); give it once")
         out.setdefault(kind, {})[option] = value
     return out
 

@@ -11,7 +11,7 @@ import torch
 
 from slimkv.bench.entries import parse_entries, parse_kind_overrides, parse_seeds, split_entries
 from slimkv.common.checks import check_int
-from slimkv.common.files import check_file_target, write_json
+from slimkv.common.files import check_json_target, write_json
 from slimkv.common.workers import check_workers
 from slimkv.data import prepare_shakespeare
 from slimkv.data.texts import evaluation_text
@@ -37,7 +37,7 @@ def _ppl_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _ppl(args: argparse.Namespace) -> int:
     if args.json:
-        check_file_target(args.json, "--json")
+        check_json_target(args.json, "--json")
     report = ppl.perplexity_report(args.model, args.text, args.seq_len, args.max_tokens)
     print(ppl.format_table(report))
     if args.json:
@@ -143,7 +143,7 @@ def _cache_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _cache(args: argparse.Namespace) -> int:
     if args.json:
-        check_file_target(args.json, "--json")
+        check_json_target(args.json, "--json")
     report = cache.cache_report(args.model, args.context, new_tokens=args.new_tokens, text=args.text)
     print(cache.format_report(report))
     if args.json:

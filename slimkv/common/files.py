@@ -180,6 +180,11 @@ def check_folder_target(path: str | Path, option: str = "--out") -> None:
     path = resolve_link(path, option)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{option} {path} is a file; give a folder")
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{option} {path} cannot be created: {parent} is a file, not a folder")
+            break
 
 
 def check_file_target(path: str | Path, option: str) -> None:
@@ -189,6 +194,19 @@ def check_file_target(path: str | Path, option: str) -> None:
     if path.is_dir():
         raise ValueError(f"{option} {path} is a folder; give a file path to write to")
     check_writable(path, option)
+
+
+def check_json_target(path: str | Path, option: str) -> None:
+    """``check_file_target`` for a JSON report a user names (``--json``): an existing file there must
+    be JSON (an earlier report), so a text or a model file given by mistake is never overwritten."""
+    check_file_target(path, option)
+    path = Path(path).expanduser()
+    if path.is_file():
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError(f"{option} {path} exists and is not a JSON file (an earlier report); slimkv will not overwrite it: "
+                             "choose another path") from None
 
 
 def _retired(target: Path) -> Path:

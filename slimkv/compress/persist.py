@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
@@ -88,7 +89,10 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | 
     family_of(config.model_type)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     apply_manifest(model, manifest["modules"])
-    load_model(model, str(path / WEIGHTS_NAME), strict=True, device="cpu")
+    try:
+        load_model(model, str(path / WEIGHTS_NAME), strict=True, device="cpu")
+    except (OSError, SafetensorError) as err:
+        raise ValueError(f"the weights in {path} cannot be read ({err}); a file is truncated or damaged") from None
     model.to(dtype=dtype, device=device).eval()
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)

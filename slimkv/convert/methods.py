@@ -96,7 +96,7 @@ def parse_method(text: str) -> tuple[Conversion, dict[str, Any]]:
     method = get_conversion(text)
     settings = dict(method.settings)
     _, _, items = text.partition(":")
-    for item in split_items(items):
+    for item in split_items(items, f"--to {text}"):
         key, value = parse_item(item, f"--to {text}")
         if key not in settings:
             allowed = f"allowed options: {', '.join(settings)}" if settings else "it takes no options"

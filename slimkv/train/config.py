@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from slimkv.common.checks import check_bool, check_choice, check_float, check_int, close_matches
-from slimkv.common.spec import AttentionSpec
+from slimkv.common.spec import AttentionSpec, read_value
 from slimkv.model.config import MLP_KINDS, ModelConfig
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -184,12 +184,13 @@ def _normalise(key: str, value: Any) -> Any:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``key=value`` from ``--set``; the value is read as YAML (``64`` -> int, ``[a, b]`` -> list)."""
+    """``key=value`` from ``--set``; the value is read as every option grammar reads one
+    (``slimkv.common.spec.read_value``: ``64`` -> int, ``1e-3`` -> float, ``[a, b]`` -> list)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ValueError(f"--set expects key=value (e.g. --set lr=1e-3 or --set attention_options.window=64), got {text!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = read_value(raw)
     except yaml.YAMLError as err:
         raise ValueError(f"--set {key}: cannot read {raw!r} as a value: {err}") from None
     return key.strip(), value

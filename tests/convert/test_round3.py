@@ -230,3 +230,37 @@ def test_a_file_replaced_since_it_was_written_is_the_users(tiny_folder, tmp_path
     (out / "generation_config.json").write_text('{"mine": true}')
     assert "generation_config.json" not in CONVERTED_FOLDER.written_by_slimkv(out)
     assert main(convert_argv(tiny_folder, tmp_path, out, "--seed", "1")) == 2  # the new output would need that name
+
+
+def test_a_truncated_compressed_model_is_named(tmp_path):
+    from slimkv.compress.persist import WEIGHTS_NAME, load, save
+    from tests.compress.conftest import char_tokenizer, tiny_model
+
+    model = tiny_model("llama")
+    save(model, char_tokenizer(), {"modules": []}, tmp_path / "c")
+    weights = tmp_path / "c" / WEIGHTS_NAME
+    weights.write_bytes(weights.read_bytes()[:200])
+    with pytest.raises(ValueError, match=rf"the weights in {tmp_path / 'c'} cannot be read .*truncated or damaged"):
+        load(tmp_path / "c")
+
+
+def test_repeated_kind_options_and_set_floats():
+    from slimkv.bench.entries import parse_kind_overrides
+    from slimkv.train.config import parse_override
+
+    with pytest.raises(ValueError, match=r"--kind-option lrkv.rank is given twice"):
+        parse_kind_overrides(["lrkv.rank=2", "lrkv.rank=4"])
+    assert parse_override("lr=1e-3") == ("lr", 1e-3)
+
+
+def test_an_out_below_a_file_is_refused_before_work(tiny_folder, tmp_path, capsys, no_loading):
+    (tmp_path / "afile").write_text("x")
+    assert main(convert_argv(tiny_folder, tmp_path, tmp_path / "afile" / "out")) == 2
+    assert f"{tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+
+
+def test_eval_json_never_overwrites_a_file_that_is_not_a_report(tmp_path, capsys):
+    text = tmp_path / "held.txt"
+    text.write_text("the user's text")
+    assert main(["eval", "ppl", "--model", str(tmp_path / "none"), "--text", str(text), "--json", str(text)]) == 2
+    assert "exists and is not a JSON file" in capsys.readouterr().err and text.read_text() == "the user's text"
