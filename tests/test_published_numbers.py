@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "results"
-SKIP_DIRS = {".git", ".venv", ".venv-kvpress", "node_modules", "runs", "demo_runs", "slimkv.egg-info", ".pytest_cache", ".ruff_cache"}
+SKIP_DIRS = {".git", ".venv", ".venv-kvpress", ".venv-ruler", "node_modules", "runs", "demo_runs", "slimkv.egg-info", ".pytest_cache", ".ruff_cache"}
 
 
 def documents() -> list[Path]:
