@@ -163,6 +163,12 @@ static inline __attribute__((always_inline)) void attend_item(int64_t item, floa
     }
 }
 
+/* Whether each value row lies inside its key row (MLA's latent rows): prefetching the key rows fetches the values too. */
+static inline int values_in_key_rows(const elem_t *k, const elem_t *v, int64_t dim, int64_t v_dim, int64_t k_row, int64_t v_row) {
+    const uintptr_t kp = (uintptr_t)k, vp = (uintptr_t)v;
+    return k_row == v_row && vp >= kp && vp + sizeof(elem_t) * (size_t)v_dim <= kp + sizeof(elem_t) * (size_t)dim;
+}
+
 /* The instruction-set path, chosen at build time from the target's flags (-march=native: this
  * CPU's; slimkv/ops/native.py can build a named one). SLIMKV_PORTABLE forces the portable path. */
 #if !defined(SLIMKV_PORTABLE) && defined(__AVX512F__) && (!defined(SLIMKV_BF16) || defined(__AVX512BW__))

@@ -190,6 +190,7 @@ static void attend_item_avx2(int64_t item, float *restrict out, const Segment *s
         const elem_t *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
         const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
         const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
+        const int v_in_k = values_in_key_rows(kh, vh, dim, v_dim, k_row, v_row);
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
             const elem_t *restrict kb = kh + t0 * k_row;
@@ -203,7 +204,7 @@ static void attend_item_avx2(int64_t item, float *restrict out, const Segment *s
     for (; t + KEYS_TILE <= n; t += KEYS_TILE) {                                                                      \
         if (fetch && t0 + t + ahead + KEYS_TILE <= seg.keys) {                                                        \
             prefetch_rows(kb + (t + ahead) * k_row, KEYS_TILE, k_row, dim);                                           \
-            prefetch_rows(vb + (t + ahead) * v_row, KEYS_TILE, v_row, v_dim);                                         \
+            if (!v_in_k) prefetch_rows(vb + (t + ahead) * v_row, KEYS_TILE, v_row, v_dim);                                         \
         }                                                                                                             \
         logits_tile8(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, KEYS_TILE, logits + g * BLOCK_KEYS, t);    \
     }

@@ -222,6 +222,12 @@ static inline __attribute__((always_inline)) void values_tile(const float *restr
     default: CALL_R(1); break; \
     }
 
+/* Software prefetch of the n rows of a block ``row`` elements apart, ``width`` elements each. */
+static inline void prefetch_rows16(const elem_t *rows, int n, int64_t row, int64_t width) {
+    for (int t = 0; t < n; t++)
+        for (int64_t e = 0; e < width; e += 64 / (int64_t)sizeof(elem_t)) _mm_prefetch((const char *)(rows + t * row + e), _MM_HINT_T0);
+}
+
 /* One (batch, kv_head) item for any widths and any number of query rows: per block of keys, the
  * logits of every row (tiles of 4 rows x 4 keys), the online-softmax update of every row, then the
  * values (tiles of 4 rows x 4 chunks). Same arithmetic as attend_item, in another order of sums.
@@ -244,14 +250,24 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
         const elem_t *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
         const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
         const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
+        const int v_in_k = values_in_key_rows(kh, vh, dim, v_dim, k_row, v_row);
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
             const elem_t *restrict kb = kh + t0 * k_row;
             const elem_t *restrict vb = vh + t0 * v_row;
+            const int64_t ahead = PREFETCH_BLOCKS * BLOCK_KEYS; /* rows: prefetched this far ahead, with the first row tile's logits */
             for (int64_t g = 0; g < groups; g += 4) {
                 const int rows = groups - g < 4 ? (int)(groups - g) : 4;
+                const int fetch = PREFETCH_BLOCKS > 0 && g == 0;
                 int t = 0;
-#define LOGITS4(R) for (; t + 4 <= n; t += 4) logits_tile(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, 4, logits + g * BLOCK_KEYS, t)
+#define LOGITS4(R)                                                                                                \
+    for (; t + 4 <= n; t += 4) {                                                                                  \
+        if (fetch && t0 + t + ahead + 4 <= seg.keys) {                                                            \
+            prefetch_rows16(kb + (t + ahead) * k_row, 4, k_row, dim);                                             \
+            if (!v_in_k) prefetch_rows16(vb + (t + ahead) * v_row, 4, v_row, v_dim);                                           \
+        }                                                                                                         \
+        logits_tile(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, 4, logits + g * BLOCK_KEYS, t);         \
+    }
 #define LOGITS1(R) for (; t < n; t++) logits_tile(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, 1, logits + g * BLOCK_KEYS, t)
                 ROWS_SWITCH(rows, LOGITS4)
                 ROWS_SWITCH(rows, LOGITS1)
