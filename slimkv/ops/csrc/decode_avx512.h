@@ -203,7 +203,7 @@ static inline __attribute__((always_inline)) void values_tile(const float *restr
     for (int t = 0; t < n; t++) {
         const elem_t *vt = vb + t * v_row + 16 * c0;
         __m512 vv[4];
-        for (int c = 0; c < CV; c++) vv[c] = load16_masked(mask[c], vt + 16 * c);
+        for (int c = 0; c < CV; c++) vv[c] = mask[c] == (__mmask16)0xFFFF ? load16(vt + 16 * c) : load16_masked(mask[c], vt + 16 * c);
         for (int i = 0; i < R; i++) {
             __m512 pi = _mm512_set1_ps(p[i * BLOCK_KEYS + t]);
             IN_REGISTER(pi);
