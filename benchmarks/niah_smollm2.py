@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from slimkv.common.files import read_json, write_json, write_text
+from slimkv.eval.models import conversion_method
 from slimkv.eval.ppl import perplexity_report
 from slimkv.retrieval import models as retrieval
 from slimkv.retrieval.comparison import comparison, generations_row, plot, render_markdown, slimkv_row
@@ -57,8 +58,8 @@ def label_of(report: dict) -> str:
     identity = report["settings"]["identity"]
     converted = identity.get("converted")
     if converted:
-        if converted["method"].startswith("hybrid"):  # its ratio is the budget at the length it was planned for
-            return f"{converted['method']} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"
+        if converted["method"] == "hybrid":  # its ratio is the budget at the length it was planned for
+            return f"{conversion_method(converted)} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"
         if converted.get("achieved_cache_ratio") is None:  # kvm, mla+kvm, streaming, rope-partial: bounded or sized by their own options
             return f"{Path(report['settings']['model']).name} ({converted['method']}, bounded{', healed' if converted.get('healing') else ''})"
         return f"{converted['method']} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"

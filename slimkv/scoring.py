@@ -7,6 +7,7 @@ compression and conversion (docs/evaluation.md).
 * Pretrained models (``perplexity_of_ids``): non-overlapping windows of ``seq_len`` tokens, each
   predicting its tokens 2..n from their prefix in the window; ppl = exp(total NLL / tokens
   predicted). A window whose loss is not finite is an error, never skipped.
+* ``wilson``: the 95% interval of a fraction of prompts answered, for every retrieval report.
 """
 
 from __future__ import annotations
@@ -110,3 +111,13 @@ def perplexity_of_ids(model: nn.Module, ids: torch.Tensor, seq_len: int, *, prog
         "seq_len": seq_len,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion hits / n."""
+    if n == 0:
+        return 0.0, 1.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

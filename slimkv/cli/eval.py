@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from slimkv.bench.entries import parse_entries, parse_kind_overrides, parse_seeds, split_entries
+from slimkv.cli.ruler import add_ruler_command
 from slimkv.common.checks import check_int
 from slimkv.common.files import check_json_target, write_json
 from slimkv.common.workers import check_workers
@@ -242,6 +243,7 @@ EVAL_TASKS = {
     "recall": ("the recall frontier: MQAR (or needles-in-prose) accuracy against measured cache bytes per token, every kind at several sizes, several seeds", _recall_arguments, _recall),
     "cache": ("live KV-cache bytes of a real generate() (per token, per layer, total), beside the original model's", _cache_arguments, _cache),
 }
+add_ruler_command(EVAL_TASKS)
 
 
 def lm_eval_parser() -> argparse.ArgumentParser:

@@ -23,8 +23,7 @@ from slimkv.convert.roles import SCORES, copy_contexts, measure_head_roles
 from slimkv.convert.source import Shape, Source, gqa_state
 from slimkv.data.texts import calibration_sources
 
-# score copy_mass by default: on SmolLM2 at 0.25 the window_loss heads (mostly layers 3-9) found 0/5 pass keys at depth 0.25 of
-# 4K prompts, the copy_mass heads (mostly layers 14-24) 4/4 at depths 0.25 and 0.5 of 2K (docs/conversion.md, hybrid)
+# score copy_mass by default: on SmolLM2 its heads kept pass keys outside the window that window_loss's heads lost (docs/conversion.md, hybrid)
 METHOD_OPTIONS = {"window": 256, "sink_len": 4, "at": None, "score": "copy_mass", "roles_seq_len": None, "roles_contexts": 2}
 MAX_AT = 8192
 ROLES_SEQ_LEN = 2048

@@ -30,7 +30,8 @@ from slimkv.common.timing import machine_info, package_versions, write_results
 from slimkv.eval import ruler_cache
 from slimkv.eval.models import load_language_model, load_original
 from slimkv.pretrained import LoadedModel, resolve_model_path
-from slimkv.retrieval.models import position_limit, weights_record, wilson
+from slimkv.pretrained.loading import position_limit, weights_record
+from slimkv.scoring import wilson
 
 RESULT_NAME, TABLE_FILE, PROBES_FILE, CELL_FILE = "ruler", "ruler.md", "probes.json", "cell.json"
 MIN_LENGTH = 1024

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -148,3 +149,14 @@ def load_pretrained(name_or_path: str, *, dtype: torch.dtype = torch.float32, de
     if (path / SOURCE_FILE).is_file():
         identity["source"] = read_json(path / SOURCE_FILE)
     return LoadedModel(model, tokenizer, identity)
+
+
+def position_limit(model: Any) -> int | None:
+    """A loaded model's ``max_position_embeddings`` (None when its config has none)."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def weights_record(model: str) -> dict[str, str]:
+    """The weights ``model`` names: its folder (resolved) and the sha256 of its safetensors files."""
+    folder = resolve_model_path(model).resolve()
+    return {"path": str(folder), "sha256": weights_fingerprint(folder)}

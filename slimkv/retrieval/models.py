@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -42,8 +41,10 @@ from slimkv.data.ruler_needles import value_found
 from slimkv.data.texts import evaluation_text, text_sha256
 from slimkv.eval.cache import layer_bytes
 from slimkv.eval.models import load_language_model
-from slimkv.pretrained import LoadedModel, resolve_model_path, weights_fingerprint
+from slimkv.pretrained import LoadedModel
+from slimkv.pretrained.loading import position_limit, weights_record
 from slimkv.retrieval.prompts import TASKS, PromptBuilder, RetrievalPrompt, RetrievalTask
+from slimkv.scoring import wilson
 
 RESULT_FILE, TABLE_FILE, PLOT_FILE, PROMPTS_FILE = "niah.json", "niah.md", "niah.png", "niah_prompts.json"
 PROMPTS_FORMAT = "slimkv-niah-prompts/1"
@@ -82,10 +83,6 @@ def parse_depths(text: str) -> list[float]:
     return depths
 
 
-def position_limit(model: Any) -> int | None:
-    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
-
-
 def default_lengths(model: Any) -> list[int]:
     """1K, 2K, 4K, 8K where a prompt and its answer fit the model's positions; past that, the
     longest prompt that leaves ``ANSWER_ROOM`` positions (8128 for a model of 8192 positions)."""
@@ -110,16 +107,6 @@ def check_lengths(grid: dict[tuple[str, int, float], list[RetrievalPrompt]], mod
         room = max(p.max_new_tokens for cell in grid.values() for p in cell)
         raise ValueError(f"--lengths {', '.join(map(str, too_long))}: a prompt and its answer (up to {room} new tokens) run past this model's "
                          f"positions (max_position_embeddings={limit}); use lengths <= {limit - room}")
-
-
-def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion hits / n."""
-    if n == 0:
-        return 0.0, 1.0
-    p = hits / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def score_output(answers: list[str], output: str) -> float:
@@ -170,12 +157,6 @@ def generate(loaded: LoadedModel, prompts: list[RetrievalPrompt], batch_size: in
 
 GRID_KEYS = ("tasks", "lengths", "depths")  # may change between runs into one --out: cells accumulate
 NAMING_KEYS = ("model", "identity")  # how the model was named and what its loader says of it: shown, not fingerprinted (``weights`` is)
-
-
-def weights_record(model: str) -> dict[str, str]:
-    """The weights ``model`` names: its folder (resolved) and the sha256 of its safetensors files."""
-    folder = resolve_model_path(model).resolve()
-    return {"path": str(folder), "sha256": weights_fingerprint(folder)}
 
 
 def fingerprint(settings: dict[str, Any]) -> str:

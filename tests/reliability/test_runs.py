@@ -145,8 +145,8 @@ def test_out_that_is_a_file_is_refused_everywhere(tmp_path, capsys):
 
 def test_eval_and_generate_options_are_checked(finished_run, capsys):
     for argv, message in (
-        (["eval", str(finished_run), "--batch-size", "-1"], "batch_size must be an integer >= 1"),
-        (["eval", str(finished_run), "--batch-size", "0"], "batch_size must be an integer >= 1"),
+        (["eval", str(finished_run), "--batch-size", "-1"], "--batch-size must be an integer >= 1"),
+        (["eval", str(finished_run), "--batch-size", "0"], "--batch-size must be an integer >= 1"),
         (["generate", str(finished_run), "--prompt", "abc\udcff"], "--prompt is not valid UTF-8"),
         (["generate", str(finished_run), "--prompt", "KING", "--max-new-tokens", "1000000000"], "--max-new-tokens must be an integer >= 1 and <= 100000"),
     ):
