@@ -134,3 +134,13 @@ def test_every_benchmark_script_is_documented():
     texts += [doc.read_text(encoding="utf-8") for doc in sorted((ROOT / "docs").glob("*.md"))]
     missing = [p.name for p in sorted(BENCHMARKS.glob("*.py")) if not any(p.name in text for text in texts)]
     assert not missing, f"benchmark scripts no document names (document them or delete them): {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in RESULTS.glob("niah_*smollm2.json")))
+def test_every_retrieval_comparison_is_what_its_json_renders(name):
+    from slimkv.common.files import read_json
+    from slimkv.retrieval.comparison import render_markdown
+
+    committed = (RESULTS / f"{name}.md").read_text(encoding="utf-8")
+    assert committed == render_markdown(read_json(RESULTS / f"{name}.json", expect=dict)), \
+        f"benchmarks/results/{name}.md differs from its JSON: run benchmarks/niah_smollm2.py report"
