@@ -12,7 +12,7 @@ import torch
 
 from slimkv.common.checks import check_int
 from slimkv.data.texts import evaluation_text, tokenize
-from slimkv.eval.models import check_positions, load_language_model, load_original
+from slimkv.eval.models import check_positions, load_language_model, load_original, original_of
 from slimkv.model import SlimKVCache
 from slimkv.ops.native import kernel_isa
 from slimkv.pretrained import LoadedModel
@@ -63,6 +63,7 @@ def cache_report(model: str, context: int, *, new_tokens: int = 16, text: str = 
     if new_tokens >= context:
         raise ValueError(f"--context {context} leaves no room for a prompt before --new-tokens {new_tokens} generated tokens "
                          f"(default 16): give a --context above {new_tokens} or fewer --new-tokens")
+    original_of(model)  # a moved or changed original is refused before any model loads, not after the model's cache is measured
     loaded = load_language_model(model)
     check_positions(loaded.model, context, "--context")
     ids = tokenize(loaded.tokenizer, evaluation_text(text))

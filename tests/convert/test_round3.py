@@ -264,3 +264,18 @@ def test_eval_json_never_overwrites_a_file_that_is_not_a_report(tmp_path, capsys
     text.write_text("the user's text")
     assert main(["eval", "ppl", "--model", str(tmp_path / "none"), "--text", str(text), "--json", str(text)]) == 2
     assert "exists and is not a JSON file" in capsys.readouterr().err and text.read_text() == "the user's text"
+
+
+def test_eval_cache_checks_the_original_before_loading_anything(tiny_folder, tmp_path, monkeypatch):
+    import slimkv.eval.cache as cache
+
+    out = tmp_path / "out"
+    assert main(convert_argv(tiny_folder, tmp_path, out)) == 0
+    tiny_folder.rename(tmp_path / "moved")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the original was checked")
+
+    monkeypatch.setattr(cache, "load_language_model", refuse)
+    with pytest.raises((ValueError, FileNotFoundError), match="original"):
+        cache.cache_report(str(out), 64)
