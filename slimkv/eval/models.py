@@ -102,7 +102,8 @@ def kept_cache_ratio(converted: dict[str, Any]) -> float:
 def cache_label(converted: dict[str, Any]) -> str:
     """How a converted model's cache compares with the original's (``identity["converted"]``): a
     per-token cache by its ratio asked and achieved; a bounded one (kvm, mla+kvm, streaming: no
-    achieved ratio, its cache stops growing) by its bytes at the longest context of its cache table."""
+    achieved ratio, its cache stops growing) or a hybrid one (some heads grow, the others are
+    bounded) by its bytes at the longest context of its cache table."""
     asked = "" if converted.get("cache_ratio") is None else f"cache ratio {converted['cache_ratio']}"
     if converted.get("achieved_cache_ratio") is not None:
         return f"{asked or 'cache'} (achieved {float(converted['achieved_cache_ratio']):.4f})"
@@ -110,7 +111,8 @@ def cache_label(converted: dict[str, Any]) -> str:
     if not table:
         return f"{asked + ', ' if asked else ''}bounded cache"
     row = table[-1]
-    return f"{asked + ', ' if asked else ''}bounded cache: {row['bytes']:,} bytes at {row['context']} tokens ({float(row['ratio']):.4f} of the original's)"
+    kind = "cache" if converted.get("method") == "hybrid" else "bounded cache"  # hybrid's exact heads grow, its other heads are bounded
+    return f"{asked + ', ' if asked else ''}{kind}: {row['bytes']:,} bytes at {row['context']} tokens ({float(row['ratio']):.4f} of the original's)"
 
 
 def _is_number(value: Any) -> bool:
