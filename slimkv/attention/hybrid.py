@@ -78,12 +78,7 @@ class HybridAttention(MultiHeadAttention):
             out[:, self._full_queries] = attend(q[:, self._full_queries], kf, vf, backend=self.backend)
         q_pos = torch.arange(start, start + t, device=x.device)
         ks, vs = k[:, self.streaming_heads], v[:, self.streaming_heads]
-        keys, values, k_pos = ks, vs, q_pos
-        if cache is not None:
-            k_pos = torch.cat((cache.positions(), q_pos))
-            keys = torch.cat((cache.sink_k.view(), cache.recent_k.view(), ks), dim=2)
-            values = torch.cat((cache.sink_v.view(), cache.recent_v.view(), vs), dim=2)
-            cache.add(ks, vs)
+        keys, values, k_pos = (ks, vs, q_pos) if cache is None else cache.extend(ks, vs, q_pos)
         if self.streaming_heads:
             run = streaming_attention_reference if self.backend == "reference" else streaming_attention
             out[:, self._streaming_queries] = run(q[:, self._streaming_queries], keys, values, q_pos, k_pos, self.sink_len, self.window)

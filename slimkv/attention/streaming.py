@@ -70,6 +70,15 @@ class StreamingCache(AttentionCache):
         sinks, recent = len(self.sink_k), len(self.recent_k)
         return torch.cat((torch.arange(sinks), torch.arange(self.seq_len - recent, self.seq_len))).to(self.device)
 
+    def extend(self, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, positions) a call reads: the cached sinks and window, then the new tokens
+        k/v (batch, kv_heads, n, d) at ``q_pos``; the new tokens are then stored (``add``)."""
+        k_pos = torch.cat((self.positions(), q_pos))
+        keys = torch.cat((self.sink_k.view(), self.recent_k.view(), k), dim=2)
+        values = torch.cat((self.sink_v.view(), self.recent_v.view(), v), dim=2)
+        self.add(k, v)
+        return keys, values, k_pos
+
     def add(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new (batch, kv_heads, n, d) tokens (detached): sinks while there are fewer than ``sink_len``, then the window."""
         k, v = k.detach(), v.detach()
@@ -113,12 +122,7 @@ class StreamingAttention(MultiHeadAttention):
         q, k, v = self.project_qkv(x, start)
         b, t = x.shape[:2]
         q_pos = torch.arange(start, start + t, device=x.device)
-        keys, values, k_pos = k, v, q_pos
-        if cache is not None:
-            k_pos = torch.cat((cache.positions(), q_pos))
-            keys = torch.cat((cache.sink_k.view(), cache.recent_k.view(), k), dim=2)
-            values = torch.cat((cache.sink_v.view(), cache.recent_v.view(), v), dim=2)
-            cache.add(k, v)
+        keys, values, k_pos = (k, v, q_pos) if cache is None else cache.extend(k, v, q_pos)
         run = streaming_attention_reference if self.backend == "reference" else streaming_attention
         out = run(q, keys, values, q_pos, k_pos, self.sink_len, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

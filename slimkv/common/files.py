@@ -277,6 +277,16 @@ def existing_directory(target: str | Path) -> Path | None:
     return _retired(target) if _retired(target).is_dir() else None
 
 
+def _lock_now(descriptor: int, busy: str) -> None:
+    """An exclusive flock on ``descriptor`` at once, or FolderBusyError(``busy``) if another process holds it."""
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EAGAIN, errno.EACCES):
+            raise FolderBusyError(busy) from None
+        raise
+
+
 @contextmanager
 def folder_lock(folder: str | Path, what: str = "run") -> Iterator[None]:
     """Hold an exclusive lock on ``folder`` (created if missing) meanwhile; FolderBusyError at once
@@ -286,12 +296,7 @@ def folder_lock(folder: str | Path, what: str = "run") -> Iterator[None]:
     folder.mkdir(parents=True, exist_ok=True)
     descriptor = os.open(folder, os.O_RDONLY)
     try:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            if err.errno in (errno.EAGAIN, errno.EACCES):
-                raise FolderBusyError(f"{folder} is in use by another slimkv {what}; wait for it to finish or use another folder") from None
-            raise
+        _lock_now(descriptor, f"{folder} is in use by another slimkv {what}; wait for it to finish or use another folder")
         yield
     finally:
         os.close(descriptor)
@@ -328,12 +333,7 @@ class OutputFolder:
             target.parent.mkdir(parents=True, exist_ok=True)
             descriptor = os.open(target.with_name(f".{target.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as err:
-                if err.errno in (errno.EAGAIN, errno.EACCES):
-                    raise FolderBusyError(f"--out {target} is being written by another slimkv run; wait for it to finish or use another folder") from None
-                raise
+            _lock_now(descriptor, f"--out {target} is being written by another slimkv run; wait for it to finish or use another folder")
             self._held[target] = 1
             try:
                 yield
