@@ -28,6 +28,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -46,20 +47,19 @@ class WriteFailed(RuntimeError):
 
 
 # errno -> what to tell the user
+LIBRARY_ERRNO = re.compile(r"(?:os error |Os \{ code: )(\d+)")  # how Rust's io::Error prints an errno inside safetensors' errors
 WRITE_FAILURES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
                   errno.EROFS: "the filesystem is read-only", errno.ENOTDIR: "a part of the path is a file, not a folder"}
 
 
 def _write_failure(err: BaseException) -> str | None:
-    """What ``WRITE_FAILURES`` says of ``err``: an OSError's errno, or the same error reported in the
-    text of a library's own exception (safetensors reports 'No space left on device (os error 28)')."""
-    if isinstance(err, OSError) and err.errno in WRITE_FAILURES:
-        return WRITE_FAILURES[err.errno]
-    text = str(err)
-    for number, reason in WRITE_FAILURES.items():
-        if f"os error {number})" in text or os.strerror(number) in text:
-            return reason
-    return None
+    """What ``WRITE_FAILURES`` says of ``err``: an OSError's errno, or the errno a library reports in
+    its own exception's text (safetensors: 'IoError(Os { code: 28, ... })' or '(os error 28)');
+    no other text is guessed at."""
+    if isinstance(err, OSError):
+        return WRITE_FAILURES.get(err.errno)
+    match = LIBRARY_ERRNO.search(str(err))
+    return WRITE_FAILURES.get(int(match.group(1))) if match else None
 
 
 @contextmanager
@@ -74,7 +74,7 @@ def write_errors(path: str | Path) -> Iterator[None]:
         if reason is None:
             raise
         raise WriteFailed(f"could not write {path}: {reason}; nothing there was replaced (free space or choose another place, "
-                          "then run again)") from None
+                          "then run again)") from err
 
 
 def _temporary(path: Path) -> Path:
