@@ -14,7 +14,7 @@ import torch
 
 from slimkv.attention.base import Presets, register_attention
 from slimkv.attention.mha import MultiHeadAttention
-from slimkv.attention.streaming import StreamingCache, streaming_attention, streaming_attention_reference
+from slimkv.attention.streaming import StreamingCache, kept_tokens, streaming_attention, streaming_attention_reference
 from slimkv.common.buffer import GrowableBuffer, dtype_bytes
 from slimkv.common.checks import check_int
 from slimkv.ops.attention import attend
@@ -50,6 +50,7 @@ class HybridAttention(MultiHeadAttention):
         self.window, self.sink_len, self.full_heads = window, sink_len, sorted(heads)
         self.streaming_heads = [g for g in range(self.n_kv_heads) if g not in self.full_heads]
         group = self.n_heads // self.n_kv_heads
+        # plain lists: buffers would not survive transformers' meta-device loading (non-persistent buffers are not restored)
         self._full_queries = [g * group + j for g in self.full_heads for j in range(group)]
         self._streaming_queries = [g * group + j for g in self.streaming_heads for j in range(group)]
 
@@ -62,8 +63,7 @@ class HybridAttention(MultiHeadAttention):
                            dtype=dtype, device=device)
 
     def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
-        kept = min(seq_len, self.sink_len) + min(max(seq_len - self.sink_len, 0), self.window - 1)
-        rows = seq_len * len(self.full_heads) + kept * len(self.streaming_heads)
+        rows = seq_len * len(self.full_heads) + kept_tokens(seq_len, self.sink_len, self.window) * len(self.streaming_heads)
         return batch_size * rows * 2 * self.head_dim * dtype_bytes(dtype)
 
     def _forward(self, x: torch.Tensor, cache: HybridCache | None) -> torch.Tensor:
@@ -76,12 +76,14 @@ class HybridAttention(MultiHeadAttention):
             if cache is not None:
                 kf, vf = cache.full_k.append(kf.detach()), cache.full_v.append(vf.detach())
             out[:, self._full_queries] = attend(q[:, self._full_queries], kf, vf, backend=self.backend)
-        q_pos = torch.arange(start, start + t, device=x.device)
-        ks, vs = k[:, self.streaming_heads], v[:, self.streaming_heads]
-        keys, values, k_pos = (ks, vs, q_pos) if cache is None else cache.extend(ks, vs, q_pos)
         if self.streaming_heads:
+            q_pos = torch.arange(start, start + t, device=x.device)
+            ks, vs = k[:, self.streaming_heads], v[:, self.streaming_heads]
+            keys, values, k_pos = (ks, vs, q_pos) if cache is None else cache.extend(ks, vs, q_pos)
             run = streaming_attention_reference if self.backend == "reference" else streaming_attention
             out[:, self._streaming_queries] = run(q[:, self._streaming_queries], keys, values, q_pos, k_pos, self.sink_len, self.window)
+        elif cache is not None:
+            cache.seq_len += t  # no streaming head: only the full heads' buffers hold tokens
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
     def extra_repr(self) -> str:

@@ -22,6 +22,11 @@ from slimkv.ops.attention import attend, masked_attention, query_block
 from slimkv.ops.norm import compute_dtype
 
 
+def kept_tokens(seq_len: int, sink_len: int, window: int) -> int:
+    """Tokens a streaming cache holds after ``seq_len`` tokens: the sinks and the newest ``window - 1`` others."""
+    return min(seq_len, sink_len) + min(max(seq_len - sink_len, 0), window - 1)
+
+
 def streaming_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sink_len: int, window: int) -> torch.Tensor:
     """(q, k) boolean, True where a query at ``q_pos`` reads a key at ``k_pos``: causal, and the key is a sink or in the window."""
     q_pos, k_pos = q_pos[:, None], k_pos[None, :]
@@ -114,8 +119,7 @@ class StreamingAttention(MultiHeadAttention):
         return StreamingCache(self.cache_spec(), b, self.n_kv_heads, self.head_dim, self.sink_len, self.window, dtype=dtype, device=device)
 
     def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
-        kept = min(seq_len, self.sink_len) + min(max(seq_len - self.sink_len, 0), self.window - 1)
-        return batch_size * kept * 2 * self.n_kv_heads * self.head_dim * dtype_bytes(dtype)
+        return batch_size * kept_tokens(seq_len, self.sink_len, self.window) * 2 * self.n_kv_heads * self.head_dim * dtype_bytes(dtype)
 
     def _forward(self, x: torch.Tensor, cache: StreamingCache | None) -> torch.Tensor:
         start = cache.seq_len if cache is not None else 0

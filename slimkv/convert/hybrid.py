@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from slimkv.attention.streaming import kept_tokens
 from slimkv.common.checks import check_choice, check_int
 from slimkv.convert.context import LayerContext, LayerFit
 from slimkv.convert.roles import SCORES, copy_contexts, measure_head_roles
@@ -36,8 +37,7 @@ def budget_length(shape: Shape, options: dict[str, Any]) -> int:
 
 def streaming_tokens(length: int, options: dict[str, Any]) -> int:
     """Tokens a streaming head keeps after ``length`` tokens (as ``HybridAttention``'s cache)."""
-    sinks = min(length, options["sink_len"])
-    return sinks + min(max(length - sinks, 0), options["window"] - 1)
+    return kept_tokens(length, options["sink_len"], options["window"])
 
 
 def ratio_floor(shape: Shape, options: dict[str, Any]) -> float:
@@ -55,6 +55,9 @@ def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | Non
     check_int("--to hybrid: roles_contexts", options["roles_contexts"], 1)
     if options["at"] is not None:
         check_int("--to hybrid: at", options["at"], options["window"] + options["sink_len"] + 1, positions)
+    elif options["window"] + options["sink_len"] >= budget_length(shape, options):
+        raise ValueError(f"--to hybrid: window={options['window']} and sink_len={options['sink_len']} keep every one of the "
+                         f"{budget_length(shape, options)} tokens the budget is measured at: nothing would be forgotten; give a shorter window")
     if options["roles_seq_len"] is not None:
         check_int("--to hybrid: roles_seq_len", options["roles_seq_len"], 4 * options["window"], positions)
     elif min(ROLES_SEQ_LEN, positions) < 4 * options["window"]:
@@ -86,7 +89,8 @@ def measure_roles(source: Source, options: dict[str, Any], *, calib: str, seed: 
 def plan(layers: list[LayerContext], ratio: float, **options: Any) -> tuple[list[dict[str, Any]], str]:
     """Steps 2-3 of the module docstring: per layer, the KV heads that keep every token."""
     shape = layers[0].shape
-    length, kept = budget_length(shape, options), streaming_tokens(budget_length(shape, options), options)
+    length = budget_length(shape, options)
+    kept = streaming_tokens(length, options)
     total = shape.n_layers * shape.n_kv_heads
     exact = max(0, min(total, math.floor((ratio * total * length - total * kept) / (length - kept) + 1e-9)))
     ranked = sorted(((layer.roles[options["score"]][g], layer.index, g) for layer in layers for g in range(shape.n_kv_heads)), reverse=True)
