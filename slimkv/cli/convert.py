@@ -151,10 +151,6 @@ def _convert(args: argparse.Namespace) -> int:
         before = sum(t["relative_error_before"] for t in transfer) / len(transfer)
         after = sum(t["relative_error_after"] for t in transfer) / len(transfer)
         print(f"attention transfer: mean relative output error per layer {before:.4f} -> {after:.4f}")
-        kept = [t["layer"] for t in transfer if t.get("kept") == "one-shot"]
-        if kept:
-            print(f"attention transfer made layer(s) {', '.join(map(str, kept))} worse and kept their one-shot parameters "
-                  "(a lower transfer_lr or transfer_params=kvm may fit them)")
     if manifest.get("healing"):
         h = manifest["healing"]
         print(f"healed {h['step']} steps ({h['tokens_seen']:,} tokens, {h['trainable_parameters']:,} parameters trained): held-out KL {h.get('val_kl', float('nan')):.4f}")

@@ -164,10 +164,10 @@ def check_resumable(run_dir: Path, cfg: HealConfig | None, conversion: str) -> H
         differences = ", ".join(f"{k}: stored {kept.get(k)!r}, requested {v!r}" for k, v in requested.items() if kept.get(k) != v)
         raise ValueError(f"--resume: {run_dir} was healed with other options ({differences}); resume with the same options, or with none")
     started_on = read_json(run_dir / HEAL_CONFIG, expect=dict).get(TEXT_KEY)
-    if started_on is not None and started_on != heal_text_sha256(heal_documents(stored.text)):
+    now = heal_text_sha256(heal_documents(stored.text)) if started_on is not None else None
+    if started_on is not None and started_on != now:
         raise ValueError(f"--resume: the healing text {stored.text!r} changed since the run in {run_dir} started (its sha256 was {started_on[:12]}..., "
-                         f"it is now {heal_text_sha256(heal_documents(stored.text))[:12]}...): continuing would train on another text than the "
-                         f"run records; restore the text, or {restart}")
+                         f"it is now {now[:12]}...): continuing would train on another text than the run records; restore the text, or {restart}")
     return stored
 
 

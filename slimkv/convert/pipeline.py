@@ -46,7 +46,7 @@ from slimkv.data.texts import (
 )
 from slimkv.model import SlimKVForCausalLM, load_model_folder
 from slimkv.pretrained import load_pretrained, resolve_model_path, weights_fingerprint
-from slimkv.pretrained.loading import CONVERTED_MANIFEST, resolve_original
+from slimkv.pretrained.loading import CONVERTED_MANIFEST, read_config, resolve_original
 
 CONVERTED_FOLDER = OutputFolder(CONVERTED_MANIFEST, "slimkv conversion folder", runs={HEAL_DIR: HEAL_CONFIG})
 # names a conversion folder always gets (the tokenizer's files vary with the tokenizer)
@@ -342,7 +342,7 @@ def _heal_locked(out_dir: Path, cfg: HealConfig | None, resume: bool, progress: 
         cfg = check_resumable(out_dir / HEAL_DIR, cfg, conversion)
     elif cfg is None:
         raise ValueError("healing needs its options (--heal-tokens and the other --heal-* options)")
-    check_window("--heal-seq-len", cfg.seq_len, AutoConfig.from_pretrained(out_dir, trust_remote_code=False).max_position_embeddings)
+    check_window("--heal-seq-len", cfg.seq_len, read_config(out_dir).max_position_embeddings)
     base = resolve_original(manifest, out_dir / CONVERTED_MANIFEST)
     tokenizer = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=False)
     check_heal_text(tokenizer, cfg)

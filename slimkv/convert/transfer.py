@@ -116,5 +116,6 @@ def transfer_model(layers: list[nn.Module], targets: list[tuple[torch.Tensor, to
         facts.append({"layer": index, **transfer_layer(attn, x, y, cfg)})
         if facts[-1]["kept"] == "one-shot":
             tqdm.write(f"attention transfer, layer {index}: the fit made the layer worse (relative error {facts[-1]['relative_error_before']:.4g} -> "
-                       f"{facts[-1]['relative_error_fitted']:.4g} at lr {cfg.lr:g}, params {cfg.params}); kept its one-shot parameters", file=sys.stderr)
+                       f"{facts[-1]['relative_error_fitted']:.4g} at lr {cfg.lr:g}, params {cfg.params}); kept its one-shot parameters "
+                       "(a lower transfer_lr, or transfer_params=kvm, may fit it)", file=sys.stderr)
     return facts
