@@ -101,6 +101,12 @@ def report(args: argparse.Namespace) -> None:
     if not runs:
         raise SystemExit(f"--runs {args.runs}: no */{retrieval.RESULT_FILE} found; run `benchmarks/niah_smollm2.py run` first")
     reports = [(path, read_json(path, expect=dict)) for path in runs]
+    grid = GRIDS[args.grid]
+    for path, r in reports:  # a run measured on another grid than --grid says would be reported under the wrong header
+        measured = {key: r["settings"].get(key) for key in ("depths", "samples", "seed")}
+        if measured != {key: grid[key] for key in measured}:
+            raise SystemExit(f"{path} was measured with {measured}, not the --grid {args.grid} grid ({ {k: grid[k] for k in measured} }); "
+                             "give the --grid it was run with")
     rows = []
     for path, r in reports:
         row = slimkv_row(r, label_of(r), str(path.parent.name))

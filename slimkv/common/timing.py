@@ -52,15 +52,6 @@ def measure_copy_bandwidth(nbytes: int = 256 * 2**20, device: torch.device | str
     return 2 * nbytes / stats["median_s"]
 
 
-def measure_matmul_rate(size: int = 1024, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", repeats: int = 7) -> float:
-    """FLOP/s of a large square matmul (2 size^3 FLOPs per call): the arithmetic yardstick that,
-    with ``measure_copy_bandwidth``, bounds how fast a kernel can be (a roofline)."""
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
-    stats = time_fn(lambda: torch.mm(a, b), warmup=2, repeats=repeats, device=device)
-    return 2 * size**3 / stats["median_s"]
-
-
 def _cpu_facts() -> dict[str, Any]:
     """CPU model and widest vector instruction set from ``/proc/cpuinfo`` (Linux; ``{}`` elsewhere)."""
     try:

@@ -10,12 +10,8 @@
 #include <immintrin.h>
 
 #define ROWS_TILE 4
-#ifndef KEYS_TILE
 #define KEYS_TILE 3 /* logits tile: 4 x 3 accumulators + 3 key chunks + 1 query chunk = 16 registers */
-#endif
-#ifndef CHUNKS_TILE
-#define CHUNKS_TILE 3 /* values tile: 4 x 3 accumulators + 3 value chunks + 1 probability = 16 registers */
-#endif
+#define CHUNKS_TILE 3 /* values tile: 4 x 3 accumulators + 3 value chunks + 1 probability = 16 registers; VALUES8 has cases for 3, 2, 1 */
 
 /* Keep x in a register (see decode_avx512.h): a vector used by several products stays loaded once. */
 #define IN_REGISTER8(x) __asm__("" : "+x"(x))
