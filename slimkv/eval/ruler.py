@@ -28,7 +28,7 @@ from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import check_folder_target, read_json, write_json, write_text
 from slimkv.common.timing import machine_info, package_versions, write_results
 from slimkv.eval import ruler_cache
-from slimkv.eval.models import load_language_model, load_original
+from slimkv.eval.models import load_language_model, load_original, original_of
 from slimkv.pretrained import LoadedModel, resolve_model_path
 from slimkv.pretrained.loading import position_limit, weights_record
 from slimkv.scoring import wilson
@@ -193,6 +193,7 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     check_folder_target(out_dir)
     gen = gen_tokens(tasks, max_gen_toks)
     out_dir = Path(out_dir)
+    original_of(model)  # a moved or changed original is refused before any model loads, not after the probes
     loaded = load_language_model(model)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {model}: no tokenizer is saved beside the model; RULER builds its prompts with it")
@@ -214,13 +215,19 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
                 raise ValueError(f"{path} holds cell {key} of other settings (they differ in: {', '.join(differ)}); give another --out, or move it away to run it again")
             finished[key] = previous
     pending = [key for key in cells if key not in finished]
-    probes = read_json(out_dir / PROBES_FILE, expect=dict) if (out_dir / PROBES_FILE).is_file() else {}
+    # the probes hold for these weights, dtype and threads only: probes of another model or run in --out are measured again
+    measured_on = {"weights": base["weights"], "dtype": base["dtype"], "threads": torch.get_num_threads()}
+    kept = read_json(out_dir / PROBES_FILE, expect=dict) if (out_dir / PROBES_FILE).is_file() else {}
+    probes = dict(kept.get("probes", {})) if kept.get("measured_on") == measured_on else {}
+
+    def save_probes() -> None:
+        write_json(out_dir / PROBES_FILE, {"measured_on": measured_on, "probes": probes})
     vocab = len(loaded.tokenizer)
     for option, length in dict.fromkeys((cells[k]["option"], cells[k]["length"]) for k in pending):
         if f"{option}/{length}" not in probes:
             say(f"timing one {length}-token prompt under --caches {option} (the planner's cost, and the cache's bytes)")
             probes[f"{option}/{length}"] = ruler_cache.probe(loaded.model, option, length, vocab)
-            write_json(out_dir / PROBES_FILE, probes)
+            save_probes()
     original = None
     for length in dict.fromkeys(cells[k]["length"] for k in pending):
         if f"reference/{length}" not in probes:  # the original's own DynamicCache, counted at 2 bytes an element
@@ -229,7 +236,7 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
                 probes[f"reference/{length}"] = ruler_cache.probe(original.model, "none", length, vocab, decode_tokens=0)
             else:
                 probes[f"reference/{length}"] = probes.get(f"none/{length}") or ruler_cache.probe(loaded.model, "none", length, vocab, decode_tokens=0)
-            write_json(out_dir / PROBES_FILE, probes)
+            save_probes()
     for key in pending:
         cell = cells[key]
         cell["estimate_s"] = estimate_cell(probes[f"{cell['option']}/{cell['length']}"], limit, gen[cell["task"]])
