@@ -29,6 +29,7 @@ from slimkv.attention.cache import AttentionCache
 from slimkv.common.checks import Checked, check_bool, check_choice, check_float, check_int, close_matches
 from slimkv.ops.attention import BACKENDS
 from slimkv.ops.norm import RMSNorm
+from slimkv.ops.quantize import KVStorage, parse_storage
 from slimkv.ops.rope import ROPE_MODES, Rotary, check_rope_frequencies, rotary_dim
 
 COMMON_OPTIONS = ("rope", "rope_fraction", "rope_theta", "rope_frequencies", "qk_norm", "bias", "backend")
@@ -122,7 +123,10 @@ class Attention(nn.Module):
     def _forward(self, x: torch.Tensor, cache: AttentionCache | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> AttentionCache:
+    def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                  storage: KVStorage | str | None = None) -> AttentionCache:
+        """An empty cache; ``storage`` (``slimkv.ops.quantize``: ``full``, ``int8``, ``int4[:group=G,residual=R]``)
+        says how its per-token rows are held."""
         raise NotImplementedError
 
     def cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32, batch_size: int = 1) -> int:
@@ -156,10 +160,10 @@ class Attention(nn.Module):
             return wq * self.q_norm.weight, wk * self.k_norm.weight
         return wq, wk
 
-    def _cache_args(self, batch_size: int, dtype, device) -> tuple[int, torch.dtype, torch.device]:
+    def _cache_args(self, batch_size: int, dtype, device, storage) -> tuple[int, torch.dtype, torch.device, KVStorage]:
         check_int("batch_size", batch_size, 1)
         ref = next(self.parameters())
-        return batch_size, dtype or ref.dtype, torch.device(device) if device is not None else ref.device
+        return batch_size, dtype or ref.dtype, torch.device(device) if device is not None else ref.device, parse_storage(storage)
 
     def _make_qk_norms(self, q_dim: int, k_dim: int) -> None:
         """Create per-head RMSNorms on queries and keys when ``qk_norm`` is on."""

@@ -17,6 +17,9 @@ from typing import Any, NamedTuple
 import torch
 
 from slimkv.common.buffer import GrowableBuffer
+from slimkv.ops.quantize import FULL, KVStorage, QuantizedBuffer
+
+BUFFERS = (GrowableBuffer, QuantizedBuffer)
 
 
 class AttentionCache:
@@ -25,14 +28,19 @@ class AttentionCache:
     Subclasses hold their state in ``GrowableBuffer``s or tensors and list them in ``tensors()``.
     """
 
-    def __init__(self, owner_spec: tuple, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, owner_spec: tuple, batch_size: int, dtype: torch.dtype, device: torch.device, storage: KVStorage = FULL) -> None:
         self.owner_spec = owner_spec
         self.batch_size = batch_size
         self.dtype = dtype
         self.device = torch.device(device)
+        self.storage = storage
         self.seq_len = 0
 
-    def tensors(self) -> Iterator[GrowableBuffer | torch.Tensor]:
+    def row_buffer(self, heads: int, dim: int) -> GrowableBuffer | QuantizedBuffer:
+        """An empty buffer for per-token rows (batch, heads, time, dim), held as ``self.storage`` says."""
+        return self.storage.buffer(self.batch_size, heads, dim, dtype=self.dtype, device=self.device)
+
+    def tensors(self) -> Iterator[GrowableBuffer | QuantizedBuffer | torch.Tensor]:
         """The objects that hold live state (for ``nbytes``)."""
         return iter(())
 
@@ -40,18 +48,18 @@ class AttentionCache:
         """Bytes of the live state (the used part of each buffer, not its spare capacity)."""
         total = 0
         for t in self.tensors():
-            total += t.nbytes() if isinstance(t, GrowableBuffer) else t.numel() * t.element_size()
+            total += t.nbytes() if isinstance(t, BUFFERS) else t.numel() * t.element_size()
         return total
 
     def mark(self) -> Any:
         """A mark of the current state; ``rollback(mark)`` undoes every change made after it (a call
         that fails half way must not leave the cache advanced). Caches whose state is not only
         growable buffers override both."""
-        return self.seq_len, [t.mark() for t in self.tensors() if isinstance(t, GrowableBuffer)]
+        return self.seq_len, [t.mark() for t in self.tensors() if isinstance(t, BUFFERS)]
 
     def rollback(self, mark: Any) -> None:
         self.seq_len, marks = mark
-        for buffer, buffer_mark in zip((t for t in self.tensors() if isinstance(t, GrowableBuffer)), marks):
+        for buffer, buffer_mark in zip((t for t in self.tensors() if isinstance(t, BUFFERS)), marks):
             buffer.restore(buffer_mark)
 
     def check_compatible(self, spec: tuple, x: torch.Tensor) -> None:
@@ -68,7 +76,8 @@ class AttentionCache:
             raise ValueError(f"input device {x.device} does not match the cache's device={self.device}")
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(seq_len={self.seq_len}, batch_size={self.batch_size}, dtype={self.dtype}, nbytes={self.nbytes()})"
+        storage = "" if self.storage.bits is None else f", storage={self.storage.name}"
+        return f"{type(self).__name__}(seq_len={self.seq_len}, batch_size={self.batch_size}, dtype={self.dtype}{storage}, nbytes={self.nbytes()})"
 
 
 class LRKVEntries(NamedTuple):
@@ -110,12 +119,13 @@ class LRKVCache(AttentionCache):
     key/value head shared by every query head (``LowRankKVAttention._decode_rows``); ``entries``
     gives the same storage as ``LRKVEntries`` views."""
 
-    def __init__(self, owner_spec: tuple, batch_size: int, groups: int, head_dim: int, rank_k: int, rank_v: int, key_scale: bool, *, dtype, device) -> None:
-        super().__init__(owner_spec, batch_size, dtype, device)
+    def __init__(self, owner_spec: tuple, batch_size: int, groups: int, head_dim: int, rank_k: int, rank_v: int, key_scale: bool, *, dtype, device,
+                 storage: KVStorage = FULL) -> None:
+        super().__init__(owner_spec, batch_size, dtype, device, storage)
         self.groups, self.head_dim, self.rank_k, self.rank_v = groups, head_dim, rank_k, rank_v
         self.key_width = head_dim + groups * rank_k
         self.row_width = self.key_width + head_dim + groups * rank_v
-        self.rows = GrowableBuffer(batch_size, 1, self.row_width, dtype=dtype, device=device)
+        self.rows = self.row_buffer(1, self.row_width)
         self.key_scale = GrowableBuffer(batch_size, groups, 1, dtype=dtype, device=device) if key_scale else None
 
     def tensors(self):

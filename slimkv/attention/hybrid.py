@@ -15,9 +15,10 @@ import torch
 from slimkv.attention.base import Presets, register_attention
 from slimkv.attention.mha import MultiHeadAttention
 from slimkv.attention.streaming import StreamingCache, kept_tokens, streaming_attention, streaming_attention_reference
-from slimkv.common.buffer import GrowableBuffer, dtype_bytes
+from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import check_int
 from slimkv.ops.attention import attend
+from slimkv.ops.quantize import FULL, KVStorage
 
 
 class HybridCache(StreamingCache):
@@ -25,9 +26,9 @@ class HybridCache(StreamingCache):
     (``StreamingCache``'s buffers, over the streaming heads only)."""
 
     def __init__(self, owner_spec: tuple, batch_size: int, full_heads: int, streaming_heads: int, head_dim: int, sink_len: int, window: int, *,
-                 dtype, device) -> None:
-        super().__init__(owner_spec, batch_size, streaming_heads, head_dim, sink_len, window, dtype=dtype, device=device)
-        self.full_k, self.full_v = (GrowableBuffer(batch_size, full_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+                 dtype, device, storage: KVStorage = FULL) -> None:
+        super().__init__(owner_spec, batch_size, streaming_heads, head_dim, sink_len, window, dtype=dtype, device=device, storage=storage)
+        self.full_k, self.full_v = self.row_buffer(full_heads, head_dim), self.row_buffer(full_heads, head_dim)
 
     def tensors(self):
         return iter((self.full_k, self.full_v, *super().tensors()))
@@ -57,10 +58,10 @@ class HybridAttention(MultiHeadAttention):
     def cache_spec(self) -> tuple:
         return super().cache_spec() + (self.sink_len, tuple(self.full_heads))
 
-    def new_cache(self, batch_size: int, dtype=None, device=None) -> HybridCache:
-        b, dtype, device = self._cache_args(batch_size, dtype, device)
+    def new_cache(self, batch_size: int, dtype=None, device=None, storage=None) -> HybridCache:
+        b, dtype, device, storage = self._cache_args(batch_size, dtype, device, storage)
         return HybridCache(self.cache_spec(), b, len(self.full_heads), len(self.streaming_heads), self.head_dim, self.sink_len, self.window,
-                           dtype=dtype, device=device)
+                           dtype=dtype, device=device, storage=storage)
 
     def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
         rows = seq_len * len(self.full_heads) + kept_tokens(seq_len, self.sink_len, self.window) * len(self.streaming_heads)

@@ -128,8 +128,11 @@ class KVMRegions:
     def cache_spec(self) -> tuple:
         return super().cache_spec() + (self.settings, self.gate_proj is not None)
 
-    def new_cache(self, batch_size: int, dtype=None, device=None) -> KVMCache:
-        b, dtype, device = self._cache_args(batch_size, dtype, device)
+    def new_cache(self, batch_size: int, dtype=None, device=None, storage=None) -> KVMCache:
+        b, dtype, device, storage = self._cache_args(batch_size, dtype, device, storage)
+        if storage.bits is not None:
+            raise ValueError(f"storage={storage.name!r}: attention kind {self.kind!r} updates its memory rows in place (running means), "
+                             "which quantized storage cannot hold; use storage='full'")
         state = KVMState(b, *self.state_shape(), dtype=dtype, device=device, gated=self.gate_proj is not None)
         return KVMCache(self.cache_spec(), b, state, dtype=dtype, device=device)
 

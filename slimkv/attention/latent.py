@@ -68,9 +68,9 @@ class RebuiltLatentAttention(Attention):
     def cache_spec(self) -> tuple:
         return super().cache_spec() + (self.kv_rank,)
 
-    def new_cache(self, batch_size: int, dtype=None, device=None) -> LatentCache:
-        b, dtype, device = self._cache_args(batch_size, dtype, device)
-        return LatentCache(self.cache_spec(), b, self.kv_rank, dtype=dtype, device=device)
+    def new_cache(self, batch_size: int, dtype=None, device=None, storage=None) -> LatentCache:
+        b, dtype, device, storage = self._cache_args(batch_size, dtype, device, storage)
+        return LatentCache(self.cache_spec(), b, self.kv_rank, dtype=dtype, device=device, storage=storage)
 
     def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
         return batch_size * seq_len * self.kv_rank * dtype_bytes(dtype)

@@ -183,9 +183,10 @@ class LowRankKVAttention(Attention):
     def cache_spec(self) -> tuple:
         return super().cache_spec() + (self.rank_k, self.rank_v, self.rope_placement, self.rotary.rot_dim, self.use_qk_norm, self.n_kv_heads)
 
-    def new_cache(self, batch_size: int, dtype=None, device=None) -> LRKVCache:
-        b, dtype, device = self._cache_args(batch_size, dtype, device)
-        return LRKVCache(self.cache_spec(), b, self.n_kv_heads, self.head_dim, self.rank_k, self.rank_v, self.use_qk_norm, dtype=dtype, device=device)
+    def new_cache(self, batch_size: int, dtype=None, device=None, storage=None) -> LRKVCache:
+        b, dtype, device, storage = self._cache_args(batch_size, dtype, device, storage)
+        return LRKVCache(self.cache_spec(), b, self.n_kv_heads, self.head_dim, self.rank_k, self.rank_v, self.use_qk_norm, dtype=dtype, device=device,
+                         storage=storage)
 
     def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
         return batch_size * seq_len * self.cache_elements_per_token() * dtype_bytes(dtype)

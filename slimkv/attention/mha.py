@@ -12,19 +12,20 @@ from torch import nn
 
 from slimkv.attention.base import Attention, LayerShape, Presets, register_attention
 from slimkv.attention.cache import AttentionCache
-from slimkv.common.buffer import GrowableBuffer, dtype_bytes
+from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import check_int
 from slimkv.ops.attention import attend
+from slimkv.ops.quantize import FULL, KVStorage
 
 
 class KVCache(AttentionCache):
     """Keys and values of every past token, or of the newest ``keep`` tokens when ``keep`` is set."""
 
-    def __init__(self, owner_spec: tuple, batch_size: int, kv_heads: int, head_dim: int, *, dtype, device, keep: int | None = None) -> None:
-        super().__init__(owner_spec, batch_size, dtype, device)
+    def __init__(self, owner_spec: tuple, batch_size: int, kv_heads: int, head_dim: int, *, dtype, device, keep: int | None = None,
+                 storage: KVStorage = FULL) -> None:
+        super().__init__(owner_spec, batch_size, dtype, device, storage)
         self.keep = keep
-        self.k = GrowableBuffer(batch_size, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = GrowableBuffer(batch_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self.k, self.v = self.row_buffer(kv_heads, head_dim), self.row_buffer(kv_heads, head_dim)
 
     def tensors(self):
         return iter((self.k, self.v))
@@ -83,10 +84,10 @@ class MultiHeadAttention(Attention):
         wk = self.k_proj.weight.view(self.n_kv_heads, hd, self.d_model).transpose(1, 2).repeat_interleave(groups, dim=0)
         return self._with_qk_gains(wq, wk)
 
-    def new_cache(self, batch_size: int, dtype=None, device=None) -> KVCache:
-        b, dtype, device = self._cache_args(batch_size, dtype, device)
+    def new_cache(self, batch_size: int, dtype=None, device=None, storage=None) -> KVCache:
+        b, dtype, device, storage = self._cache_args(batch_size, dtype, device, storage)
         keep = None if self.window is None else self.window - 1
-        return KVCache(self.cache_spec(), b, self.n_kv_heads, self.head_dim, dtype=dtype, device=device, keep=keep)
+        return KVCache(self.cache_spec(), b, self.n_kv_heads, self.head_dim, dtype=dtype, device=device, keep=keep, storage=storage)
 
     def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
         kept = seq_len if self.window is None else min(seq_len, self.window - 1)

@@ -61,10 +61,11 @@ from torch import nn
 
 from slimkv.attention.base import Attention, LayerShape, Presets, register_attention
 from slimkv.attention.cache import AttentionCache
-from slimkv.common.buffer import GrowableBuffer, dtype_bytes
+from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import Checked, check_bool, check_choice, check_int
 from slimkv.ops.attention import attend
 from slimkv.ops.norm import RMSNorm
+from slimkv.ops.quantize import FULL, KVStorage
 from slimkv.ops.rope import Rotary, check_rope_frequencies, rotary_dim
 
 DECODE_PATHS = ("auto", "absorbed", "expanded")
@@ -73,9 +74,9 @@ DECODE_PATHS = ("auto", "absorbed", "expanded")
 class LatentCache(AttentionCache):
     """Every past token's [rotated k_pe | (normalised) c] row, (batch, 1, time, rope_dim + kv_rank)."""
 
-    def __init__(self, owner_spec: tuple, batch_size: int, width: int, *, dtype, device) -> None:
-        super().__init__(owner_spec, batch_size, dtype, device)
-        self.latent = GrowableBuffer(batch_size, 1, width, dtype=dtype, device=device)
+    def __init__(self, owner_spec: tuple, batch_size: int, width: int, *, dtype, device, storage: KVStorage = FULL) -> None:
+        super().__init__(owner_spec, batch_size, dtype, device, storage)
+        self.latent = self.row_buffer(1, width)
 
     def tensors(self):
         return iter((self.latent,))
@@ -184,9 +185,9 @@ class MultiHeadLatentAttention(Attention):
     def cache_spec(self) -> tuple:
         return super().cache_spec() + (self.kv_rank, self.rope_dim)
 
-    def new_cache(self, batch_size: int, dtype=None, device=None) -> LatentCache:
-        b, dtype, device = self._cache_args(batch_size, dtype, device)
-        return LatentCache(self.cache_spec(), b, self.rope_dim + self.kv_rank, dtype=dtype, device=device)
+    def new_cache(self, batch_size: int, dtype=None, device=None, storage=None) -> LatentCache:
+        b, dtype, device, storage = self._cache_args(batch_size, dtype, device, storage)
+        return LatentCache(self.cache_spec(), b, self.rope_dim + self.kv_rank, dtype=dtype, device=device, storage=storage)
 
     def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
         return batch_size * seq_len * (self.kv_rank + self.rope_dim) * dtype_bytes(dtype)

@@ -20,6 +20,7 @@ from slimkv.common.buffer import GrowableBuffer, dtype_bytes
 from slimkv.common.checks import check_int
 from slimkv.ops.attention import attend, masked_attention, query_block
 from slimkv.ops.norm import compute_dtype
+from slimkv.ops.quantize import FULL, KVStorage
 
 
 def kept_tokens(seq_len: int, sink_len: int, window: int) -> int:
@@ -61,11 +62,13 @@ def streaming_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
 class StreamingCache(AttentionCache):
     """The sink tokens' keys/values and those of the newest ``window - 1`` other tokens."""
 
-    def __init__(self, owner_spec: tuple, batch_size: int, kv_heads: int, head_dim: int, sink_len: int, window: int, *, dtype, device) -> None:
-        super().__init__(owner_spec, batch_size, dtype, device)
+    def __init__(self, owner_spec: tuple, batch_size: int, kv_heads: int, head_dim: int, sink_len: int, window: int, *, dtype, device,
+                 storage: KVStorage = FULL) -> None:
+        super().__init__(owner_spec, batch_size, dtype, device, storage)
         self.sink_len, self.window = sink_len, window
-        self.sink_k, self.sink_v, self.recent_k, self.recent_v = (GrowableBuffer(batch_size, kv_heads, head_dim, dtype=dtype, device=device)
-                                                                  for _ in range(4))
+        # the few sink tokens stay in full precision (they take much of every query's attention)
+        self.sink_k, self.sink_v = (GrowableBuffer(batch_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+        self.recent_k, self.recent_v = self.row_buffer(kv_heads, head_dim), self.row_buffer(kv_heads, head_dim)
 
     def tensors(self):
         return iter((self.sink_k, self.sink_v, self.recent_k, self.recent_v))
@@ -114,9 +117,10 @@ class StreamingAttention(MultiHeadAttention):
     def cache_spec(self) -> tuple:
         return super().cache_spec() + (self.sink_len,)
 
-    def new_cache(self, batch_size: int, dtype=None, device=None) -> StreamingCache:
-        b, dtype, device = self._cache_args(batch_size, dtype, device)
-        return StreamingCache(self.cache_spec(), b, self.n_kv_heads, self.head_dim, self.sink_len, self.window, dtype=dtype, device=device)
+    def new_cache(self, batch_size: int, dtype=None, device=None, storage=None) -> StreamingCache:
+        b, dtype, device, storage = self._cache_args(batch_size, dtype, device, storage)
+        return StreamingCache(self.cache_spec(), b, self.n_kv_heads, self.head_dim, self.sink_len, self.window, dtype=dtype, device=device,
+                              storage=storage)
 
     def _cache_bytes(self, seq_len: int, dtype: torch.dtype, batch_size: int) -> int:
         return batch_size * kept_tokens(seq_len, self.sink_len, self.window) * 2 * self.n_kv_heads * self.head_dim * dtype_bytes(dtype)

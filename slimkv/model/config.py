@@ -11,8 +11,10 @@ from transformers import PretrainedConfig
 from slimkv.attention import build_attention
 from slimkv.common.checks import check_bool, check_choice, check_float, check_int
 from slimkv.common.spec import AttentionSpec
+from slimkv.ops.quantize import parse_storage
 
 MLP_KINDS = ("swiglu", "relu2")
+STATEFUL_KINDS = ("kvm", "mla-kvm")  # their memory rows are running means: no quantized storage
 
 
 class ModelConfig(PretrainedConfig):
@@ -23,7 +25,9 @@ class ModelConfig(PretrainedConfig):
     go to every layer; ``kind_options`` maps a kind to options for that kind's layers only (e.g.
     ``{"swa": {"window": 256}}`` in a KVM/SWA hybrid); ``per_layer_options`` (one mapping per layer)
     overrides both for single layers (converted models whose layers have different sizes). These
-    are the fields of ``slimkv.common.spec.AttentionSpec`` (``attention_spec()``).
+    are the fields of ``slimkv.common.spec.AttentionSpec`` (``attention_spec()``). ``cache_storage``
+    is how ``new_cache`` holds the per-token rows unless told otherwise: ``full`` (the cache dtype),
+    ``int8`` or ``int4[:group=G,residual=R]`` (``slimkv.ops.quantize``).
     """
 
     model_type = "slimkv"
@@ -44,6 +48,7 @@ class ModelConfig(PretrainedConfig):
         norm_eps: float = 1e-5,
         init_std: float = 0.02,
         tie_word_embeddings: bool = True,
+        cache_storage: str = "full",
         **kwargs: Any,
     ) -> None:
         spec = AttentionSpec.from_fields(attention, attention_options, kind_options, per_layer_options)
@@ -60,6 +65,9 @@ class ModelConfig(PretrainedConfig):
         self.d_ff = d_ff if d_ff is not None else (self.default_d_ff(d_model, mlp) if _positive_ints(d_model) else None)
         self.norm_eps = norm_eps
         self.init_std = init_std
+        self.cache_storage = parse_storage(cache_storage, "cache_storage").name
+        if self.cache_storage != "full" and any(kind in STATEFUL_KINDS for kind in spec.layer_kinds(n_layers) if _positive_ints(n_layers)):
+            raise ValueError(f"cache_storage={cache_storage!r}: kinds {', '.join(STATEFUL_KINDS)} update their memory in place and take full storage only")
         check_bool("tie_word_embeddings", tie_word_embeddings)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate()

@@ -24,6 +24,7 @@ from slimkv.attention import Attention, AttentionCache, build_attention
 from slimkv.common.quiet import quiet_transformers
 from slimkv.model.config import ModelConfig
 from slimkv.ops.norm import RMSNorm
+from slimkv.ops.quantize import KVStorage, parse_storage
 
 # Keywords transformers' generate() and Trainer pass to forward() that change nothing here.
 IGNORED_KWARGS = frozenset({"cache_position", "num_items_in_batch", "next_sequence_length"})
@@ -196,9 +197,13 @@ class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
     def attention_layers(self) -> list[Attention]:
         return [block.attn for block in self.model.layers]
 
-    def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> SlimKVCache:
-        """An empty cache for every layer (dtype/device follow the model unless given)."""
-        return SlimKVCache([attn.new_cache(batch_size, dtype=dtype, device=device) for attn in self.attention_layers])
+    def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                  storage: KVStorage | str | None = None) -> SlimKVCache:
+        """An empty cache for every layer (dtype/device follow the model unless given). ``storage``
+        holds every layer's per-token rows as int8 / int4 codes (``"int4"``, ``"int8:group=64,residual=32"``;
+        ``slimkv.ops.quantize``) instead of the cache dtype; by default the config's ``cache_storage``."""
+        storage = parse_storage(self.config.cache_storage if storage is None else storage)
+        return SlimKVCache([attn.new_cache(batch_size, dtype=dtype, device=device, storage=storage) for attn in self.attention_layers])
 
     @torch.no_grad()
     def cache_elements_per_token(self, tokens: int = 64) -> list[float]:
@@ -273,7 +278,8 @@ class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
             return
         if generation_config.num_beams > 1:
             raise ValueError("beam search is not supported by slimkv models; use greedy decoding or sampling")
-        model_kwargs["cache"] = self.new_cache(batch_size * max(1, generation_config.num_return_sequences or 1))
+        storage = generation_storage(generation_config)
+        model_kwargs["cache"] = self.new_cache(batch_size * max(1, generation_config.num_return_sequences or 1), storage=storage)
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, cache: SlimKVCache | None = None, **kwargs: Any) -> dict:
         """The tokens the cache has not seen yet: ``generate()`` passes the whole sequence, whose
@@ -286,6 +292,23 @@ class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
             input_ids = input_ids[:, cache.seq_len :]
         kwargs.pop("position_ids", None)
         return super().prepare_inputs_for_generation(input_ids, cache=cache, **kwargs)
+
+
+def generation_storage(generation_config: Any) -> KVStorage | None:
+    """The storage ``generate()`` asks for in transformers' words: ``cache_implementation="quantized"``
+    with ``cache_config={"nbits": 4 or 8, "q_group_size": G, "residual_length": R}`` is slimkv's own
+    int4 / int8 storage (whatever ``backend`` names); ``None``/``"dynamic"`` the config's default."""
+    implementation = getattr(generation_config, "cache_implementation", None)
+    if implementation in (None, "dynamic"):
+        return None
+    if implementation != "quantized":
+        raise ValueError(f"cache_implementation={implementation!r} is not supported by slimkv models; use 'quantized' "
+                         "(cache_config nbits 4 or 8) or leave it unset")
+    config = dict(getattr(generation_config, "cache_config", None) or {})
+    bits = config.get("nbits", 4)
+    if bits not in (4, 8):
+        raise ValueError(f"cache_config nbits={bits!r}: slimkv's quantized storage has 4 or 8 bits")
+    return KVStorage(bits=bits, group=config.get("q_group_size", 32), residual=config.get("residual_length", 128))
 
 
 def _check_ids(input_ids: torch.Tensor, vocab_size: int) -> None:

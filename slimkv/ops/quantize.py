@@ -1,0 +1,200 @@
+"""Quantized cache storage: int8 / int4 codes in channel groups, with a full-precision residual window.
+
+``KVStorage`` names how a cache stores its per-token rows: ``full`` (the cache dtype) or ``int8`` /
+``int4`` (KIVI-style, Liu et al. 2024: each token's row is cut into groups of ``group`` channels,
+each group stored as unsigned codes with its own scale and minimum in the cache dtype; the newest
+``residual`` tokens stay in full precision and are quantized once they leave that window).
+``QuantizedBuffer`` has ``GrowableBuffer``'s interface, so any cache that stores rows in growable
+buffers composes with it. What it returns for attention is the dequantized history (the codes are
+what it holds; ``nbytes`` counts codes, scales, minima and the residual window).
+
+``quantize_groups`` / ``dequantize_groups`` are the plain reference the buffer is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from slimkv.common.buffer import GrowableBuffer
+from slimkv.common.spec import parse_item, split_items
+
+STORAGE_KINDS = {"full": None, "int8": 8, "int4": 4}
+DEFAULT_GROUP = 32
+DEFAULT_RESIDUAL = 128
+
+
+@dataclass(frozen=True)
+class KVStorage:
+    """How a cache stores its rows: ``bits`` (8 or 4; None = full precision), channels per
+    quantization ``group``, and the newest ``residual`` tokens kept in full precision."""
+
+    bits: int | None = None
+    group: int = DEFAULT_GROUP
+    residual: int = DEFAULT_RESIDUAL
+
+    def __post_init__(self) -> None:
+        if self.bits not in (None, 4, 8):
+            raise ValueError(f"storage bits must be 4 or 8 (or None for full precision), got {self.bits!r}")
+        for name, value, low in (("group", self.group, 2), ("residual", self.residual, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"storage {name} must be an integer >= {low}, got {value!r}")
+        if self.bits == 4 and self.group % 2:
+            raise ValueError(f"int4 storage packs two codes per byte: group must be even, got {self.group}")
+
+    @property
+    def name(self) -> str:
+        if self.bits is None:
+            return "full"
+        return f"int{self.bits}:group={self.group},residual={self.residual}"
+
+    def buffer(self, batch: int, heads: int, dim: int, *, dtype: torch.dtype, device: torch.device | str) -> GrowableBuffer | QuantizedBuffer:
+        """An empty buffer for (batch, heads, time, dim) rows stored this way."""
+        if self.bits is None:
+            return GrowableBuffer(batch, heads, dim, dtype=dtype, device=device)
+        return QuantizedBuffer(batch, heads, dim, self, dtype=dtype, device=device)
+
+    def row_bytes(self, dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one quantized row of ``dim`` channels: codes, then a scale and a minimum per group."""
+        groups = math.ceil(dim / self.group)
+        return groups * self.group * self.bits // 8 + 2 * groups * torch.empty((), dtype=dtype).element_size()
+
+
+FULL = KVStorage()
+
+
+def parse_storage(text: str | KVStorage | None, option: str = "storage") -> KVStorage:
+    """``"int4"``, ``"int8:group=64,residual=32"``, ``"full"`` (or None) -> ``KVStorage``; ValueError naming ``option``."""
+    if text is None:
+        return FULL
+    if isinstance(text, KVStorage):
+        return text
+    kind, _, tail = str(text).strip().partition(":")
+    if kind not in STORAGE_KINDS:
+        raise ValueError(f"{option} {text!r}: the storage must be one of {', '.join(STORAGE_KINDS)} (e.g. int4:group=32,residual=128)")
+    values = dict(parse_item(item, f"{option} {text!r}") for item in split_items(tail, f"{option} {text!r}"))
+    unknown = sorted(set(values) - {"group", "residual"})
+    if unknown:
+        raise ValueError(f"{option} {text!r}: unknown setting(s) {', '.join(unknown)}; allowed: group, residual")
+    if kind == "full":
+        if values:
+            raise ValueError(f"{option} {text!r}: full storage takes no settings")
+        return FULL
+    try:
+        return KVStorage(bits=STORAGE_KINDS[kind], **values)
+    except ValueError as err:
+        raise ValueError(f"{option} {text!r}: {err}") from None
+
+
+def quantize_groups(x: torch.Tensor, bits: int, group: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization of (..., dim) rows in groups of ``group`` channels (the last group
+    padded by repeating the row's last channel). Returns (codes uint8 (..., padded dim * bits / 8),
+    scale and minimum (..., groups) in ``scale_dtype``); codes are computed with the stored (rounded)
+    scale and minimum, so ``dequantize_groups`` sees exactly what they encode."""
+    dim = x.shape[-1]
+    groups = math.ceil(dim / group)
+    if groups * group != dim:
+        x = torch.cat((x, x[..., -1:].expand(*x.shape[:-1], groups * group - dim)), dim=-1)
+    g = x.float().unflatten(-1, (groups, group))
+    low, high = g.amin(-1), g.amax(-1)
+    levels = 2**bits - 1
+    stored_low = _round_toward(low, scale_dtype, -1)  # the stored range still covers the group
+    scale = _round_toward((high - stored_low.float()) / levels, scale_dtype, 1)
+    low = stored_low
+    step = scale.float().clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    codes = ((g - low.float().unsqueeze(-1)) / step).round_().clamp_(0, levels).to(torch.uint8).flatten(-2)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes, scale, low
+
+
+def _round_toward(x: torch.Tensor, dtype: torch.dtype, direction: int) -> torch.Tensor:
+    """``x`` (float32) in ``dtype``, rounded down (direction -1) or up (+1) where the cast is inexact."""
+    y = x.to(dtype)
+    off = (y.float() > x) if direction < 0 else (y.float() < x)
+    if off.any():
+        y = torch.where(off, torch.nextafter(y, torch.full_like(y, direction * torch.inf)), y)
+    return y
+
+
+def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows (..., dim) in ``dtype`` from ``quantize_groups``' codes, scales and minima."""
+    if bits == 4:
+        codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+    groups = scale.shape[-1]
+    values = codes.unflatten(-1, (groups, -1)).float() * scale.float().unsqueeze(-1) + low.float().unsqueeze(-1)
+    return values.flatten(-2)[..., :dim].to(dtype)
+
+
+class QuantizedBuffer:
+    """A ``GrowableBuffer`` look-alike whose rows older than the newest ``storage.residual`` are
+    held as int8 / int4 codes. ``append`` and ``view`` return the whole history in the buffer's
+    dtype (quantized part dequantized, then the residual window); a returned tensor is a copy, not
+    a view into the storage."""
+
+    def __init__(self, batch: int, heads: int, dim: int, storage: KVStorage, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        if storage.bits is None:
+            raise ValueError("QuantizedBuffer needs int8 or int4 storage")
+        self.shape = (batch, heads, dim)
+        self.dtype, self.device, self.storage = dtype, torch.device(device), storage
+        groups = math.ceil(dim / storage.group)
+        self.codes = GrowableBuffer(batch, heads, groups * storage.group * storage.bits // 8, dtype=torch.uint8, device=device)
+        self.scale = GrowableBuffer(batch, heads, groups, dtype=dtype, device=device)
+        self.low = GrowableBuffer(batch, heads, groups, dtype=dtype, device=device)
+        self.recent = GrowableBuffer(batch, heads, dim, dtype=dtype, device=device)
+
+    def _parts(self) -> tuple[GrowableBuffer, ...]:
+        return self.codes, self.scale, self.low, self.recent
+
+    def __len__(self) -> int:
+        return len(self.codes) + len(self.recent)
+
+    def quantized_len(self) -> int:
+        """Rows held as codes (the rest are the full-precision residual window)."""
+        return len(self.codes)
+
+    def view(self) -> torch.Tensor:
+        """Every live row, (batch, heads, len, dim) in the buffer's dtype (a fresh tensor)."""
+        if not len(self.codes):
+            return self.recent.view()
+        old = dequantize_groups(self.codes.view(), self.scale.view(), self.low.view(), self.storage.bits, self.shape[2], self.dtype)
+        return torch.cat((old, self.recent.view()), dim=2) if len(self.recent) else old
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """Append (batch, heads, n, dim) rows; rows that leave the residual window are quantized.
+        Returns ``view()``."""
+        self.recent.append(x)
+        overflow = len(self.recent) - self.storage.residual
+        if overflow > 0:
+            codes, scale, low = quantize_groups(self.recent.view()[:, :, :overflow], self.storage.bits, self.storage.group, self.dtype)
+            self.codes.append(codes)
+            self.scale.append(scale)
+            self.low.append(low)
+            self.recent.keep_last(self.storage.residual)
+        return self.view()
+
+    def keep_last(self, n: int) -> None:
+        """Drop all but the newest ``n`` rows."""
+        if n >= len(self):
+            return
+        recent = len(self.recent)
+        if n >= recent:
+            for part in (self.codes, self.scale, self.low):
+                part.keep_last(n - recent)
+        else:
+            for part in (self.codes, self.scale, self.low):
+                part.keep_last(0)
+            self.recent.keep_last(n)
+
+    def mark(self) -> tuple:
+        return tuple(part.mark() for part in self._parts())
+
+    def restore(self, mark: tuple) -> None:
+        for part, part_mark in zip(self._parts(), mark):
+            part.restore(part_mark)
+
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales, minima and the residual rows."""
+        return sum(part.nbytes() for part in self._parts())

@@ -1,0 +1,83 @@
+"""Every kind with per-token rows composes with quantized storage (``new_cache(storage=...)``);
+the kinds whose memory is updated in place refuse it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimkv.attention import build_attention
+from slimkv.model import SlimKVForCausalLM
+from slimkv.model.config import STATEFUL_KINDS, ModelConfig
+from slimkv.ops.quantize import QuantizedBuffer, parse_storage
+from tests.helpers import D_MODEL, HEAD_DIM, N_HEADS, attention_cases, case_id, random_splits, rel_rmse
+
+CASES = [case for case in attention_cases() if case[0] not in STATEFUL_KINDS]
+SEQ = 29
+
+
+def _run(attn, x, sizes, storage):
+    cache = attn.new_cache(x.shape[0], dtype=x.dtype, storage=storage)
+    outs, start = [], 0
+    for n in sizes:
+        outs.append(attn(x[:, start:start + n], cache=cache))
+        start += n
+    return torch.cat(outs, dim=1), cache
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_quantized_storage_is_close_and_smaller(case):
+    kind, opts = case
+    torch.manual_seed(0)
+    attn = build_attention(kind, D_MODEL, N_HEADS, HEAD_DIM, **opts).double()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        x = torch.randn(2, SEQ, D_MODEL, dtype=torch.float64)
+        full, full_cache = _run(attn, x, random_splits(SEQ, 0), None)
+        within, _ = _run(attn, x, random_splits(SEQ, 1), "int4:group=4,residual=64")  # every row in the residual window
+        assert rel_rmse(within, full) < 1e-12
+        for spec, tol in (("int8:group=4,residual=0", 0.01), ("int4:group=4,residual=0", 0.08)):
+            out, cache = _run(attn, x, [1] * SEQ, spec)
+            error = rel_rmse(out, full)
+            assert error < tol, (spec, error)
+            if any(isinstance(t, QuantizedBuffer) and t.quantized_len() for t in cache.tensors()):  # streaming window=1 keeps only its sink
+                assert error > 0 and cache.nbytes() <= full_cache.nbytes()  # equal for 5-wide float64 rows in int8, groups of 4
+            assert parse_storage(spec).name in repr(cache)
+
+
+@pytest.mark.parametrize("kind", STATEFUL_KINDS)
+def test_stateful_kinds_refuse_quantized_storage(kind):
+    opts = {"kv_rank": 6} if kind == "mla-kvm" else {}
+    attn = build_attention(kind, D_MODEL, N_HEADS, HEAD_DIM, chunk_size=4, min_rows=6, **opts)
+    with pytest.raises(ValueError, match="full"):
+        attn.new_cache(1, storage="int8")
+    with pytest.raises(ValueError, match="cache_storage"):
+        ModelConfig(vocab_size=50, d_model=D_MODEL, n_layers=2, n_heads=N_HEADS, attention=kind, attention_options=dict(chunk_size=4, min_rows=6, **opts),
+                    cache_storage="int4")
+
+
+def test_model_storage_default_generate_and_save(tmp_path):
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=50, d_model=D_MODEL, n_layers=2, n_heads=N_HEADS, attention="gqa", attention_options={"n_kv_heads": 2})
+    model = SlimKVForCausalLM(config).eval()
+    ids = torch.randint(0, 50, (1, 40))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model.new_cache(1, storage="int8:group=8,residual=4")
+        quantized = model(ids, cache=cache).logits
+    assert 0 < rel_rmse(quantized, full) < 0.05 and cache.layers[0].k.quantized_len() == 36
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="quantized",
+                         cache_config={"backend": "quanto", "nbits": 4, "q_group_size": 8, "residual_length": 4})
+    assert out.shape == (1, 43)
+    with pytest.raises(ValueError, match="cache_implementation='static'"):
+        model.generate(ids, max_new_tokens=1, cache_implementation="static")
+    with pytest.raises(ValueError, match="nbits"):
+        model.generate(ids, max_new_tokens=1, cache_implementation="quantized", cache_config={"nbits": 2})
+    model.config.cache_storage = "int4"
+    model.save_pretrained(tmp_path)
+    loaded = SlimKVForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.cache_storage == "int4:group=32,residual=128"
+    assert loaded.new_cache(1).layers[0].storage == parse_storage("int4")
+    with pytest.raises(ValueError, match="cache_storage"):
+        ModelConfig(vocab_size=50, d_model=D_MODEL, n_layers=2, n_heads=N_HEADS, cache_storage="int5")
