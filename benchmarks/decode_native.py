@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,7 @@ from slimkv.attention import ATTENTION_KINDS, build_attention
 from slimkv.bench.decode import fill_cache, matched_width_variants, step_flops
 from slimkv.bench.roofline import add_bounds, bound_context, machine_rates, merge_rates, rates_line
 from slimkv.common.plotting import new_figure
-from slimkv.common.timing import write_results
+from slimkv.common.timing import time_fn, write_results
 from slimkv.ops import attention as attention_ops
 from slimkv.ops import native
 from slimkv.ops.attention import matmul_decode_attention
@@ -74,10 +73,7 @@ def measure(kv_heads: int, context: int, *, heads: int, head_dim: int, rounds: i
     samples = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
-            call()
-            start = time.perf_counter()
-            call()
-            samples[name].append(time.perf_counter() - start)
+            samples[name] += _seconds(call, 1)
     median = {name: statistics.median(values) for name, values in samples.items()}
     cache_bytes = 2 * kv_heads * context * head_dim * 4
     copy_bandwidth = 2 * COPY_BYTES / median["copy"]
@@ -94,12 +90,11 @@ PATHS = {"generic": ("avx2", ("-DSLIMKV_PORTABLE",)), "avx2": ("avx2", ()), "avx
 
 
 def path_libraries(dtype: torch.dtype) -> dict[str, Any]:
-    """The kernel library of every path in ``PATHS`` this CPU can run, for caches of ``dtype``."""
-    cc, runnable = native.compiler(), native.runnable_isas()
-    if cc is None:
+    """The kernel library (``native.isa_kernel``) of every path in ``PATHS`` this CPU can run, for caches of ``dtype``."""
+    if native.compiler() is None:
         raise SystemExit("error: no C compiler: there are no kernel paths to compare")
-    return {name: native.load(native.build(cc, native.cache_dir() / "kernels", dtype, isa, flags), dtype)
-            for name, (isa, flags) in PATHS.items() if isa in runnable}
+    runnable = native.runnable_isas()
+    return {name: native.isa_kernel(dtype, isa, flags) for name, (isa, flags) in PATHS.items() if isa in runnable}
 
 
 @contextlib.contextmanager
@@ -131,13 +126,8 @@ def call_cost(queries, segments) -> tuple[int, int]:
 
 
 def _seconds(fn, repeats: int) -> list[float]:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return samples
+    """Seconds of ``repeats`` timed calls after one untimed (``timing.time_fn``'s samples)."""
+    return time_fn(fn, warmup=1, repeats=repeats)["samples_s"]
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ a folder the caller names (benchmark scripts pass ``benchmarks/results``).
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -98,21 +99,25 @@ def git_commit(folder: str | Path | None = None) -> str | None:
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on, and how busy the machine was (1/5/15-minute load); and
     how they were made: the git commit, the command line and the versions of the packages that
-    shape them."""
-    info = {
+    shape them. What cannot change within a process (the CPU, the commit, the packages) is read
+    once per process (``_process_facts``); the threads, the load and the command every call."""
+    return {**_process_facts(), "threads": torch.get_num_threads(), "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "command": list(sys.argv)}
+
+
+@functools.lru_cache(maxsize=1)
+def _process_facts() -> dict[str, Any]:
+    """The part of ``machine_info`` fixed for the process: platform, CPU (``_cpu_facts``), git commit, packages."""
+    return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         **_cpu_facts(),
         "git_commit": git_commit(),
-        "command": list(sys.argv),
         "packages": package_versions(),
     }
-    return info
 
 
 def write_results(name: str, payload: dict[str, Any], out_dir: str | Path, figure: Any = None) -> Path:

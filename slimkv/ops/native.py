@@ -60,8 +60,9 @@ def compiler() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_identity() -> str:
-    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    """What ``-march=native`` depends on: the CPU's model and feature flags (read once per process)."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -176,15 +177,16 @@ def kernel_path(dtype: torch.dtype = torch.float32) -> str | None:
     return None if library is None else library._name
 
 
-@functools.lru_cache(maxsize=2 * len(ENTRIES) * len(ISAS))
-def isa_kernel(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
+@functools.lru_cache(maxsize=4 * len(ENTRIES) * len(ISAS))
+def isa_kernel(dtype: torch.dtype, isa: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The kernel for caches of ``dtype`` built for the named path ``isa`` (tests and benchmarks
-    set the paths side by side), cached like the default build. The caller checks the CPU can run
-    it (``runnable_isas``); RuntimeError when there is no compiler or the build fails."""
+    set the paths side by side) with ``extra_flags`` (``-DSLIMKV_PORTABLE`` on "avx2": the
+    portable C built for an AVX2 CPU), cached like the default build. The caller checks the CPU can
+    run it (``runnable_isas``); RuntimeError when there is no compiler or the build fails."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
-    return load(build(cc, cache_dir() / "kernels", dtype, isa), dtype)
+    return load(build(cc, cache_dir() / "kernels", dtype, isa, extra_flags), dtype)
 
 
 def kernel_isa(dtype: torch.dtype = torch.float32) -> str:
