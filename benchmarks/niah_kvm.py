@@ -28,7 +28,8 @@ from slimkv.common.paths import cache_dir
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
 from slimkv.eval.positions import positions_report
-from slimkv.retrieval.runs import evaluate_niah
+from slimkv.retrieval.grid import DEPTHS_SYNTAX, parse_depths
+from slimkv.retrieval.runs import evaluate_niah, parse_tasks
 from slimkv.train import TrainConfig, load_run, train
 
 CHUNK = 32
@@ -63,7 +64,7 @@ def main() -> None:
     parser.add_argument("--needle-mix", type=float, default=0.5)
     parser.add_argument("--tasks", default="s1,s2", help="NIAH tasks (s3's UUIDs need ~40 new tokens; add it with --tasks s1,s2,s3)")
     parser.add_argument("--samples", type=int, default=8, help="prompts per (length, depth) cell")
-    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help=f"needle depths: {DEPTHS_SYNTAX}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs-dir", default=None, help="where the runs go (default <cache>/runs/niah_kvm)")
@@ -71,9 +72,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runs_dir = Path(args.runs_dir) if args.runs_dir else cache_dir() / "runs" / "niah_kvm"
-    tasks = [t.strip() for t in args.tasks.split(",")]
+    tasks = parse_tasks(args.tasks)
     lengths = [args.seq_len, 2 * args.seq_len, 4 * args.seq_len]
-    depths = [float(d) for d in args.depths.split(",")]
+    depths = parse_depths(args.depths)
     max_new_tokens = 48 if "s3" in tasks else 16
 
     rows, positions = {}, []

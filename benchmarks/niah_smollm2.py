@@ -36,6 +36,7 @@ from slimkv.eval.models import conversion_method
 from slimkv.eval.ppl import perplexity_report
 from slimkv.retrieval import models as retrieval
 from slimkv.retrieval.comparison import comparison, generations_row, plot, render_markdown, slimkv_row
+from slimkv.retrieval.grid import lengths_syntax, parse_lengths
 from slimkv.retrieval.prompts import TASKS
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -72,7 +73,7 @@ def label_of(report: dict) -> str:
 def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    lengths = retrieval.parse_lengths(args.lengths)
+    lengths = parse_lengths(args.lengths)
     grid = GRIDS[args.grid]
     for model in args.models:
         out = Path(args.runs) / Path(model).name
@@ -158,8 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="evaluate slimkv models on the grid (resumable)")
     r.add_argument("models", nargs="+", help="`smollm2` and/or converted or compressed model folders")
-    r.add_argument("--lengths", default="1k,2k,4k,8128", help="prompt lengths (default 1k,2k,4k,8128: the longest that leaves SmolLM2's 8192 positions "
-                   "room for the answer)")
+    r.add_argument("--lengths", default="1k,2k,4k,8128", help=f"prompt lengths, {lengths_syntax()} (default 1k,2k,4k,8128: 8128 is the longest "
+                   "that leaves SmolLM2's 8192 positions room for the answer)")
     r.add_argument("--runs", default="runs/niah", help="where each model's niah.json goes (default runs/niah)")
     r.add_argument("--threads", type=int, default=None, help="torch threads")
     r.add_argument("--grid", choices=GRIDS, default="main", help="main: 6 prompts per length (the committed comparison); power: 40")

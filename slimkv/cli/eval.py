@@ -22,6 +22,7 @@ from slimkv.recall.frontier import check_entries, frontier_entries, run_recall
 from slimkv.recall.mqar import GAP_KINDS
 from slimkv.recall.recipe import RecallRecipe, default_recall_recipe
 from slimkv.recall.registry import TASKS as RECALL_TASKS
+from slimkv.retrieval import grid
 from slimkv.retrieval import models as retrieval
 from slimkv.retrieval import prompts as retrieval_tasks
 from slimkv.retrieval import runs as niah
@@ -52,10 +53,10 @@ def _niah_arguments(parser: argparse.ArgumentParser) -> None:
                         f"output; runs the pretrained-model tasks ({', '.join(retrieval_tasks.TASKS)})")
     parser.add_argument("--tasks", default=None, help=f"comma-separated tasks; for RUN_DIR among {', '.join(niah.TASKS)} (default: all); "
                         "for --model among the pretrained-model tasks or `all` (default passkey,needle-number)")
-    parser.add_argument("--lengths", default=None, help="prompt lengths in tokens (2048 or 2k); for RUN_DIR also multiples of the training length like 2x "
+    parser.add_argument("--lengths", default=None, help=f"prompt lengths: {grid.lengths_syntax('the training length (RUN_DIR only)')} "
                         "(default: 1x,2x,4x for RUN_DIR; for --model 1k,2k,4k,8k where prompt and answer fit the model's max_position_embeddings, "
                         "else the longest prompt that does, e.g. 8128 for 8192 positions)")
-    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths as fractions of the haystack (default 0,0.25,0.5,0.75,1)")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help=f"needle depths: {grid.DEPTHS_SYNTAX} (default 0,0.25,0.5,0.75,1)")
     parser.add_argument("--samples", type=int, default=None, help="prompts per (length, depth) cell (default 10 for RUN_DIR, 2 for --model)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="RUN_DIR only: greedy new tokens per prompt (default 48); --model generates what each answer needs")
     parser.add_argument("--haystack", default="shakespeare-val", help="--model only: the prose haystack (default shakespeare-val, the held-out plays; also austen, kjv-val, devil-val, pydoc-val, handbook-val (held out of calibration), kjv, devil, pydoc, handbook or a PATH)")
@@ -81,7 +82,7 @@ def _niah(args: argparse.Namespace) -> int:
         if getattr(args, option) not in (None, False, "shakespeare-val"):
             raise ValueError(f"--{option.replace('_', '-')} applies to --model, not to a training run")
     tasks = niah.parse_tasks(args.tasks or "s1,s2,s3")
-    niah.parse_depths(args.depths)
+    grid.parse_depths(args.depths)
     args.samples = 10 if args.samples is None else args.samples
     args.batch_size = 8 if args.batch_size is None else args.batch_size
     for name in ("samples", "max_new_tokens", "batch_size"):
@@ -100,8 +101,8 @@ def _niah_pretrained(args: argparse.Namespace) -> int:
     if args.max_new_tokens != 48:
         raise ValueError("--max-new-tokens applies to RUN_DIR; with --model each prompt generates what its answer needs")
     tasks = retrieval_tasks.parse_tasks(args.tasks or "passkey,needle-number")
-    lengths = retrieval.parse_lengths(args.lengths) if args.lengths else None
-    depths = retrieval.parse_depths(args.depths)
+    lengths = grid.parse_lengths(args.lengths) if args.lengths else None
+    depths = grid.parse_depths(args.depths)
     try:
         evaluation_text(args.haystack)  # a bad haystack fails before the model loads
     except (ValueError, FileNotFoundError) as err:
@@ -177,7 +178,7 @@ def _recall_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"default {' / '.join(str(getattr(r, name)) for r in described.values())}")
     group.add_argument("--train-pairs", default=None, help="pairs (needles) per training sequence, cycled over steps (default "
                        + " / ".join(",".join(map(str, r.train_pairs)) for r in described.values()) + ")")
-    group.add_argument("--lengths", default=None, help="test lengths as factors of --seq-len, 1 included (default 1,2,4)")
+    group.add_argument("--lengths", default=None, help=f"test lengths, whole multiples of --seq-len with 1x among them (default 1x,2x,4x): {grid.lengths_syntax('--seq-len')}")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 when running one process per core)")
     parser.add_argument("--workers", type=int, default=1, help="runs trained at once, each in its own process on one torch thread (default 1; "
                         "2 on a 2-core machine trains faster, with the same numbers); not with --threads")
@@ -208,7 +209,7 @@ def recall_recipe_from_args(args: argparse.Namespace) -> RecallRecipe:
     if args.train_pairs is not None:
         recipe_values["train_pairs"] = _int_list("--train-pairs", args.train_pairs)
     if args.lengths is not None:
-        recipe_values["lengths"] = _int_list("--lengths", args.lengths)
+        recipe_values["lengths"] = grid.length_factors(args.lengths, task_values.get("seq_len", base.task.seq_len))
     return dataclasses.replace(base, task=dataclasses.replace(base.task, **task_values), **recipe_values).validate()
 
 

@@ -1,8 +1,11 @@
-"""RULER-style needle documents (one long needle, one question) and the training-data needle
-mixture: what ``slimkv train --set needle_mix=...`` mixes into training, what ``slimkv eval niah``
-asks trained runs, and what the pretrained-model retrieval prompts share (``NeedleBuilder``).
-They are not the needles a small model learns in ``slimkv eval recall --task needles``
-(``slimkv.recall.prose_needles``). It sits in ``data`` because training reads it.
+"""The one needle generator: RULER-style needles (their lines, keys and values, and where they sit
+in a haystack), the needle documents built from them (one needle, one question) and the
+training-data needle mixture. ``slimkv train --set needle_mix=...`` mixes these documents into
+training, ``slimkv eval niah RUN_DIR`` asks them of trained runs, and the pretrained-model prompts
+(``slimkv.retrieval.prompts``) draw their keys, values and needle places here too
+(``random_keys``, ``random_value``, ``NeedleBuilder.place``). They are not the needles a small
+model learns in ``slimkv eval recall --task needles`` (``slimkv.recall.prose_needles``). It sits
+in ``data`` because training reads it.
 
 A needle document is, in token ids::
 
@@ -37,12 +40,14 @@ import torch
 
 from slimkv.common.checks import check_float, check_int
 
-NEEDLE_TEMPLATE = "One of the special magic numbers for {key} is: {value}.\n"
+NEEDLE_LINE = "One of the special magic {noun}s for {key} is: {value}.\n"  # {noun}: number, word, uuid (the value's kind)
+NEEDLE_TEMPLATE = NEEDLE_LINE.replace("{noun}", "number")  # the needle documents' line: "numbers" whatever the value
+PASSKEY_LINE = "The pass key is {value}. Remember it. {value} is the pass key.\n"
 QUESTION_TEMPLATE = "\nQuestion: What is the special magic number for {key}?\nAnswer: The special magic number for {key} is:"
 ANSWER_TEMPLATE = " {value}.\n"
-VALUE_KINDS = ("number", "uuid")
+VALUE_KINDS = ("passkey", "number", "word", "uuid")
 
-# Keys: plain, common English words (none is a special token of any tokenizer).
+# Keys: plain, common English words (none is a special token of any tokenizer), disjoint from VALUE_WORDS.
 KEY_WORDS = (
     "apple", "river", "candle", "garden", "window", "silver", "falcon", "harbor", "meadow", "lantern",
     "copper", "violet", "thunder", "pepper", "marble", "orchard", "anchor", "feather", "island", "saddle",
@@ -51,6 +56,11 @@ KEY_WORDS = (
     "yellow", "zebra", "basket", "castle", "desert", "fabric", "goblet", "helmet", "insect", "jungle",
     "kitten", "lemon", "magnet", "napkin", "object", "parrot", "rabbit", "spider", "tomato", "umbrella",
     "valley", "walnut", "bottle", "cotton",
+)
+PROMPT_KEY_WORDS = 27  # the pretrained-model prompts draw their keys from the first 27 (as their committed results did)
+VALUE_WORDS = (
+    "banana", "compass", "dragon", "emerald", "fountain", "giraffe", "horizon", "igloo", "jasmine", "kingdom", "lighthouse", "mountain",
+    "notebook", "octopus", "penguin", "quartz", "rainbow", "sapphire", "telescope", "universe", "volcano", "whistle", "xylophone", "yogurt",
 )
 
 # The S1 haystack: a few neutral sentences, repeated (written for slimkv).
@@ -62,13 +72,34 @@ def random_key(rng: np.random.Generator) -> str:
     return KEY_WORDS[int(rng.integers(len(KEY_WORDS)))]
 
 
+def random_keys(rng: np.random.Generator, count: int, pool: int = PROMPT_KEY_WORDS) -> list[str]:
+    """``count`` distinct keys: the first of a permutation of the first ``pool`` ``KEY_WORDS``."""
+    check_int("pool", pool, count, len(KEY_WORDS))
+    return [KEY_WORDS[i] for i in rng.permutation(pool)[:count]]
+
+
 def random_value(rng: np.random.Generator, kind: str) -> str:
-    """A 7-digit number (no leading zero) or a version-4 UUID string, from ``rng``."""
+    """A value of ``kind`` from ``rng``: a 5-digit pass key, a 7-digit number (no leading zero),
+    a word of ``VALUE_WORDS`` or a version-4 UUID string."""
+    if kind == "passkey":
+        return str(int(rng.integers(10_000, 100_000)))
     if kind == "number":
         return str(int(rng.integers(1_000_000, 10_000_000)))
+    if kind == "word":
+        return VALUE_WORDS[int(rng.integers(len(VALUE_WORDS)))]
     if kind == "uuid":
         return str(uuid.UUID(bytes=rng.bytes(16), version=4))
     raise ValueError(f"value kind {kind!r} is not allowed; allowed values: {', '.join(VALUE_KINDS)}")
+
+
+def random_values(rng: np.random.Generator, kind: str, count: int) -> list[str]:
+    """``count`` distinct values of ``kind``, drawn until they differ."""
+    values: list[str] = []
+    while len(values) < count:
+        value = random_value(rng, kind)
+        if value not in values:
+            values.append(value)
+    return values
 
 
 def value_found(value: str, output: str) -> bool:
@@ -133,8 +164,8 @@ class NeedleBuilder:
         if budget < 1:
             raise ValueError(f"length={length} is too short: the needle, question and answer alone take {length - budget} tokens")
         haystack = self.haystack(source, start, budget)
-        cut = self.boundary_near(haystack, depth)
-        ids = haystack[:cut].tolist() + needle + haystack[cut:].tolist() + question + tail
+        context, (cut,) = self.place(haystack, [needle], [depth])
+        ids = context + question + tail
         return NeedleDocument(
             ids=ids,
             key=key,
@@ -156,6 +187,16 @@ class NeedleBuilder:
         first = start + int(ends[0]) + 1 if ends.size and start > 0 else start
         index = (first + np.arange(budget)) % len(source)  # wrap around a short source
         return source[index]
+
+    def place(self, haystack: np.ndarray, needles: list[list[int]], depths: list[float]) -> tuple[list[int], list[int]]:
+        """``haystack`` (1-D ids) with needle i inserted at the line start nearest ``depths[i]``
+        (needles at one line start keep their order): (ids, each needle's cut in the haystack)."""
+        cuts = [self.boundary_near(haystack, depth) for depth in depths]
+        ids, last = [], 0
+        for i in sorted(range(len(needles)), key=lambda i: (cuts[i], i)):
+            ids += haystack[last : cuts[i]].tolist() + needles[i]
+            last = cuts[i]
+        return ids + haystack[last:].tolist(), cuts
 
     def boundary_near(self, haystack: np.ndarray, depth: float) -> int:
         """The line start (0, or an index just after a newline token) closest to

@@ -17,6 +17,7 @@ import matplotlib
 import numpy as np
 
 from slimkv.common.files import save_figure
+from slimkv.common.markdown import markdown_table
 from slimkv.common.plotting import new_figure
 from slimkv.eval.models import kept_cache_ratio
 from slimkv.retrieval.models import score_output, wilson
@@ -111,27 +112,25 @@ def render_markdown(data: dict[str, Any]) -> str:
              "tasks and depths (1 = every asked value found); in brackets, prompts fully answered / prompts and the 95% Wilson interval.", ""]
     for key, value in data["notes"].items():
         lines.append(f"- {key}: {value}")
-    lines += ["", "| model | tool | budget | cache kept | bytes/token (at the longest length) | " + " | ".join(str(n) for n in lengths) + " |",
-              "| --- | --- | ---: | ---: | ---: |" + " --- |" * len(lengths)]
+    main = []
     for r in rows:
         measured = r["bytes_per_token"].get(str(max(int(n) for n in r["bytes_per_token"])), None) if r["bytes_per_token"] else None
         cells = []
         for n in lengths:
             s = r["per_length"].get(str(n))
             cells.append("" if s is None else f"{s['score']:.2f} ({s['full']}/{s['prompts']}, {s['wilson95'][0]:.2f}-{s['wilson95'][1]:.2f})")
-        lines.append(f"| {r['label']} | {r['tool']} | {r['cache_budget']:.2f} | {r.get('cache_kept', r['cache_budget']):.4f} | "
-                     f"{'' if measured is None else f'{measured:.0f}'} | " + " | ".join(cells) + " |")
+        main.append([r["label"], r["tool"], f"{r['cache_budget']:.2f}", f"{r.get('cache_kept', r['cache_budget']):.4f}", "" if measured is None else f"{measured:.0f}", *cells])
+    lines += ["", markdown_table(["model", "tool", "budget", "cache kept", "bytes/token (at the longest length)", *lengths], main,
+                                 align=["left", "left", "right", "right", "right"] + ["left"] * len(lengths))]
     with_ppl = [r for r in rows if r.get("ppl")]
     if with_ppl:
         texts = list(with_ppl[0]["ppl"])
+        ppl = [[r["label"], *(f"{r['ppl'][t]['ppl']:.2f} ({r['ppl'][t]['ppl'] / r['ppl'][t]['original_ppl']:.2f}x)" for t in texts)] for r in with_ppl]
         lines += ["", "Perplexity (1024-token windows; in brackets, over the original's in the same run):", "",
-                  "| model | " + " | ".join(texts) + " |", "| --- |" + " ---: |" * len(texts)]
-        for r in with_ppl:
-            lines.append(f"| {r['label']} | " + " | ".join(f"{r['ppl'][t]['ppl']:.2f} ({r['ppl'][t]['ppl'] / r['ppl'][t]['original_ppl']:.2f}x)" for t in texts) + " |")
-    lines += ["", "Per task (mean score):", "", "| model | " + " | ".join(f"{t} {n}" for t in tasks for n in lengths) + " |",
-              "| --- |" + " ---: |" * (len(tasks) * len(lengths))]
-    for r in rows:
-        lines.append(f"| {r['label']} | " + " | ".join(f"{r['per_task'][f'{t}/{n}']['score']:.2f}" if f"{t}/{n}" in r["per_task"] else "" for t in tasks for n in lengths) + " |")
+                  markdown_table(["model", *texts], ppl, align=["left"] + ["right"] * len(texts))]
+    columns = [(t, n) for t in tasks for n in lengths]
+    per_task = [[r["label"], *(f"{r['per_task'][f'{t}/{n}']['score']:.2f}" if f"{t}/{n}" in r["per_task"] else "" for t, n in columns)] for r in rows]
+    lines += ["", "Per task (mean score):", "", markdown_table(["model", *(f"{t} {n}" for t, n in columns)], per_task, align=["left"] + ["right"] * len(columns))]
     lines += ["", "Best at each cache budget (separated: its interval lies above every other's at that budget):", ""]
     if not data["winners"]:
         lines.append("- no budget has two rows to compare yet")

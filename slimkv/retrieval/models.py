@@ -10,7 +10,9 @@ prompts fully answered and a 95% Wilson interval. Results are written after ever
 interrupted run resumes where it stopped (same options, the same weights, by folder and content
 sha256, however the model was named, and the same haystack text, by content sha256: else it
 refuses; a results file whose cells are damaged is refused naming the file and the cell). The live
-cache of one prompt per length is measured from the cache tensors (``slimkv.eval.cache``).
+cache of one prompt per length is measured from the cache tensors (``slimkv.eval.cache``). The
+cells run through ``slimkv.retrieval.grid``, as the training runs' do, and the report is its
+depth x length table per task and its heatmaps.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from slimkv.common.checks import check_float, check_int
 from slimkv.common.files import (
@@ -32,17 +33,18 @@ from slimkv.common.files import (
     check_writable,
     folder_lock,
     read_json,
-    save_figure,
     write_json,
     write_text,
 )
-from slimkv.common.plotting import new_figure
 from slimkv.data.ruler_needles import value_found
 from slimkv.data.texts import evaluation_text, text_sha256
 from slimkv.eval.cache import layer_bytes
 from slimkv.eval.models import load_language_model
 from slimkv.pretrained import LoadedModel
 from slimkv.pretrained.loading import position_limit, weights_record
+from slimkv.retrieval.grid import Cell, build_prompts, cell_id, grid_cells, grid_table, plot_grids, run_grid
+from slimkv.retrieval.grid import parse_depths as parse_depths  # re-exported (slimkv eval ruler, benchmarks)
+from slimkv.retrieval.grid import parse_lengths as parse_lengths
 from slimkv.retrieval.prompts import TASKS, PromptBuilder, RetrievalPrompt, RetrievalTask
 from slimkv.scoring import wilson
 
@@ -50,37 +52,6 @@ RESULT_FILE, TABLE_FILE, PLOT_FILE, PROMPTS_FILE = "niah.json", "niah.md", "niah
 PROMPTS_FORMAT = "slimkv-niah-prompts/1"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 ANSWER_ROOM = 64  # positions the default grid leaves for the answer after the longest prompt
-
-
-def parse_lengths(text: str) -> list[int]:
-    """``"1024,2k,4K"`` -> token counts, in the order given."""
-    lengths = []
-    for part in (p.strip().lower() for p in str(text).split(",") if p.strip()):
-        try:
-            value = int(float(part[:-1]) * 1024) if part.endswith("k") else int(part)
-        except (ValueError, OverflowError):  # infx, 1e999k: no integer
-            raise ValueError(f"--lengths: {part!r} is not a token count (like 2048 or 2k)") from None
-        check_int("--lengths entry", value, 64)
-        lengths.append(value)
-    if not lengths or len(set(lengths)) != len(lengths):
-        raise ValueError(f"--lengths must list distinct token counts, got {text!r}")
-    return lengths
-
-
-def parse_depths(text: str) -> list[float]:
-    """``"0,0.5,1"`` -> fractions of the haystack in [0, 1]."""
-    try:
-        depths = [float(p) for p in str(text).split(",") if p.strip()]
-    except ValueError:
-        depths = []
-    if not depths or any(not (0.0 <= d <= 1.0) for d in depths) or len(set(depths)) != len(depths):
-        raise ValueError(f"--depths must be distinct comma-separated fractions in [0, 1], got {text!r}")
-    cells: dict[str, float] = {}
-    for depth in depths:  # a cell is named by its depth to 2 decimals (cell_id): two depths there would be one cell
-        if f"{depth:.2f}" in cells:
-            raise ValueError(f"--depths {cells[f'{depth:.2f}']:g} and {depth:g} are one cell (depth {depth:.2f}): give depths at least 0.01 apart")
-        cells[f"{depth:.2f}"] = depth
-    return depths
 
 
 def default_lengths(model: Any) -> list[int]:
@@ -95,7 +66,7 @@ def default_lengths(model: Any) -> list[int]:
     return fitting
 
 
-def check_lengths(grid: dict[tuple[str, int, float], list[RetrievalPrompt]], model: Any) -> None:
+def check_lengths(grid: dict[Cell, list[RetrievalPrompt]], model: Any) -> None:
     """Refuse prompts whose answer would run past the model's positions (``max_position_embeddings``):
     a prompt of ``length`` tokens generates ``max_new_tokens`` more, all at positions the model
     was trained for. The error names --lengths and the longest length that fits."""
@@ -114,17 +85,17 @@ def score_output(answers: list[str], output: str) -> float:
     return sum(value_found(a, output) for a in answers) / len(answers)
 
 
-def build_grid(builder: PromptBuilder, tasks: list[RetrievalTask], lengths: list[int], depths: list[float], samples: int, seed: int) -> dict[tuple[str, int, float], list[RetrievalPrompt]]:
+def build_grid(builder: PromptBuilder, tasks: list[RetrievalTask], lengths: list[int], depths: list[float], samples: int, seed: int) -> dict[Cell, list[RetrievalPrompt]]:
     """Every prompt of the grid, built (and checked) before any model runs; ValueError when the
     haystack's lines are too few to set two of the depths apart (needles sit at line starts, so
     both cells would hold the same prompts)."""
-    grid = {(t.name, n, d): [builder.build(t, n, d, s, seed) for s in range(samples)] for t in tasks for n in lengths for d in depths}
+    grid = build_prompts(grid_cells([t.name for t in tasks], lengths, depths), samples, lambda c, s: builder.build(TASKS[c.task], c.length, c.depth, s, seed))
     for t in tasks:
         for n in lengths:
             for s in range(samples):
                 placed: dict[float, float] = {}
                 for d in depths:
-                    actual = grid[t.name, n, d][s].depth_actual
+                    actual = grid[Cell(t.name, n, d)][s].depth_actual
                     if actual in placed:
                         raise ValueError(f"--depths {placed[actual]:g} and {d:g} put the needle of a {n}-token {t.name} prompt on the same line (depth {actual:.2f}): "
                                          "the haystack has too few line breaks there; give depths further apart, longer --lengths, or a --haystack with shorter lines")
@@ -153,6 +124,18 @@ def generate(loaded: LoadedModel, prompts: list[RetrievalPrompt], batch_size: in
             total = sum(layer_bytes(cache))
             measured = {"cache_type": type(cache).__name__, "tokens": int(tokens), "batch": len(part), "bytes_per_token": total / len(part) / max(int(tokens), 1)}
     return texts, measured
+
+
+def measure_cell(loaded: LoadedModel, cell: Cell, prompts: list[RetrievalPrompt], batch_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One cell's record for ``niah.json`` (scores, answers, outputs, seconds) and the live cache
+    ``generate`` measured."""
+    started = time.perf_counter()
+    outputs, measured = generate(loaded, prompts, batch_size)
+    scores = [score_output(p.answers, text) for p, text in zip(prompts, outputs)]
+    record = {"task": cell.task, "length": cell.length, "depth": cell.depth, "score": float(np.mean(scores)), "scores": scores,
+              "depth_actual": [p.depth_actual for p in prompts], "answers": [p.answers for p in prompts], "outputs": outputs,
+              "seconds": time.perf_counter() - started}
+    return record, measured
 
 
 GRID_KEYS = ("tasks", "lengths", "depths")  # may change between runs into one --out: cells accumulate
@@ -217,26 +200,18 @@ def evaluate(
         if export_prompts:
             write_json(out_dir / PROMPTS_FILE, {"format": PROMPTS_FORMAT, "model": model, "settings": settings,
                                                 "prompts": [p.to_json() for cell in grid.values() for p in cell]})
-        todo = [key for key in grid if cell_id(*key) not in report["cells"]]
-        bar = tqdm(total=len(grid), initial=len(grid) - len(todo), desc=f"niah {Path(model).name}", unit="cell", disable=not progress)
-        for key in todo:
-            prompts = grid[key]
-            started = time.perf_counter()
-            outputs, measured = generate(loaded, prompts, batch_size)
-            scores = [score_output(p.answers, text) for p, text in zip(prompts, outputs)]
-            report["cells"][cell_id(*key)] = {
-                "task": key[0], "length": key[1], "depth": key[2], "score": float(np.mean(scores)), "scores": scores,
-                "depth_actual": [p.depth_actual for p in prompts], "answers": [p.answers for p in prompts], "outputs": outputs,
-                "seconds": time.perf_counter() - started,
-            }
-            report["cache"].setdefault(str(key[1]), measured)
+
+        def keep(cell: Cell, measured: tuple[dict[str, Any], dict[str, Any]]) -> None:  # written at once: an interrupted run resumes after it
+            report["cells"][cell_id(*cell)] = measured[0]
+            report["cache"].setdefault(str(cell.length), measured[1])
             write_json(path, report)
-            bar.update()
-        bar.close()
+
+        done = {cell for cell in grid if cell_id(*cell) in report["cells"]}
+        run_grid(list(grid), lambda cell: measure_cell(loaded, cell, grid[cell], batch_size), keep, done=done, desc=f"niah {Path(model).name}", progress=progress)
         summarize(report)
         write_json(path, report)
         write_text(out_dir / TABLE_FILE, format_markdown(report) + "\n")
-        plot_grids(report, out_dir / PLOT_FILE)
+        plot_report(report, out_dir / PLOT_FILE)
         return report
 
 
@@ -304,10 +279,6 @@ def check_cell(cell: Any) -> None:
         raise ValueError("outputs holds something that is not text")
 
 
-def cell_id(task: str, length: int, depth: float) -> str:
-    return f"{task}/{length}/{depth:.2f}"
-
-
 def summarize(report: dict[str, Any]) -> None:
     """Per task and length: the mean score over depths, prompts fully answered / prompts, and the
     Wilson interval of that proportion; and the overall mean per length; over this run's grid
@@ -334,35 +305,19 @@ def format_markdown(report: dict[str, Any]) -> str:
              f"{s['samples']} prompts per cell, greedy, haystack {s['haystack']!r} for the prose tasks, seed {s['seed']}, {s['dtype']}. "
              "Score: the fraction of the asked values found in the continuation.", ""]
     for task in s["tasks"]:
-        lines += [f"## {task}: {TASKS[task].description}", "", "| depth | " + " | ".join(str(n) for n in s["lengths"]) + " |", "| ---: |" + " ---: |" * len(s["lengths"])]
-        for d in s["depths"]:
-            lines.append(f"| {d:.2f} | " + " | ".join(f"{report['cells'][cell_id(task, n, d)]['score']:.2f}" for n in s["lengths"]) + " |")
         rows = report["summary"][task]
-        lines.append("| mean (full / prompts, 95% CI) | " + " | ".join(
-            f"{rows[str(n)]['score']:.2f} ({rows[str(n)]['full_hits']}/{rows[str(n)]['prompts']}, {rows[str(n)]['wilson95'][0]:.2f}-{rows[str(n)]['wilson95'][1]:.2f})"
-            for n in s["lengths"]) + " |")
-        lines.append("")
+        mean = [f"{rows[str(n)]['score']:.2f} ({rows[str(n)]['full_hits']}/{rows[str(n)]['prompts']}, {rows[str(n)]['wilson95'][0]:.2f}-{rows[str(n)]['wilson95'][1]:.2f})"
+                for n in s["lengths"]]
+        table = grid_table(s["lengths"], s["depths"], lambda n, d, task=task: report["cells"][cell_id(task, n, d)]["score"], summary=[("mean (full / prompts, 95% CI)", mean)])
+        lines += [f"## {task}: {TASKS[task].description}", "", table, ""]
     cache = report.get("cache", {})
     if cache:
         lines.append("Live cache, bytes per token processed: " + ", ".join(f"{n}: {cache[str(n)]['bytes_per_token']:.0f}" for n in s["lengths"] if str(n) in cache))
     return "\n".join(lines)
 
 
-def plot_grids(report: dict[str, Any], path: Path) -> None:
-    """One heatmap per task: depth (rows) x length (columns), the score annotated; atomic PNG."""
+def plot_report(report: dict[str, Any], path: Path) -> None:
+    """The report's heatmaps (``grid.plot_grids``): one per task, depth x length, the score annotated."""
     s = report["settings"]
-    fig, axes = new_figure(1, len(s["tasks"]), figsize=(3.0 * len(s["tasks"]) + 1.0, 1.8 + 0.4 * len(s["depths"])), squeeze=False, layout="constrained")
-    for index, (ax, task) in enumerate(zip(axes[0], s["tasks"])):
-        grid = np.asarray([[report["cells"][cell_id(task, n, d)]["score"] for n in s["lengths"]] for d in s["depths"]])
-        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
-        for (i, j), value in np.ndenumerate(grid):
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white" if value < 0.6 else "black", fontsize=7)
-        ax.set_xticks(range(len(s["lengths"])), [str(n) for n in s["lengths"]], fontsize=7)
-        ax.set_yticks(range(len(s["depths"])), [f"{d:.0%}" for d in s["depths"]], fontsize=7)
-        ax.set_xlabel("prompt tokens", fontsize=8)
-        if index == 0:
-            ax.set_ylabel("needle depth")
-        ax.set_title(task, fontsize=9)
-    fig.suptitle(f"retrieval: {s['model']} ({s['samples']} prompts per cell)", fontsize=9)
-    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03)
-    save_figure(fig, path)
+    panels = {task: [[report["cells"][cell_id(task, n, d)]["score"] for n in s["lengths"]] for d in s["depths"]] for task in s["tasks"]}
+    plot_grids(panels, s["lengths"], s["depths"], path, suptitle=f"retrieval: {s['model']} ({s['samples']} prompts per cell)")

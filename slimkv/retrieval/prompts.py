@@ -10,7 +10,9 @@ tokenizer::
 The question ends where the answer should begin (``"... The pass key is"``), so a model that
 remembers continues with the value. The haystack is filler text repeated (``passkey``) or prose
 (the held-out plays by default); needle lines sit at the line boundary nearest their depth, so a
-needle is always a line of its own. What each task asks is a ``RetrievalTask`` in ``TASKS``.
+needle is always a line of its own. What each task asks is a ``RetrievalTask`` in ``TASKS``; the
+needles themselves (their lines, keys, values and places) come from the one needle generator,
+``slimkv.data.ruler_needles``.
 
 Everything random (keys, values, the haystack's start, the other needles' depths) is drawn from
 ``(seed, task, length, sample)``: across depths only the asked needle's place changes, and the
@@ -25,25 +27,20 @@ from typing import Any
 import numpy as np
 
 from slimkv.common.checks import check_float, check_int
-from slimkv.data.ruler_needles import NeedleBuilder, line_end_ids
-from slimkv.data.ruler_needles import random_value as needle_value
+from slimkv.data.ruler_needles import (
+    NEEDLE_LINE,
+    PASSKEY_LINE,
+    NeedleBuilder,
+    line_end_ids,
+    random_keys,
+    random_value,
+    random_values,
+)
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 PREAMBLE = "Some special magic {noun}s are hidden within the following text. Make sure to memorize them. I will quiz you about the {noun}s afterwards.\n"
-NEEDLE = "One of the special magic {noun}s for {key} is: {value}.\n"
 QUESTION_ONE = "\nWhat is the special magic {noun} for {key} mentioned in the provided text? The special magic {noun} for {key} mentioned in the provided text is"
 QUESTION_ALL = "\nWhat are all the special magic {noun}s for {key} mentioned in the provided text? The special magic {noun}s for {key} mentioned in the provided text are"
-
-# Keys and word values: common English words, disjoint, none a special token of any tokenizer.
-KEY_WORDS = (
-    "apple", "river", "candle", "garden", "window", "silver", "falcon", "harbor", "meadow", "lantern", "copper", "violet", "thunder", "pepper",
-    "marble", "orchard", "anchor", "feather", "island", "saddle", "blanket", "cabinet", "dolphin", "engine", "forest", "glacier", "hammer",
-)
-VALUE_WORDS = (
-    "banana", "compass", "dragon", "emerald", "fountain", "giraffe", "horizon", "igloo", "jasmine", "kingdom", "lighthouse", "mountain",
-    "notebook", "octopus", "penguin", "quartz", "rainbow", "sapphire", "telescope", "universe", "volcano", "whistle", "xylophone", "yogurt",
-)
-VALUE_KINDS = ("passkey", "number", "word", "uuid")
 
 
 @dataclass(frozen=True)
@@ -51,7 +48,7 @@ class RetrievalTask:
     """One retrieval task: where the needles hide and what is asked.
 
     ``haystack``: ``"filler"`` (``PASSKEY_FILLER`` repeated) or ``"prose"`` (the ``--haystack``
-    text). ``value``: one of ``VALUE_KINDS``. ``needles``: needle lines in the haystack; ``asked``:
+    text). ``value``: a value kind of ``slimkv.data.ruler_needles.random_value``. ``needles``: needle lines in the haystack; ``asked``:
     ``"one"`` (the first needle's key is asked; the others are distractors with other keys) or
     ``"all"`` (every needle shares one key and all values are asked). The first needle sits at
     the cell's depth, the others at depths drawn from the sample's generator."""
@@ -106,18 +103,6 @@ class RetrievalPrompt:
                 "question_ids": self.question_ids, "answers": self.answers, "depth_actual": self.depth_actual, "max_new_tokens": self.max_new_tokens}
 
 
-def random_value(rng: np.random.Generator, kind: str) -> str:
-    """A value of ``kind``: a 5-digit pass key, a word of ``VALUE_WORDS``, or a 7-digit number or
-    a UUID as the training needles draw them (``slimkv.data.ruler_needles.random_value``)."""
-    if kind == "passkey":
-        return str(int(rng.integers(10_000, 100_000)))
-    if kind == "word":
-        return VALUE_WORDS[int(rng.integers(len(VALUE_WORDS)))]
-    if kind not in VALUE_KINDS:
-        raise ValueError(f"value kind {kind!r} is not allowed; allowed values: {', '.join(VALUE_KINDS)}")
-    return needle_value(rng, kind)
-
-
 class PromptBuilder:
     """Builds ``RetrievalPrompt``s with one transformers tokenizer over two haystack sources:
     ``filler`` and ``prose`` (1-D token ids each). Haystack spans and line boundaries are the
@@ -137,17 +122,13 @@ class PromptBuilder:
         """(preamble ids, needle ids per needle, question ids, answers) of one sample."""
         if task.value == "passkey":
             value = random_value(rng, "passkey")
-            needle = self.encode(f"The pass key is {value}. Remember it. {value} is the pass key.\n")
+            needle = self.encode(PASSKEY_LINE.format(value=value))
             return self.encode("There is a pass key hidden in the following text. Find it and memorize it.\n"), [needle], self.encode("\nWhat is the pass key? The pass key is"), [value]
-        keys = [KEY_WORDS[i] for i in rng.permutation(len(KEY_WORDS))[: task.needles]]
-        values: list[str] = []
-        while len(values) < task.needles:  # distinct values
-            value = random_value(rng, task.value)
-            if value not in values:
-                values.append(value)
+        keys = random_keys(rng, task.needles)
+        values = random_values(rng, task.value, task.needles)
         if task.asked == "all":
             keys = [keys[0]] * task.needles
-        needles = [self.encode(NEEDLE.format(noun=task.noun, key=key, value=value)) for key, value in zip(keys, values)]
+        needles = [self.encode(NEEDLE_LINE.format(noun=task.noun, key=key, value=value)) for key, value in zip(keys, values)]
         question = (QUESTION_ALL if task.asked == "all" else QUESTION_ONE).format(noun=task.noun, key=keys[0])
         answers = values if task.asked == "all" else values[:1]
         return self.encode(PREAMBLE.format(noun=task.noun)), needles, self.encode(question), answers
@@ -167,13 +148,8 @@ class PromptBuilder:
         if depth > 0 and not np.isin(haystack, self.lines.line_ends).any():
             raise ValueError(f"--haystack: the {len(haystack)}-token haystack of a {length}-token {task.name} prompt holds no line break, and needles sit "
                              f"at line starts: every depth would be 0; give a --haystack text with lines")
-        cuts = [self.lines.boundary_near(haystack, d) for d in [depth, *other_depths]]
-        order = sorted(range(len(needles)), key=lambda i: (cuts[i], i))
-        context, last = list(preamble), 0
-        for i in order:
-            context += haystack[last : cuts[i]].tolist() + needles[i]
-            last = cuts[i]
-        context += haystack[last:].tolist()
+        placed, cuts = self.lines.place(haystack, needles, [depth, *other_depths])
+        context = list(preamble) + placed
         new_tokens = len(self.encode(" " + ", ".join(answers))) + 8
         return RetrievalPrompt(f"{task.name}/{length}/{depth:.2f}/{sample}", task.name, length, depth, sample, context, question, answers,
                                depth_actual=cuts[0] / budget, max_new_tokens=new_tokens)

@@ -17,6 +17,9 @@ accuracy and NLL of the value's tokens (``value_token_scores``): a graded measur
 moves when a small model retrieves some digits but never the whole value. For each (task, length, sample) the key, value and haystack are
 drawn once from ``(seed, task, length, sample)``, so across depths only the needle's place changes.
 
+The cells run through ``slimkv.retrieval.grid`` (its length grammar: ``2x`` is a multiple of the
+run's training length); the report is its depth x length table per task and its heatmaps.
+
 Small models trained here retrieve only when trained with the needle mixture
 (``TrainConfig.needle_mix``): then the mechanism, not model scale, is what this measures.
 """
@@ -28,12 +31,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from slimkv.common.checks import check_int
-from slimkv.common.files import check_file_target, check_folder_target, check_writable, save_figure, write_json
-from slimkv.common.plotting import new_figure
+from slimkv.common.files import check_file_target, check_folder_target, check_writable, write_json
 from slimkv.data.ruler_needles import NEUTRAL_TEXT, NeedleBuilder, NeedleDocument, random_key, random_value, value_found
+from slimkv.retrieval.grid import Cell, build_prompts, grid_cells, grid_table, parse_depths, parse_lengths, plot_grids, run_grid
 from slimkv.train.checkpoint import load_run
 
 TASKS: dict[str, dict[str, str]] = {
@@ -46,32 +48,6 @@ PLOT_FILE = "niah.png"
 EXAMPLE_DEPTH = 0.5  # the depth whose first sample per length is kept as an example output
 
 
-def parse_lengths(text: str, train_len: int) -> list[int]:
-    """``"1x,2x,4x,300"`` -> token counts (``Nx`` = N times the training length), in order given."""
-    lengths = []
-    for part in (p.strip() for p in str(text).split(",")):
-        try:
-            value = round(float(part[:-1]) * train_len) if part.lower().endswith("x") else int(part)
-        except (ValueError, OverflowError):  # infx, 1e999k: no integer
-            raise ValueError(f"--lengths: {part!r} is not a token count or a multiple like 2x of the training length") from None
-        check_int("--lengths entry", value, 1)
-        lengths.append(value)
-    if len(set(lengths)) != len(lengths):
-        raise ValueError(f"--lengths lists a length twice: {lengths}")
-    return lengths
-
-
-def parse_depths(text: str) -> list[float]:
-    """``"0,0.25,1"`` -> fractions in [0, 1] (0 = the first line of the haystack, 1 = the last)."""
-    try:
-        depths = [float(p) for p in str(text).split(",")]
-    except ValueError:
-        raise ValueError(f"--depths must be comma-separated fractions in [0, 1], got {text!r}") from None
-    if not depths or any(not (0.0 <= d <= 1.0) for d in depths):
-        raise ValueError(f"--depths must be comma-separated fractions in [0, 1], got {text!r}")
-    return depths
-
-
 def parse_tasks(text: str) -> list[str]:
     tasks = [t.strip().lower() for t in str(text).split(",") if t.strip()]
     for task in tasks:
@@ -82,17 +58,14 @@ def parse_tasks(text: str) -> list[str]:
     return tasks
 
 
-def build_prompts(builder: NeedleBuilder, task: str, source: np.ndarray, length: int, depths: list[float], samples: int, seed: int) -> list[list[NeedleDocument]]:
-    """Prompts [depth][sample] of exactly ``length`` tokens for one task and length."""
-    task_index = list(TASKS).index(task)
-    grid: list[list[NeedleDocument]] = [[] for _ in depths]
-    for sample in range(samples):
-        rng = np.random.default_rng([seed, task_index, length, sample])
-        key, value = random_key(rng), random_value(rng, TASKS[task]["value"])
-        start = int(rng.integers(len(source)))
-        for column, depth in enumerate(depths):
-            grid[column].append(builder.build(source, start, length, depth, key, value))
-    return grid
+def build_document(builder: NeedleBuilder, sources: dict[str, np.ndarray], cell: Cell, sample: int, seed: int) -> NeedleDocument:
+    """The prompt of one sample of ``cell``: exactly ``cell.length`` tokens; the key, value and
+    haystack start come from ``(seed, task, length, sample)``, so across depths only the needle moves."""
+    task = TASKS[cell.task]
+    rng = np.random.default_rng([seed, list(TASKS).index(cell.task), cell.length, sample])
+    key, value = random_key(rng), random_value(rng, task["value"])
+    source = sources[task["haystack"]]
+    return builder.build(source, int(rng.integers(len(source))), cell.length, cell.depth, key, value)
 
 
 @torch.no_grad()
@@ -156,31 +129,18 @@ def evaluate_niah(
     check_int("batch_size", batch_size, 1)
     builder = NeedleBuilder.for_dataset(dataset)
     sources = {"neutral": np.asarray(dataset.encode(NEUTRAL_TEXT), dtype=np.int64), "prose": np.asarray(dataset.val, dtype=np.int64)}
-    prompts = {(task, length): build_prompts(builder, task, sources[TASKS[task]["haystack"]], length, depths, samples, seed) for task in tasks for length in lengths}
+    cells = grid_cells(tasks, lengths, depths)
+    prompts = build_prompts(cells, samples, lambda cell, sample: build_document(builder, sources, cell, sample, seed))
     was_training = model.training
     model.eval()
+    measured: dict[Cell, dict[str, Any]] = {}
+    run_grid(cells, lambda cell: measure_cell(model, dataset, builder, prompts[cell], max_new_tokens, batch_size), measured.__setitem__, desc="niah", progress=progress)
+    model.train(was_training)
+    example_depth = min(depths, key=lambda x: abs(x - EXAMPLE_DEPTH))
     results: dict[str, Any] = {}
-    bar = tqdm(total=len(tasks) * len(lengths) * len(depths), desc="niah", unit="cell", disable=not progress)
     for task in tasks:
-        grid, token_grid, nll_grid, actual_depth, examples, value_tokens = [], [], [], [], [], 0
-        for length in lengths:
-            row, token_row, nll_row, row_depth = [], [], [], []
-            for depth, docs in zip(depths, prompts[task, length]):
-                outputs = [dataset.decode(ids) for ids in greedy_continuations(model, [d.ids for d in docs], max_new_tokens, batch_size)]
-                hits = [value_found(d.value, text) for d, text in zip(docs, outputs)]
-                row.append(sum(hits) / len(hits))
-                token_accuracy, token_nll = value_token_scores(model, builder, docs, batch_size)
-                token_row.append(token_accuracy)
-                nll_row.append(token_nll)
-                row_depth.append(float(np.mean([d.depth for d in docs])))
-                value_tokens = max(value_tokens, *(len(dataset.encode(f" {d.value}")) for d in docs))
-                if depth == min(depths, key=lambda x: abs(x - EXAMPLE_DEPTH)):
-                    examples.append({"length": length, "depth": depth, "key": docs[0].key, "value": docs[0].value, "output": outputs[0], "hit": hits[0]})
-                bar.update()
-            grid.append(row)
-            token_grid.append(token_row)
-            nll_grid.append(nll_row)
-            actual_depth.append(row_depth)
+        rows = [[measured[Cell(task, n, d)] for d in depths] for n in lengths]  # [length][depth]
+        grid, token_grid, nll_grid = ([[cell[name] for cell in row] for row in rows] for name in ("accuracy", "value_token_accuracy", "value_token_nll"))
         results[task] = {
             **TASKS[task],
             "accuracy": grid,
@@ -190,13 +150,23 @@ def evaluate_niah(
             "value_token_accuracy_per_length": [float(np.mean(r)) for r in token_grid],
             "value_token_nll": nll_grid,
             "value_token_nll_per_length": [float(np.mean(r)) for r in nll_grid],
-            "needle_depth_actual": actual_depth,
-            "value_tokens_max": value_tokens,
-            "examples": examples,
+            "needle_depth_actual": [[cell["depth_actual"] for cell in row] for row in rows],
+            "value_tokens_max": max(cell["value_tokens"] for row in rows for cell in row),
+            "examples": [{"length": n, "depth": example_depth, **measured[Cell(task, n, example_depth)]["example"]} for n in lengths],
         }
-    bar.close()
-    model.train(was_training)
     return results
+
+
+def measure_cell(model: Any, dataset: Any, builder: NeedleBuilder, docs: list[NeedleDocument], max_new_tokens: int, batch_size: int) -> dict[str, Any]:
+    """One cell's scores: exact-match accuracy of the greedy continuations, the value tokens'
+    teacher-forced accuracy and NLL, the needle's mean actual depth, the most tokens a value
+    takes, and the first sample as an example."""
+    outputs = [dataset.decode(ids) for ids in greedy_continuations(model, [d.ids for d in docs], max_new_tokens, batch_size)]
+    hits = [value_found(d.value, text) for d, text in zip(docs, outputs)]
+    token_accuracy, token_nll = value_token_scores(model, builder, docs, batch_size)
+    return {"accuracy": sum(hits) / len(hits), "value_token_accuracy": token_accuracy, "value_token_nll": token_nll,
+            "depth_actual": float(np.mean([d.depth for d in docs])), "value_tokens": max(len(dataset.encode(f" {d.value}")) for d in docs),
+            "example": {"key": docs[0].key, "value": docs[0].value, "output": outputs[0], "hit": hits[0]}}
 
 
 def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: str, samples: int, max_new_tokens: int, seed: int, batch_size: int, out_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
@@ -209,7 +179,7 @@ def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: 
     target = Path(out_dir) if out_dir is not None else run_dir
     for name in (RESULT_FILE, PLOT_FILE):  # a folder in their place fails now, not after the work
         check_file_target(target / name, "--out" if out_dir is not None else "RUN_DIR")
-    length_list, depth_list = parse_lengths(lengths, cfg.seq_len), parse_depths(depths)
+    length_list, depth_list = parse_lengths(lengths, cfg.seq_len, reference_name="the training length"), parse_depths(depths)
     results = evaluate_niah(model, dataset, tasks=tasks, lengths=length_list, depths=depth_list, samples=samples, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, progress=progress)
     report = {
         "run_dir": str(run_dir),
@@ -232,52 +202,39 @@ def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: 
     }
     target.mkdir(parents=True, exist_ok=True)
     write_json(target / RESULT_FILE, report)
-    plot_grids(report, target / PLOT_FILE)
+    plot_report(report, target / PLOT_FILE)
     return report
 
 
-def plot_grids(report: dict[str, Any], path: Path) -> None:
-    """One heatmap per task: depth (rows) x length (columns), accuracy annotated; atomic PNG."""
-    tasks = list(report["tasks"])
-    width = max(3.4, 0.9 * len(report["lengths"]) + 1.0)
-    fig, axes = new_figure(1, len(tasks), figsize=(width * len(tasks) + 1.0, 2.2 + 0.45 * len(report["depths"])), squeeze=False, layout="constrained")
-    for index, (ax, task) in enumerate(zip(axes[0], tasks)):
-        grid = np.asarray(report["tasks"][task]["accuracy"]).T  # (depths, lengths)
-        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
-        for (i, j), value in np.ndenumerate(grid):
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white" if value < 0.6 else "black", fontsize=8)
-        means = report["tasks"][task]["mean_per_length"]
-        ax.set_xticks(range(len(report["lengths"])), [f"{n}\n({m:.2f})" for n, m in zip(report["lengths"], means)], fontsize=8)
-        ax.set_yticks(range(len(report["depths"])), [f"{d:.0%}" for d in report["depths"]], fontsize=8)
-        ax.set_xlabel("length in tokens\n(mean accuracy)", fontsize=8)
-        if index == 0:
-            ax.set_ylabel("needle depth")
-        ax.set_title(f"{task}: {report['tasks'][task]['description'].replace(', ', chr(10))}", fontsize=8)
-    kind = report["attention"] if isinstance(report["attention"], str) else "/".join(report["attention"])
-    fig.suptitle(f"NIAH {kind}, trained at {report['train_seq_len']} tokens (needle_mix {report['needle_mix']}), {report['samples']} samples per cell", fontsize=10)
-    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03)
-    save_figure(fig, path)
+def plot_report(report: dict[str, Any], path: Path) -> None:
+    """The report's heatmaps (``grid.plot_grids``): one per task, depth x length, accuracy
+    annotated, each length's mean accuracy under it."""
+    tasks = report["tasks"]
+    panels = {f"{task}: {r['description'].replace(', ', chr(10))}": np.asarray(r["accuracy"]).T for task, r in tasks.items()}  # (depths, lengths)
+    labels = {title: [f"{n}\n({m:.2f})" for n, m in zip(report["lengths"], r["mean_per_length"])] for title, r in zip(panels, tasks.values())}
+    plot_grids(panels, report["lengths"], report["depths"], path, length_labels=labels, xlabel="length in tokens\n(mean accuracy)",
+               suptitle=f"NIAH {_kind(report)}, trained at {report['train_seq_len']} tokens (needle_mix {report['needle_mix']}), {report['samples']} samples per cell")
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """Per task: accuracy by depth (rows) and length (columns), then the mean per length."""
-    kind = report["attention"] if isinstance(report["attention"], str) else "/".join(report["attention"])
+    """Per task: accuracy by depth (rows) and length (columns), then the mean per length and the
+    value tokens' teacher-forced accuracy (markdown, ``grid.grid_table``)."""
     lines = [
-        f"NIAH {kind} ({report['run_dir']}), trained at {report['train_seq_len']} tokens, needle_mix {report['needle_mix']}; "
+        f"NIAH {_kind(report)} ({report['run_dir']}), trained at {report['train_seq_len']} tokens, needle_mix {report['needle_mix']}; "
         f"{report['samples']} samples per cell, greedy, {report['max_new_tokens']} new tokens, seed {report['seed']}",
         f"prose haystack (s2, s3): {report['prose_haystack']}",
     ]
-    header = f"  {'depth':>6} " + " ".join(f"{n:>7}" for n in report["lengths"])
+    depth_index = {d: j for j, d in enumerate(report["depths"])}
+    length_index = {n: i for i, n in enumerate(report["lengths"])}
     for task, result in report["tasks"].items():
-        lines += [f"{task}: {result['description']}", header]
-        grid = np.asarray(result["accuracy"])
-        for j, depth in enumerate(report["depths"]):
-            lines.append(f"  {depth:>6.0%} " + " ".join(f"{grid[i, j]:>7.2f}" for i in range(len(report["lengths"]))))
-        lines.append(f"  {'mean':>6} " + " ".join(f"{m:>7.2f}" for m in result["mean_per_length"]))
-        lines.append(f"  {'tokens':>6} " + " ".join(f"{m:>7.2f}" for m in result["value_token_accuracy_per_length"])
-                     + "   (teacher-forced value-token accuracy, mean over depths)")
+        summary = [("mean", [f"{m:.2f}" for m in result["mean_per_length"]]),
+                   ("value tokens (teacher-forced accuracy, mean over depths)", [f"{m:.2f}" for m in result["value_token_accuracy_per_length"]])]
+        table = grid_table(report["lengths"], report["depths"], lambda n, d, r=result: r["accuracy"][length_index[n]][depth_index[d]], summary=summary)
+        lines += ["", f"## {task}: {result['description']}", "", table]
         if result["value_tokens_max"] > report["max_new_tokens"]:
-            lines.append(f"  WARNING: {task} values take up to {result['value_tokens_max']} tokens but only {report['max_new_tokens']} are generated; raise --max-new-tokens")
+            lines += ["", f"WARNING: {task} values take up to {result['value_tokens_max']} tokens but only {report['max_new_tokens']} are generated; raise --max-new-tokens"]
     return "\n".join(lines)
 
 
+def _kind(report: dict[str, Any]) -> str:
+    return report["attention"] if isinstance(report["attention"], str) else "/".join(report["attention"])
