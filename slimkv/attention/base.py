@@ -81,7 +81,7 @@ class Attention(nn.Module):
         check_choice("backend", backend, BACKENDS)
         super().__init__()
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
-        self.rope_mode, self.rope_fraction, self.rope_theta = rope, rope_fraction, float(rope_theta)
+        self.rope, self.rope_fraction, self.rope_theta = rope, rope_fraction, float(rope_theta)
         # explicit frequencies of the rotated pairs (a converted layer's); with rope="none" nothing rotates and they are unused, as in mla
         self.rope_frequencies = list(rope_frequencies) if rope_frequencies is not None and rope != "none" else None
         rot_dim = rotary_dim(head_dim, rope, rope_fraction)
@@ -186,7 +186,7 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"kind={self.kind}, d_model={self.d_model}, n_heads={self.n_heads}, head_dim={self.head_dim}, "
-            f"rope={self.rope_mode}, qk_norm={self.use_qk_norm}"
+            f"rope={self.rope}, qk_norm={self.use_qk_norm}"
         )
 
 

@@ -108,7 +108,7 @@ class LowRankKVAttention(Attention):
         self.n_kv_heads, groups = n_kv_heads, n_kv_heads
         hd, bias = self.head_dim, self.use_bias
         self.rank_k, self.rank_v, self.residual_init = rank_k, rank_v, float(residual_init)
-        self.rotary, self.rope_placement = resolve_positions(self.head_dim, rope_mode, self.rope_mode, self.rope_fraction, self.rope_theta,
+        self.rotary, self.rope_placement = resolve_positions(self.head_dim, rope_mode, self.rope, self.rope_fraction, self.rope_theta,
                                                                self.rope_frequencies)
         # First key channel the residual writes: decoupled keeps the rotary channels shared.
         self.key_residual_start = self.rotary.rot_dim if self.rope_placement == "decoupled" else 0

@@ -154,7 +154,7 @@ class MultiHeadLatentAttention(Attention):
             check_int("v_head_dim", v_head_dim, 1)
         check_bool("latent_norm", latent_norm)
         super().__init__(d_model, n_heads, head_dim, **common)
-        rope_dim = resolve_rope_dim(rope_dim, self.head_dim, self.rope_mode, self.rope_fraction, rope_frequencies)
+        rope_dim = resolve_rope_dim(rope_dim, self.head_dim, self.rope, self.rope_fraction, rope_frequencies)
         self.kv_rank, self.q_rank, self.rope_dim = kv_rank, q_rank, rope_dim
         self.latent_norm = latent_norm
         self.rope_frequencies = list(rope_frequencies) if rope_frequencies is not None and rope_dim else None

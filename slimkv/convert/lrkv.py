@@ -307,10 +307,10 @@ def lrkv_from_mha(mha: MultiHeadAttention, *, rope_mode: str = "full") -> LowRan
     """
     if mha.window is not None:
         raise ValueError("lrkv_from_mha needs a layer without a sliding window")
-    common = {"rope": mha.rope_mode, "rope_fraction": mha.rope_fraction, "rope_theta": mha.rope_theta, "rope_frequencies": mha.rope_frequencies,
+    common = {"rope": mha.rope, "rope_fraction": mha.rope_fraction, "rope_theta": mha.rope_theta, "rope_frequencies": mha.rope_frequencies,
               "qk_norm": mha.use_qk_norm, "bias": mha.use_bias}
     hd, heads = mha.head_dim, mha.n_heads
-    rotary, placement = resolve_positions(hd, rope_mode, mha.rope_mode, mha.rope_fraction, mha.rope_theta, mha.rope_frequencies)
+    rotary, placement = resolve_positions(hd, rope_mode, mha.rope, mha.rope_fraction, mha.rope_theta, mha.rope_frequencies)
     if rotary.rot_dim != mha.rotary.rot_dim:
         raise ValueError(
             f"rope_mode={rope_mode!r} rotates {rotary.rot_dim} channels per head, the mha layer {mha.rotary.rot_dim}; "

@@ -32,7 +32,7 @@ def test_defaults_follow_the_paper():
     s = attn.settings
     assert (s.chunk_size, s.window_chunks, s.schedule, s.sink_len, s.value_norm) == (256, 2, "fixed", 1, "radius")
     assert attn.settings.budget(10**6) == 256
-    assert attn.rope_mode == "partial" and attn.rotary.rot_dim == 8 == s.rot_dim  # the first half of each head rotates
+    assert attn.rope == "partial" and attn.rotary.rot_dim == 8 == s.rot_dim  # the first half of each head rotates
     names = {n for n, _ in attn.named_parameters()}
     assert {"ln_s.weight", "ln_s.bias", "gate_proj.weight", "tau_state", "tau_window"} <= names
     assert attn.gate_proj.weight.shape == (4, 64) and attn.tau_state.shape == (4,)
@@ -182,7 +182,7 @@ def test_kvm_swa_hybrid_prefill_then_decode_equals_full_forward(tmp_path):
     )
     model = SlimKVForCausalLM(cfg).eval().double()
     assert [a.kind for a in model.attention_layers] == ["swa", "kvm", "swa", "kvm"]
-    assert [a.rope_mode for a in model.attention_layers] == ["full", "partial", "full", "partial"]
+    assert [a.rope for a in model.attention_layers] == ["full", "partial", "full", "partial"]
     ids = torch.randint(0, 61, (2, 40))
     with torch.no_grad():
         full = model(ids).logits
