@@ -28,6 +28,8 @@ lint: setup
 	$(VENV)/bin/ruff check slimkv tests benchmarks
 
 # The kvpress baseline (benchmarks/kvpress_niah.py) in its own venv: kvpress 0.5.5 needs transformers <5.3.
+# It also holds lm-eval 0.4.13 (benchmarks/kvpress/requirements-ruler.txt), which runs
+# `slimkv eval ruler --caches press:NAME@BUDGET` cells there (slimkv/eval/ruler_press_runner.py, docs/ruler.md).
 #   make bench-kvpress-env
 #   make bench-kvpress PROMPTS=DIR/niah_prompts.json OUT=DIR/kvpress [MODEL_DIR=...] [KVPRESS_ARGS="--budgets 0.5 --lengths 8128 --threads 2"]
 KVPRESS_VENV := .venv-kvpress
@@ -38,11 +40,12 @@ KVPRESS_ARGS ?=
 
 bench-kvpress-env: $(KVPRESS_STAMP)
 
-$(KVPRESS_STAMP): benchmarks/kvpress/requirements.txt
+$(KVPRESS_STAMP): benchmarks/kvpress/requirements.txt benchmarks/kvpress/requirements-ruler.txt
 	$(PYTHON) -m venv $(KVPRESS_VENV)
 	$(KVPRESS_PY) -m pip install -q --upgrade pip
 	$(KVPRESS_PY) -m pip install -q torch==2.13.0
 	$(KVPRESS_PY) -m pip install -q -r benchmarks/kvpress/requirements.txt
+	$(KVPRESS_PY) -m pip install -q -r benchmarks/kvpress/requirements.txt -r benchmarks/kvpress/requirements-ruler.txt
 	touch $(KVPRESS_STAMP)
 
 bench-kvpress: $(KVPRESS_STAMP)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import check_folder_target, read_json, write_json, write_text
 from slimkv.common.timing import machine_info, package_versions, write_results
-from slimkv.eval import ruler_cache
+from slimkv.eval import ruler_cache, ruler_press
 from slimkv.eval.models import load_language_model, load_original, original_of
 from slimkv.pretrained import LoadedModel, resolve_model_path
 from slimkv.pretrained.loading import position_limit, weights_record
@@ -172,6 +172,30 @@ def run_cell(loaded: LoadedModel, option: str, task: str, length: int, *, limit:
     return written[0][0], written[1][0], lm.generate_s
 
 
+def run_press_cell(model_dir: str, option: str, task: str, length: int, *, limit: int, max_gen_toks: int, seed: int, dtype: str,
+                   cell_dir: Path) -> tuple[Path, Path, float, dict[str, Any]]:
+    """The cell of a kvpress press: ``ruler_press_runner.py`` runs the same ``simple_evaluate`` in
+    kvpress's environment and writes lm-eval's files into ``cell_dir`` (its output in
+    ``runner.log``); lm-eval's two files, the seconds inside generation and the runner's reply
+    (per-prompt bytes, its package versions)."""
+    for stale in [*cell_dir.glob("lm_eval_*.json"), *cell_dir.glob("samples_*.jsonl")]:
+        stale.unlink()
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    reply = ruler_press.call_runner({"mode": "cell", "option": option, "task": task, "length": length, "limit": limit, "max_gen_toks": max_gen_toks,
+                                     "seed": seed, "model_dir": model_dir, "tokenizer_dir": model_dir, "dtype": dtype, "threads": torch.get_num_threads(),
+                                     "cell_dir": str(cell_dir.resolve()), "patterns_dir": str(cell_dir.resolve().parents[3] / "press_patterns")},
+                                    log_path=cell_dir / "runner.log")
+    return Path(reply.pop("results")), Path(reply.pop("samples")), reply.pop("generate_s"), reply
+
+
+def press_bytes(prompts: list[dict[str, Any]]) -> dict[str, float]:
+    """Means over a press cell's prompts of the bytes per token its runner measured after each prompt
+    (live tensors; entries still attended) and after its answer."""
+    keys = ("bytes_per_token", "bytes_per_token_kept", "bytes_per_token_after_decode", "bytes_per_token_kept_after_decode", "tail_tokens",
+            "prompt_tokens", "prefill_s")
+    return {key: sum(p[key] for p in prompts) / len(prompts) for key in keys}
+
+
 def read_samples(path: Path) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -198,6 +222,10 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     if loaded.tokenizer is None:
         raise ValueError(f"--model {model}: no tokenizer is saved beside the model; RULER builds its prompts with it")
     check_lengths(lengths, loaded.model)
+    for option in caches:
+        for length in lengths:
+            if ruler_press.is_press(option):
+                ruler_press.check_budget(option, length)
     ruler_cache.check_model_takes(loaded.model, caches)
     dtype = next(loaded.model.parameters()).dtype
     base = {"model": model, "identity": loaded.identity, "weights": weights_record(model), "dtype": str(dtype).replace("torch.", ""), "limit": limit,
@@ -223,11 +251,24 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     def save_probes() -> None:
         write_json(out_dir / PROBES_FILE, {"measured_on": measured_on, "probes": probes})
     vocab = len(loaded.tokenizer)
+    model_dir = str(resolve_model_path(model))
+    press_pairs = []
     for option, length in dict.fromkeys((cells[k]["option"], cells[k]["length"]) for k in pending):
-        if f"{option}/{length}" not in probes:
-            say(f"timing one {length}-token prompt under --caches {option} (the planner's cost, and the cache's bytes)")
-            probes[f"{option}/{length}"] = ruler_cache.probe(loaded.model, option, length, vocab)
-            save_probes()
+        if f"{option}/{length}" in probes:
+            continue
+        if ruler_press.is_press(option):  # timed in kvpress's environment, and only for the planner: a cell measures its own bytes
+            if budget_minutes is not None or plan_only:
+                press_pairs.append([option, length])
+            continue
+        say(f"timing one {length}-token prompt under --caches {option} (the planner's cost, and the cache's bytes)")
+        probes[f"{option}/{length}"] = ruler_cache.probe(loaded.model, option, length, vocab)
+        save_probes()
+    if press_pairs:
+        say(f"timing one prompt per press and length in kvpress's environment ({len(press_pairs)}: the planner's cost)")
+        probes.update(ruler_press.call_runner({"mode": "probe", "pairs": press_pairs, "model_dir": model_dir, "tokenizer_dir": model_dir,
+                                               "dtype": base["dtype"], "threads": torch.get_num_threads(),
+                                               "patterns_dir": str(out_dir.resolve() / "press_patterns")})["probes"])
+        save_probes()
     original = None
     for length in dict.fromkeys(cells[k]["length"] for k in pending):
         if f"reference/{length}" not in probes:  # the original's own DynamicCache, counted at 2 bytes an element
@@ -239,13 +280,15 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
             save_probes()
     for key in pending:
         cell = cells[key]
-        cell["estimate_s"] = estimate_cell(probes[f"{cell['option']}/{cell['length']}"], limit, gen[cell["task"]])
+        timed = probes.get(f"{cell['option']}/{cell['length']}")
+        cell["estimate_s"] = estimate_cell(timed, limit, gen[cell["task"]]) if timed else 0.0
+        cell["timed"] = timed is not None
     budget_s = None if budget_minutes is None else budget_minutes * 60 - (time.perf_counter() - started)
     run, skipped = plan([dict(cells[k], id=k) for k in pending], budget_s)
     say(f"{len(finished)} of {len(cells)} cells finished before; {len(run)} to run, about {sum(c['estimate_s'] for c in run) / 60:.1f} min "
         f"({limit} prompts each, upper bound from the timed prompt)" + (f", within --budget-minutes {budget_minutes:.1f}" if budget_minutes else ""))
     for cell in run:
-        say(f"  run   {cell['id']}: ~{cell['estimate_s'] / 60:.1f} min")
+        say(f"  run   {cell['id']}: " + (f"~{cell['estimate_s'] / 60:.1f} min" if cell["timed"] else "not timed (a press is timed for --budget-minutes or --plan-only)"))
     for cell in skipped:
         say(f"  skip  {cell['id']}: ~{cell['estimate_s'] / 60:.1f} min, past the budget")
     report = {"settings": {**base, "tasks": tasks, "lengths": lengths, "caches": caches, "max_gen_toks": gen, "budget_minutes": budget_minutes}, "cells": {},
@@ -257,20 +300,36 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     for cell in run:
         cell_dir = out_dir / "cells" / cell["id"]
         load_start, t0 = os.getloadavg(), time.perf_counter()
-        results_path, samples_path, generate_s = run_cell(loaded, cell["option"], cell["task"], cell["length"], limit=limit, max_gen_toks=gen[cell["task"]], seed=seed,
-                                              tokenizer_dir=str(resolve_model_path(model)), cell_dir=cell_dir)
+        press = ruler_press.is_press(cell["option"])
+        if press:
+            results_path, samples_path, generate_s, reply = run_press_cell(model_dir, cell["option"], cell["task"], cell["length"], limit=limit,
+                                                                           max_gen_toks=gen[cell["task"]], seed=seed, dtype=base["dtype"], cell_dir=cell_dir)
+            measured = {**press_bytes(reply["prompts"]), "prompts": reply["prompts"], **ruler_press.settings(cell["option"])}
+        else:
+            results_path, samples_path, generate_s = run_cell(loaded, cell["option"], cell["task"], cell["length"], limit=limit, max_gen_toks=gen[cell["task"]],
+                                                  seed=seed, tokenizer_dir=model_dir, cell_dir=cell_dir)
+            measured = probes[f"{cell['option']}/{cell['length']}"]
         seconds = time.perf_counter() - t0
         summary = summarize_cell(read_json(results_path, expect=dict), read_samples(samples_path), cell["task"], cell["length"])
-        measured = probes[f"{cell['option']}/{cell['length']}"]
         reference = ruler_cache.bf16_reference(probes[f"reference/{cell['length']}"])
+        # the budget axis: the bytes of the entries attention still sees (for a press that only masks, fewer than its tensors hold)
+        budget_bytes = measured["bytes_per_token_kept"] if press else measured["bytes_per_token"]
         summary.update({"option": cell["option"], "task": cell["task"], "length": cell["length"], "max_gen_toks": gen[cell["task"]],
-                        "bytes_per_token": measured["bytes_per_token"], "bytes_ratio_to_bf16_original": measured["bytes_per_token"] / reference,
+                        "bytes_per_token": budget_bytes, "bytes_ratio_to_bf16_original": budget_bytes / reference,
                         "ratio_reference": loaded.identity.get("base") or f"{model} itself (it names no original)",
                         "bytes_per_token_after_decode": measured["bytes_per_token_after_decode"], "seconds": seconds,
                         "seconds_per_sample": seconds / summary["n"], "generate_s_per_sample": generate_s / summary["n"], "estimate_s": cell["estimate_s"], "load_average_start": list(load_start),
                         "load_average_end": list(os.getloadavg()), "threads": torch.get_num_threads(),
-                        "lm_eval_results": str(results_path.relative_to(out_dir)), "lm_eval_samples": str(samples_path.relative_to(out_dir))})
-        write_json(cell_dir / CELL_FILE, {"settings": cell["settings"], "summary": summary, "probe": measured, "machine": machine_info()})
+                        "lm_eval_results": str(results_path.resolve().relative_to(out_dir.resolve())),
+                        "lm_eval_samples": str(samples_path.resolve().relative_to(out_dir.resolve()))})
+        machine = machine_info()
+        if press:
+            summary.update({"bytes_per_token_live": measured["bytes_per_token"], "bytes_ratio_live": measured["bytes_per_token"] / reference,
+                            "question_tail_tokens_mean": measured["tail_tokens"], "bytes_per_token_after_decode": measured["bytes_per_token_kept_after_decode"],
+                            "runner": "kvpress env"})
+            # the numbers come from kvpress's environment: its python and package versions, beside this process's
+            machine["press_runner"] = {"python": reply["runner_python"], "packages": reply["runner_versions"], "threads": reply["threads"]}
+        write_json(cell_dir / CELL_FILE, {"settings": cell["settings"], "summary": summary, "probe": measured, "machine": machine})
         report["cells"][cell["id"]] = summary
         report["cells"] = {k: report["cells"][k] for k in cells if k in report["cells"]}  # grid order, resumed cells included
         write_summary(report, out_dir)

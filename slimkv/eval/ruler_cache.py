@@ -5,8 +5,9 @@ An option names the cache a model generates with: ``none`` (the model's own: tra
 ``float16`` (a ``DynamicCache`` whose keys and values are stored in that dtype and handed to
 attention in the model's), or ``quanto-int4`` / ``quanto-int2`` / ``hqq-int4`` / ``hqq-int2``
 (transformers' ``QuantizedCache``, KIVI-style: the prompt's keys and values quantized per channel
-in groups, new tokens kept in full precision until the residual window fills). Bytes are read off
-the cache object's tensors after a prefill, never computed from a formula.
+in groups, new tokens kept in full precision until the residual window fills), or a kvpress press
+at a budget (``press:kvzip@0.25``: ``slimkv.eval.ruler_press``, run in kvpress's own environment).
+Bytes are read off the cache object's tensors after a prefill, never computed from a formula.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, QuantizedCache
 
 from slimkv.common.checks import check_choice
+from slimkv.eval import ruler_press
 from slimkv.model import SlimKVForCausalLM
 
 CAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,20 +47,26 @@ class CastLayer(DynamicLayer):
 
 
 def parse_caches(text: str) -> list[str]:
-    """``"none,quanto-int4"`` -> distinct cache options, in the order given; ValueError naming --caches."""
+    """``"none,quanto-int4,press:kvzip@0.25"`` -> distinct cache options, in the order given (a press
+    in its one spelling, ``press:NAME@BUDGET``); ValueError naming --caches."""
     options = [part.strip() for part in str(text).split(",") if part.strip()]
-    for option in options:
-        if option.startswith(("press", "kvpress")):
-            raise ValueError(f"--caches {option}: kvpress presses are not yet supported by `slimkv eval ruler` (a later stop of issue 36); "
-                             f"use one of {', '.join(CACHE_OPTIONS)}")
-        check_choice("--caches", option, CACHE_OPTIONS)
+    for index, option in enumerate(options):
+        if ruler_press.is_press(option):
+            options[index] = ruler_press.canonical(option)
+        elif option.startswith("press") or option in ruler_press.PRESSES:
+            raise ValueError(f"--caches {option}: a kvpress press is written press:NAME@BUDGET (e.g. press:kvzip@0.25); "
+                             f"allowed presses: {', '.join(ruler_press.PRESSES)}")
+        else:
+            check_choice("--caches", option, CACHE_OPTIONS + ("press:NAME@BUDGET",))
     if not options or len(set(options)) != len(options):
-        raise ValueError(f"--caches must list distinct cache options among {', '.join(CACHE_OPTIONS)}, got {text!r}")
+        raise ValueError(f"--caches must list distinct cache options among {', '.join(CACHE_OPTIONS)} and press:NAME@BUDGET, got {text!r}")
     return options
 
 
 def check_backends(options: list[str]) -> None:
-    """Every quantized option's backend must be importable; ImportError naming the option and the package."""
+    """Every quantized option's backend must be importable, and kvpress's environment must exist for
+    a press; ImportError naming the option and the package (or ``make bench-kvpress-env``)."""
+    ruler_press.check_env(options)
     for option in options:
         if option in QUANTIZED:
             module, package = BACKEND_MODULES[QUANTIZED[option][0]]
@@ -97,6 +105,8 @@ def cache_factory(model: torch.nn.Module, option: str) -> Callable[[], Cache] | 
     """A maker of a fresh cache of ``option`` for each prompt, or None for the model's own."""
     if option == "none":
         return None
+    if ruler_press.is_press(option):
+        raise ValueError(f"--caches {option}: a press runs in kvpress's environment (slimkv.eval.ruler_press), not in this process")
     text = model.config.get_text_config(decoder=True)
     if option in CAST_DTYPES:
         dtype = CAST_DTYPES[option]
@@ -164,7 +174,10 @@ def probe(model: torch.nn.Module, option: str, length: int, vocab: int, *, decod
 
 
 def option_settings(option: str) -> dict[str, Any]:
-    """What a quantized option stands for (backend, bits and transformers' grouping), ``{}`` for the others."""
+    """What a quantized option stands for (backend, bits and transformers' grouping) or a press (its
+    class, options and budget), ``{}`` for the others."""
+    if ruler_press.is_press(option):
+        return ruler_press.settings(option)
     if option not in QUANTIZED:
         return {}
     backend, nbits = QUANTIZED[option]
