@@ -55,6 +55,9 @@ def add_commands(subparsers) -> None:
                    help=f"the conversion method ({', '.join(CONVERSIONS)}; see below), with its own options where it has any (listed below)")
     p.add_argument("--cache-ratio", type=float,
                    help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5 (not for kvm, rope-partial and streaming: their cache is set by their own options; for mla+kvm: the width of its latent rows, whose state is bounded)")
+    p.add_argument("--cache-storage", default=None, metavar="full|int8|int4[:group=G,residual=R]",
+                   help="how the converted model's cache holds its rows (default full): int8 / int4 codes in groups of 32 channels with a "
+                        "full-precision window of the newest 128 tokens; stacks with --cache-ratio (latent 0.5 x int4 keeps about 0.16 of the bytes)")
     p.add_argument("--out", required=True, help="output folder (must be empty, new, or an earlier conversion)")
     p.add_argument("--calib", default=None, help="calibration text: `shakespeare` (the training plays), `kjv`, `devil`, `pydoc`, `handbook`, a comma-separated mix of them (equal shares) "
                    f"or a text file/folder (default: {ConvertOptions.calib})")
@@ -82,7 +85,7 @@ HEAL_FLAGS = {"heal_tokens": "tokens", "heal_text": "text", "heal_params": "para
               "heal_batch_size": "batch_size", "seed": "seed"}
 # conversion option -> ConvertOptions field (checked against the manifest on --resume)
 CONVERT_FLAGS = {"method": "method", "cache_ratio": "cache_ratio", "calib": "calib", "calib_tokens": "calib_tokens", "calib_seq_len": "calib_seq_len",
-                 "seed": "seed", "export": "export"}
+                 "seed": "seed", "export": "export", "cache_storage": "cache_storage"}
 
 
 def _flag(name: str) -> str:
@@ -142,10 +145,14 @@ def _convert(args: argparse.Namespace) -> int:
         before, after = (sum(manifest["cache_elements_per_token_per_layer"][k]) for k in ("before", "after"))
         print(f"converted {manifest['base_model']['name']} to {manifest['kind']} ({conversion_method(manifest)}): cache {before:.0f} -> {after:.0f} elements per "
               f"token (ratio {manifest['achieved_cache_ratio']:.4f}, asked {manifest['cache_ratio']}); {manifest['allocation']}")
-    else:
+    elif manifest.get("cache_storage", "full") == "full":
         sizes = ", ".join(f"{row['context']}: {row['bytes'] / 2**20:.1f} MiB ({row['ratio']:.3f})" for row in manifest["cache_bytes"])
         print(f"converted {manifest['base_model']['name']} to {manifest['kind']} ({conversion_method(manifest)}): {manifest['allocation']}\n"
               f"cache (float32) by context, and as a fraction of the original's: {sizes}")
+    else:
+        sizes = ", ".join(f"{row['context']}: {row['bytes'] / 2**20:.2f} MiB ({row['ratio']:.4f})" for row in manifest["cache_bytes"])
+        print(f"converted {manifest['base_model']['name']} to {manifest['kind']} ({conversion_method(manifest)}): {manifest['allocation']}\n"
+              f"cache storage {manifest['cache_storage']}: live bfloat16 cache by context, and as a fraction of the bfloat16 original's: {sizes}")
     transfer = (manifest.get("refinement") or {}).get("layers")
     if transfer:
         before = sum(t["relative_error_before"] for t in transfer) / len(transfer)

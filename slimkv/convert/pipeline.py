@@ -11,7 +11,10 @@ replaces an earlier one there, its healing run included, so no healing of anothe
 be resumed on it).
 
 ``cache_ratio`` R is the kept fraction of the original model's KV-cache elements per token
-(summed over layers): 0.5 keeps half.
+(summed over layers): 0.5 keeps half. ``cache_storage`` (``full``, ``int8``, ``int4[:group=G,residual=R]``;
+``slimkv.ops.quantize``) is how the converted model holds those elements by default: the bytes then
+shrink again (int4 in groups of 32 with bfloat16 scales: 0.3125 of the bfloat16 bytes), and the
+manifest's cache table is measured on live caches.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from slimkv.common.checks import check_choice, check_float, check_int
@@ -45,6 +49,8 @@ from slimkv.data.texts import (
     check_calibration_size,
 )
 from slimkv.model import SlimKVForCausalLM, load_model_folder
+from slimkv.model.config import STATEFUL_KINDS
+from slimkv.ops.quantize import parse_storage
 from slimkv.pretrained import load_pretrained, resolve_model_path, weights_fingerprint
 from slimkv.pretrained.loading import CONVERTED_MANIFEST, read_config, resolve_original
 
@@ -54,6 +60,8 @@ OUTPUT_NAMES = ("config.json", "model.safetensors", "generation_config.json", "t
 FORMAT = "slimkv-converted"
 FORMAT_VERSION = 1
 EXPORTS = ("deepseek",)
+MEASURED_CONTEXT = 8192  # the longest context a quantized cache is measured at during conversion (a prefill of that many tokens)
+MEASURE_CHUNK = 1024
 HEAD_ROLES_PLOT = "head_roles.png"  # the measured roles as a layer x KV head heatmap, beside a model whose method measured them
 
 
@@ -68,6 +76,7 @@ class ConvertOptions:
     calib_seq_len: int = 1024
     seed: int = 0
     export: str | None = None  # "deepseek": also write the model as transformers' DeepseekV3ForCausalLM (mla-prefix only)
+    cache_storage: str = "full"  # how the converted model's cache holds its rows (slimkv.ops.quantize): full, int8, int4[:group=G,residual=R]
 
     def validate(self) -> None:
         """ValueError naming the command-line option of a bad field."""
@@ -86,6 +95,10 @@ class ConvertOptions:
             if self.method != "mla-prefix":
                 raise ValueError(f"--export deepseek needs --to mla-prefix (one RoPE ladder in every layer), not --to {self.method}")
         check_int("--seed", self.seed, 0)
+        storage = parse_storage(self.cache_storage, "--cache-storage")
+        if storage.bits is not None and method.kind in STATEFUL_KINDS:
+            raise ValueError(f"--cache-storage {self.cache_storage}: --to {method.name} makes {method.kind} layers, which update their memory in place "
+                             "and take full storage only")
 
 
 def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path | None, heal_cfg: HealConfig | None = None) -> None:
@@ -129,7 +142,7 @@ def check_window(option: str, length: int, positions: int) -> None:
         raise ValueError(f"{option} {length} is longer than the model's {positions} positions (max_position_embeddings); use at most {positions}")
 
 
-def build_converted(source: Source, method: Conversion, layers: list[LayerContext], plan: list[dict[str, Any]]
+def build_converted(source: Source, method: Conversion, layers: list[LayerContext], plan: list[dict[str, Any]], cache_storage: str = "full"
                     ) -> tuple[SlimKVForCausalLM, list[dict[str, Any]], list[str]]:
     """Fit every layer with its planned options and build the converted model (attention fitted,
     everything else copied exactly); returns the model, per-layer facts and the changed parameters."""
@@ -139,7 +152,8 @@ def build_converted(source: Source, method: Conversion, layers: list[LayerContex
         fits.append((fit.options if fit.options is not None else planned, {k: v.to(torch.float32) for k, v in fit.state.items()}))
         changed += [f"model.layers.{layer.index}.attn.{name}" for name in fit.changed]
         layer_info.append({"layer": layer.index, "options": fits[-1][0], **fit.info})
-    fields = {"attention": method.kind, "attention_options": method.options(source.shape), "per_layer_options": [options for options, _ in fits]}
+    fields = {"attention": method.kind, "attention_options": method.options(source.shape), "per_layer_options": [options for options, _ in fits],
+              "cache_storage": parse_storage(cache_storage).name}
     model = SlimKVForCausalLM(slimkv_config(source.shape, fields)).eval()
     copy_shared_weights(source, model)
     for block, (_, state) in zip(model.model.layers, fits):
@@ -164,7 +178,7 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
         layer.roles = {name: roles[name][layer.index] for name in ROLE_SCORES}
     plan, allocation = method.plan(layers, options.cache_ratio, **settings)
     planned = time.perf_counter()
-    model, layer_info, changed = build_converted(source, method, layers, plan)
+    model, layer_info, changed = build_converted(source, method, layers, plan, options.cache_storage)
     fitted = time.perf_counter()
     refined = method.refine(model, source, settings, calib=options.calib, seed=options.seed, progress=progress) if method.refine else None
     finished = time.perf_counter()
@@ -178,7 +192,8 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
         "cache_ratio": options.cache_ratio,
         "achieved_cache_ratio": sum(after) / sum(before) if per_token else None,
         "cache_elements_per_token_per_layer": {"before": before, "after": after} if per_token else None,
-        "cache_bytes": cache_bytes_table(model, shape),
+        "cache_bytes": cache_bytes_table(model, shape, progress=progress),
+        "cache_storage": model.config.cache_storage,
         "refinement": refined,
         "allocation": allocation,
         "sensitivity": measured_sensitivity,
@@ -228,16 +243,37 @@ def measure_sensitivity(source: Source, method: Conversion, layers: list[LayerCo
             "seconds": time.perf_counter() - started}
 
 
-def cache_bytes_table(model: SlimKVForCausalLM, shape: Shape) -> list[dict[str, Any]]:
-    """float32 cache bytes of the converted model and of the original at contexts from 1K to the
-    model's position limit (analytic; the state of a bounded kind stops growing here)."""
+def cache_bytes_table(model: SlimKVForCausalLM, shape: Shape, *, progress: bool = False) -> list[dict[str, Any]]:
+    """Cache bytes of the converted model and of the original at contexts from 1K to the model's
+    position limit. Full storage: float32, analytic (the state of a bounded kind stops growing
+    here). Quantized storage: bfloat16 (the dtype it is served in; its scales are stored in it),
+    measured on a live cache of a bfloat16 copy, prefilled in 1K chunks, up to 8K."""
     contexts = [n for n in (1024, 2048, 4096, 8192, 16384, 32768) if n <= shape.max_position_embeddings] or [shape.max_position_embeddings]
-    rows = []
-    for n in contexts:
-        original = n * shape.cache_elements * shape.n_layers * 4
-        converted = model.cache_bytes(n)
-        rows.append({"context": n, "bytes": converted, "original_bytes": original, "ratio": converted / original})
-    return rows
+    if model.config.cache_storage == "full":
+        rows = [(n, model.cache_bytes(n), n * shape.cache_elements * shape.n_layers * 4) for n in contexts]
+        dtype, measured = "float32", False
+    else:
+        sizes = measured_cache_bytes(model, [n for n in contexts if n <= MEASURED_CONTEXT] or contexts[:1], torch.bfloat16, progress)
+        rows = [(n, size, n * shape.cache_elements * shape.n_layers * 2) for n, size in sizes.items()]
+        dtype, measured = "bfloat16", True
+    return [{"context": n, "bytes": size, "original_bytes": original, "ratio": size / original, "dtype": dtype, "measured": measured}
+            for n, size, original in rows]
+
+
+@torch.no_grad()
+def measured_cache_bytes(model: SlimKVForCausalLM, contexts: list[int], dtype: torch.dtype, progress: bool = False) -> dict[int, int]:
+    """Live cache bytes of a ``dtype`` copy of ``model`` after each of ``contexts`` tokens (one prefill of token 0, in chunks)."""
+    copy = SlimKVForCausalLM(model.config).to(dtype).eval()
+    copy.load_state_dict(model.state_dict())
+    cache = copy.new_cache(1)
+    sizes, seen = {}, 0
+    for n in tqdm(sorted(contexts), desc="measure the cache", disable=not progress, leave=False):
+        while seen < n:
+            step = min(MEASURE_CHUNK, n - seen)
+            copy(torch.zeros(1, step, dtype=torch.long), cache=cache, logits_to_keep=1)
+            seen += step
+        sizes[n] = cache.nbytes()
+    return sizes
 
 
 def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str, Any], out_dir: str | Path, *, keep: tuple[str, ...] = ()

@@ -167,6 +167,7 @@ def slimkv_config(shape: Shape, fields: dict[str, Any]) -> ModelConfig:
         norm_eps=shape.norm_eps,
         tie_word_embeddings=shape.tie_word_embeddings,
         max_position_embeddings=shape.max_position_embeddings,
+        cache_storage=fields.get("cache_storage", "full"),
     )
 
 

@@ -207,9 +207,10 @@ class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
 
     @torch.no_grad()
     def cache_elements_per_token(self, tokens: int = 64) -> list[float]:
-        """Cache elements per token of each layer, measured from a live cache after ``tokens`` tokens."""
+        """Cache elements per token of each layer, measured from a live cache after ``tokens`` tokens
+        (held in full storage: elements, not the bytes a quantized storage packs them in)."""
         weight = next(self.parameters())
-        cache = self.new_cache(1)
+        cache = self.new_cache(1, storage="full")
         self(torch.zeros(1, tokens, dtype=torch.long, device=weight.device), cache=cache)
         size = torch.empty((), dtype=weight.dtype).element_size()
         return [layer.nbytes() / tokens / size for layer in cache.layers]

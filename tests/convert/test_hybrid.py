@@ -97,3 +97,29 @@ def test_end_to_end_the_roles_are_recorded_and_a_long_window_is_the_original(tin
 def test_bad_options_fail_before_any_work(tiny_folder, tmp_path, no_loading, method, ratio, message):
     with pytest.raises(ValueError, match=message):
         check_before_work(str(tiny_folder), kvm_options(tmp_path, method, cache_ratio=ratio), tmp_path / "out")
+
+
+def test_quantized_storage_is_recorded_measured_and_served(tiny_folder, tmp_path):
+    """``--cache-storage int8``: the config says it, the manifest's cache table is a live bfloat16
+    cache, smaller than the same conversion's in full storage, and loading serves it by default."""
+    method = "hybrid:window=30,sink_len=2,roles_contexts=1"
+    _, full = convert_pretrained(str(tiny_folder), kvm_options(tmp_path, method, cache_ratio=0.9), tmp_path / "full", progress=False)
+    _, manifest = convert_pretrained(str(tiny_folder), kvm_options(tmp_path, method, cache_ratio=0.9, cache_storage="int8:group=12,residual=16"),
+                                     tmp_path / "int8", progress=False)
+    assert manifest["cache_storage"] == "int8:group=12,residual=16" and full["cache_storage"] == "full"
+    rows = manifest["cache_bytes"]
+    assert rows and all(row["measured"] and row["dtype"] == "bfloat16" for row in rows)
+    assert all(0 < row["ratio"] < full_row["ratio"] for row, full_row in zip(rows, full["cache_bytes"]))
+    reloaded = load_language_model(str(tmp_path / "int8")).model
+    assert reloaded.config.cache_storage == "int8:group=12,residual=16"
+    assert reloaded.new_cache(1).layers[0].storage.bits == 8
+
+
+@pytest.mark.parametrize("method, storage, message", [
+    ("hybrid:window=8", "int3", r"--cache-storage 'int3': the storage must be one of full, int8, int4"),
+    ("kvm", "int4", r"--cache-storage int4: --to kvm makes kvm layers, which update their memory in place"),
+])
+def test_bad_storage_fails_before_any_work(tiny_folder, tmp_path, no_loading, method, storage, message):
+    with pytest.raises(ValueError, match=message):
+        check_before_work(str(tiny_folder), kvm_options(tmp_path, method, cache_ratio=0.5 if method != "kvm" else None, cache_storage=storage),
+                          tmp_path / "out")
