@@ -1,6 +1,6 @@
 """The task x length x depth grid that both retrieval stacks run (``runs`` on training runs,
-``models`` on pretrained models): the grammar of ``--lengths`` and ``--depths``, the runner that
-measures each cell once, the depth x length table of the report and its heatmaps.
+``models`` on pretrained models): the grammar of ``--lengths``, ``--depths`` and ``--tasks``, the
+runner that measures each cell once, the depth x length table of the report and its heatmaps.
 
 The length grammar, accepted by every command that takes ``--lengths`` (docs/evaluation.md,
 "Lengths and depths")::
@@ -108,6 +108,21 @@ def parse_depths(text: str) -> list[float]:
             raise ValueError(f"--depths {cells[f'{depth:.2f}']:g} and {depth:g} are one cell (depth {depth:.2f}): give depths at least 0.01 apart")
         cells[f"{depth:.2f}"] = depth
     return depths
+
+
+def parse_tasks(text: str, choices: Iterable[str]) -> list[str]:
+    """``"s1,s2"`` -> task names in the order given, each of ``choices`` at most once; ``all`` =
+    every choice. ValueError naming ``--tasks`` and the choices otherwise."""
+    choices = list(choices)
+    names = [part.strip().lower() for part in str(text).split(",") if part.strip()]
+    if names == ["all"]:
+        return choices
+    for name in names:
+        if name not in choices:
+            raise ValueError(f"--tasks: {name!r} is not allowed; allowed values: {', '.join(choices)} (or all)")
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--tasks must name each of {', '.join(choices)} at most once, got {text!r}")
+    return names
 
 
 class Cell(NamedTuple):

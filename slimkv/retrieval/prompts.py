@@ -36,6 +36,7 @@ from slimkv.data.ruler_needles import (
     random_value,
     random_values,
 )
+from slimkv.retrieval.grid import parse_tasks as grid_tasks
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 PREAMBLE = "Some special magic {noun}s are hidden within the following text. Make sure to memorize them. I will quiz you about the {noun}s afterwards.\n"
@@ -156,13 +157,5 @@ class PromptBuilder:
 
 
 def parse_tasks(text: str) -> list[RetrievalTask]:
-    """``"passkey,multikey"`` -> tasks; ``all`` = every task. Errors name the option and the choices."""
-    names = [t.strip().lower() for t in str(text).split(",") if t.strip()]
-    if names == ["all"]:
-        return list(TASKS.values())
-    for name in names:
-        if name not in TASKS:
-            raise ValueError(f"--tasks: {name!r} is not a retrieval task; allowed values: {', '.join(TASKS)} (or all)")
-    if not names or len(set(names)) != len(names):
-        raise ValueError(f"--tasks must name each of {', '.join(TASKS)} at most once, got {text!r}")
-    return [TASKS[name] for name in names]
+    """``"passkey,multikey"`` -> tasks; ``all`` = every task (``grid.parse_tasks``: errors name the option and the choices)."""
+    return [TASKS[name] for name in grid_tasks(text, TASKS)]

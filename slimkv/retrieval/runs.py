@@ -36,6 +36,7 @@ from slimkv.common.checks import check_int
 from slimkv.common.files import check_file_target, check_folder_target, check_writable, write_json
 from slimkv.data.ruler_needles import NEUTRAL_TEXT, NeedleBuilder, NeedleDocument, random_key, random_value, value_found
 from slimkv.retrieval.grid import Cell, build_prompts, grid_cells, grid_table, parse_depths, parse_lengths, plot_grids, run_grid
+from slimkv.retrieval.grid import parse_tasks as grid_tasks
 from slimkv.train.checkpoint import load_run
 
 TASKS: dict[str, dict[str, str]] = {
@@ -49,13 +50,8 @@ EXAMPLE_DEPTH = 0.5  # the depth whose first sample per length is kept as an exa
 
 
 def parse_tasks(text: str) -> list[str]:
-    tasks = [t.strip().lower() for t in str(text).split(",") if t.strip()]
-    for task in tasks:
-        if task not in TASKS:
-            raise ValueError(f"--tasks: {task!r} is not allowed; allowed values: {', '.join(TASKS)}")
-    if not tasks or len(set(tasks)) != len(tasks):
-        raise ValueError(f"--tasks must name each of {', '.join(TASKS)} at most once, got {text!r}")
-    return tasks
+    """``"s1,s3"`` -> task names of ``TASKS`` (``all`` = every one), by ``grid.parse_tasks``."""
+    return grid_tasks(text, TASKS)
 
 
 def build_document(builder: NeedleBuilder, sources: dict[str, np.ndarray], cell: Cell, sample: int, seed: int) -> NeedleDocument:

@@ -8,7 +8,17 @@ import pytest
 
 from slimkv.cli import main
 from slimkv.retrieval import grid, models, runs
-from slimkv.retrieval.grid import Cell, grid_cells, grid_table, length_factors, lengths_syntax, parse_depths, parse_lengths, plot_grids, run_grid
+from slimkv.retrieval.grid import (
+    Cell,
+    grid_cells,
+    grid_table,
+    length_factors,
+    lengths_syntax,
+    parse_depths,
+    parse_lengths,
+    plot_grids,
+    run_grid,
+)
 
 
 def test_every_stack_parses_with_the_one_grammar():
@@ -98,3 +108,14 @@ def test_the_heatmaps_are_one_png_and_refuse_a_grid_of_another_shape(tmp_path):
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match=r"panel 's1' has scores of shape \(3, 2\), not \(depths, lengths\) = \(2, 3\)"):
         plot_grids({"s1": np.zeros((3, 2))}, [1, 2, 3], [0.0, 1.0], tmp_path / "h.png")
+
+
+def test_tasks_are_named_once_each_or_all_in_both_stacks():
+    from slimkv.retrieval import prompts
+
+    assert runs.parse_tasks("S1, s3") == ["s1", "s3"] and runs.parse_tasks("all") == list(runs.TASKS)
+    assert [t.name for t in prompts.parse_tasks("all")] == list(prompts.TASKS)
+    with pytest.raises(ValueError, match=r"^--tasks: 's9' is not allowed; allowed values: s1, s2, s3 \(or all\)$"):
+        runs.parse_tasks("s1,s9")
+    with pytest.raises(ValueError, match=r"^--tasks must name each of s1, s2, s3 at most once, got 's1,s1'$"):
+        runs.parse_tasks("s1,s1")
