@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import slimkv.attention.lrkv as lrkv_module
+import slimkv.attention.lrkv_decode as lrkv_decode
 from slimkv import ModelConfig, SlimKVForCausalLM
 from slimkv.attention import build_attention
 from slimkv.attention.lrkv import LowRankKVAttention
@@ -108,7 +108,7 @@ def test_factored_decode_equals_materialised(rope_mode, common, monkeypatch):
     factored = run_path(attn, x, "factored")
     assert rel_rmse(factored, expanded) < 1e-10
     assert rel_rmse(factored, full) < 1e-10
-    monkeypatch.setattr(lrkv_module, "LOGITS_BLOCK_ELEMENTS", 2 * N_HEADS * 8)  # a few queries per block
+    monkeypatch.setattr(lrkv_decode, "LOGITS_BLOCK_ELEMENTS", 2 * N_HEADS * 8)  # a few queries per block
     assert rel_rmse(run_path(attn, x, "factored", [5, 25, 7]), full) < 1e-10
 
 
