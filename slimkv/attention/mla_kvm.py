@@ -36,7 +36,7 @@ from slimkv.attention.kvm import KVMCache, KVMRegions, kvm_settings
 from slimkv.attention.mla import MultiHeadLatentAttention, _mla_at
 
 
-class LatentKVMAttention(KVMRegions, MultiHeadLatentAttention):
+class MLAKVMAttention(KVMRegions, MultiHeadLatentAttention):
     """MLA projections, KVM over the latent rows (module docstring)."""
 
     kind = "mla-kvm"
@@ -103,7 +103,7 @@ def _mla_kvm_comparable(shape: LayerShape, explicit: dict) -> tuple[dict, str]:
 
 register_attention(
     "mla-kvm",
-    LatentKVMAttention,
+    MLAKVMAttention,
     example_options=[
         # chunk 4, window 2 chunks: the state appears at token 8 and folds run at 12, 16, ...
         {"kv_rank": 6, "chunk_size": 4, "min_rows": 6},
