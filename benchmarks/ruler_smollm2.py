@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from slimkv.eval.ruler_cache import parse_caches
 from slimkv.retrieval.models import parse_lengths
 
 OUT = Path(__file__).resolve().parent / "results" / "ruler" / "smollm2"
+TIERS = (0.125, 0.25, 0.5, 1.0, 2.0)
 
 
 def minutes_until(stop_at: str | None) -> float | None:
@@ -38,18 +40,53 @@ def minutes_until(stop_at: str | None) -> float | None:
     return (now.replace(hour=hour, minute=minute, second=0, microsecond=0) - now).total_seconds() / 60
 
 
+def apart(a: dict, b: dict) -> bool:
+    """Whether two cells' 95% Wilson intervals do not overlap."""
+    return a["wilson95"][1] < b["wilson95"][0] or a["wilson95"][0] > b["wilson95"][1]
+
+
+def bytes_text(r: dict) -> str:
+    """Bytes per token and the ratio to the bfloat16 original's; a press that only masks shows its live ratio too."""
+    live = r.get("bytes_ratio_live")
+    masked = f", live {live:.3f}" if live is not None and abs(live - r["bytes_ratio_to_bf16_original"]) > 1e-3 else ""
+    return f"{r['bytes_per_token']:,.0f} ({r['bytes_ratio_to_bf16_original']:.3f}{masked})"
+
+
+def tier(ratio: float) -> float:
+    """The budget a cell belongs to: the nearest of TIERS to its measured ratio (on a log scale)."""
+    return min(TIERS, key=lambda t: abs(math.log(ratio / t)))
+
+
 def comparison(report: dict) -> str:
     """Per (task, length): the original's score (the ceiling) and each option's, its difference and
-    whether the two 95% Wilson intervals are apart."""
+    whether the two 95% Wilson intervals are apart; then, per task and budget tier, the options
+    ranked by score, each marked where its interval is apart from the tier's best."""
     rows = ["| task | length | cache | score | full / n (95% CI) | minus the original | intervals apart | bytes/token (ratio to bf16) | s/sample |",
             "| --- | ---: | --- | ---: | --- | ---: | --- | ---: | ---: |"]
     cells = report["cells"]
     for r in cells.values():
         top = cells.get(ruler.cell_id("none", r["task"], r["length"]))
         delta = "" if top is None or r["option"] == "none" else f"{r['score'] - top['score']:+.3f}"
-        apart = "" if top is None or r["option"] == "none" else ("yes" if r["wilson95"][1] < top["wilson95"][0] or r["wilson95"][0] > top["wilson95"][1] else "no")
+        sep = "" if top is None or r["option"] == "none" else ("yes" if apart(r, top) else "no")
         rows.append(f"| {r['task']} | {r['length']} | {r['option']} | {r['score']:.3f} | {r['full']}/{r['n']} ({r['wilson95'][0]:.2f}-{r['wilson95'][1]:.2f}) | "
-                    f"{delta} | {apart} | {r['bytes_per_token']:,.0f} ({r['bytes_ratio_to_bf16_original']:.3f}) | {r['seconds_per_sample']:.1f} |")
+                    f"{delta} | {sep} | {bytes_text(r)} | {r['seconds_per_sample']:.1f} |")
+    rows += ["", "## Ranking per task and budget", "",
+             f"Each cell in the budget tier nearest its measured ratio to the bfloat16 original's bytes (tiers {', '.join(map(str, TIERS))}; "
+             "a press's ratio counts the entries attention still sees, its question tail included). `below the best`: the cell's 95% interval "
+             "lies below the tier's best cell's (a winner is named only where intervals separate). A task whose original scores low measures the "
+             "model more than its cache.", "",
+             "| task | length | tier | rank | cache | score | full / n (95% CI) | ratio | below the best |", "| --- | ---: | ---: | ---: | --- | ---: | --- | ---: | --- |"]
+    groups: dict[tuple, list[dict]] = {}
+    for r in cells.values():
+        if r["option"] != "none":
+            groups.setdefault((r["task"], r["length"], tier(r["bytes_ratio_to_bf16_original"])), []).append(r)
+    task_order = list(dict.fromkeys(r["task"] for r in cells.values()))
+    for (task, length, budget), members in sorted(groups.items(), key=lambda kv: (kv[0][1], task_order.index(kv[0][0]), kv[0][2])):
+        members.sort(key=lambda r: -r["score"])
+        for rank, r in enumerate(members, 1):
+            rows.append(f"| {task} | {length} | {budget} | {rank} | {r['option']} | {r['score']:.3f} | {r['full']}/{r['n']} "
+                        f"({r['wilson95'][0]:.2f}-{r['wilson95'][1]:.2f}) | {r['bytes_ratio_to_bf16_original']:.3f} | "
+                        f"{'yes' if r['wilson95'][1] < members[0]['wilson95'][0] else 'no'} |")
     return "\n".join(rows)
 
 

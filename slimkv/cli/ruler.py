@@ -10,6 +10,7 @@ import torch
 from slimkv.common.checks import check_int
 from slimkv.eval import ruler
 from slimkv.eval.ruler_cache import CACHE_OPTIONS, parse_caches
+from slimkv.eval.ruler_press import PRESSES
 from slimkv.retrieval.models import parse_lengths
 
 DESCRIPTION = ("RULER (lm-eval's offline tasks) on a pretrained, converted or compressed model under a KV-cache option: lm-eval's score per "
@@ -23,7 +24,9 @@ def ruler_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default niah_single_1,niah_multikey_2); the essay and QA tasks download from the hub and are refused")
     parser.add_argument("--lengths", default="2k", help="comma-separated lengths in tokens (prompt plus answer; 2048 or 2k), "
                         f"{ruler.MIN_LENGTH} up to the model's max_position_embeddings (default 2k)")
-    parser.add_argument("--caches", default="none", help=f"comma-separated KV-cache options among {', '.join(CACHE_OPTIONS)} (default none: the model's own)")
+    parser.add_argument("--caches", default="none", help=f"comma-separated KV-cache options among {', '.join(CACHE_OPTIONS)} (default none: the model's own), "
+                        f"or press:NAME@BUDGET, a kvpress press run in .venv-kvpress (make bench-kvpress-env) at BUDGET of the bfloat16 original's bytes, "
+                        f"NAME among {', '.join(PRESSES)}")
     parser.add_argument("--limit", type=int, default=20, help="prompts per (cache, task, length) cell: the first N lm-eval generates (default 20)")
     parser.add_argument("--max-gen-toks", type=int, default=None, help="new tokens at most per prompt, for every task (default per task: "
                         + ", ".join(f"{t} {v[2]}" for t, v in ruler.OFFLINE_TASKS.items()) + ")")

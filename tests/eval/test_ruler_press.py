@@ -1,0 +1,134 @@
+"""kvpress presses as ``slimkv eval ruler`` cache options (``slimkv.eval.ruler_press``, the runner
+``slimkv/eval/ruler_press_runner.py``): option parsing and checks, the missing environment, the
+parent's summary of a press cell (with the runner stood in for), the runner's equal-bytes ratio,
+and one real cell through kvpress's environment where it exists (``make bench-kvpress-env``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from slimkv.eval import ruler, ruler_cache, ruler_press
+from tests.eval.test_ruler import HAS_LM_EVAL, lm_eval_shaped, tiny_folder  # noqa: F401  (tiny_folder is a fixture)
+
+HAS_PRESS_ENV = ruler_press.env_problem() is None
+
+
+def load_runner():
+    """``ruler_press_runner.py`` loaded by path, as kvpress's python runs it."""
+    spec = importlib.util.spec_from_file_location("ruler_press_runner_test", ruler_press.RUNNER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_press_options_parse_to_one_spelling():
+    assert ruler_cache.parse_caches("none, press:kvzip@.25,press:tova@0.125") == ["none", "press:kvzip@0.25", "press:tova@0.125"]
+    assert ruler_press.parse_option("kvpress:adakv_snapkv@0.5") == ("adakv_snapkv", 0.5)
+    with pytest.raises(ValueError, match="distinct"):
+        ruler_cache.parse_caches("press:kvzip@0.25,press:kvzip@.250")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("press:zip@0.25", r"--caches press:zip@0.25: unknown press 'zip'.*allowed presses: streaming_llm, snapkv, .*kvzip, duo_attention"),
+    ("press:kvzip", "the budget after @ must be a number in .0, 1."),
+    ("press:kvzip@1", "budget 1 is outside .0, 1."),
+    ("press:tova@0", "budget 0 is outside"),
+    ("press:duo_attention_patterns@0.5", "pre-computed patterns are downloaded.*offline: use press:duo_attention"),
+    ("kvzip", "a kvpress press is written press:NAME@BUDGET.*allowed presses: .*kvzip"),
+    ("pressure", "press:NAME@BUDGET"),
+])
+def test_bad_press_options_name_the_option_and_the_allowed_presses(text, message):
+    with pytest.raises(ValueError, match=message):
+        ruler_cache.parse_caches(f"none,{text}")
+
+
+def test_duo_attention_budget_must_clear_its_streaming_window():
+    ruler_press.check_budget("press:duo_attention@0.25", 2048)
+    ruler_press.check_budget("press:kvzip@0.01", 2048)
+    with pytest.raises(ValueError, match=r"press:duo_attention@0.125 at --lengths 2048: .*128 sink \+ 256 recent.*about 0.19"):
+        ruler_press.check_budget("press:duo_attention@0.125", 2048)
+
+
+def test_settings_record_the_press_its_scorer_and_storage():
+    record = ruler_cache.option_settings("press:adakv_expected_attention@0.25")["press"]
+    assert record["class"] == "AdaKVPress" and record["scorer"]["class"] == "ExpectedAttentionPress" and record["masked"]
+    assert record["budget_of_bf16_original"] == 0.25 and record["store_dtype"] == "bfloat16"
+    assert ruler_cache.option_settings("press:duo_attention@0.5")["press"]["pattern_texts"]["corpus"] == "austen"
+    assert not ruler_cache.option_settings("press:snapkv@0.5")["press"]["masked"]
+
+
+def test_a_missing_kvpress_env_is_refused_before_any_model_loads(tiny_folder, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv(ruler_press.ENV_VARIABLE, str(tmp_path / "no-venv" / "bin" / "python"))
+    monkeypatch.setattr(ruler, "check_lm_eval", lambda: None)
+    monkeypatch.setattr(ruler, "load_language_model", lambda *_: pytest.fail("the model loaded before the environment was checked"))
+    with pytest.raises(ImportError, match=r"--caches press:tova@0.25: .*no-venv/bin/python does not exist; run `make bench-kvpress-env`"):
+        ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["none", "press:tova@0.25"], limit=1, out_dir=tmp_path / "o",
+                       progress=False, say=lambda _: None)
+    ruler_press.check_env(["none", "bfloat16"])  # no press: nothing to check
+
+
+def test_a_press_cell_is_summarized_with_the_bytes_attention_still_sees(tiny_folder, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(ruler, "check_lm_eval", lambda: None)
+    monkeypatch.setattr(ruler_press, "check_env", lambda options: None)
+    reference = 2 * 2 * 64 * 2  # the tiny Llama's bfloat16 bytes per token: 2 layers, K and V, one head of 64
+    requests: list = []
+
+    def fake_runner(request, log_path=None, timeout_s=None):
+        requests.append(request)
+        cell_dir = Path(request["cell_dir"])
+        results, samples = lm_eval_shaped(request["task"], request["length"], [1.0, 0.0])
+        (cell_dir / "lm_eval_t.json").write_text(json.dumps(results))
+        (cell_dir / "samples_t.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+        prompt = {"bytes_per_token": reference, "bytes_per_token_kept": reference / 4, "bytes_per_token_after_decode": reference,
+                  "bytes_per_token_kept_after_decode": reference / 3, "tail_tokens": 30, "prompt_tokens": 900, "prefill_s": 1.0}
+        return {"results": str(cell_dir / "lm_eval_t.json"), "samples": str(cell_dir / "samples_t.jsonl"), "generate_s": 4.0, "prompts": [prompt, prompt],
+                "runner_versions": {"kvpress": "0.5.5", "transformers": "5.2.0"}, "runner_python": "/env/python", "threads": 1}
+    monkeypatch.setattr(ruler_press, "call_runner", fake_runner)
+    out = tmp_path / "o"
+    report = ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["press:kvzip@0.25"], limit=2, out_dir=out,
+                            progress=False, say=lambda _: None)
+    assert [r["mode"] for r in requests] == ["cell"] and requests[0]["option"] == "press:kvzip@0.25" and requests[0]["dtype"] == "float32"
+    row = report["cells"]["press:kvzip@0.25/niah_single_1/1024"]
+    assert row["score"] == 0.5 and row["n"] == 2 and row["full"] == 1
+    assert row["bytes_ratio_to_bf16_original"] == pytest.approx(0.25) and row["bytes_ratio_live"] == pytest.approx(1.0)
+    assert row["question_tail_tokens_mean"] == 30 and row["runner"] == "kvpress env"
+    cell = json.loads((out / "cells" / "press:kvzip@0.25" / "niah_single_1" / "1024" / ruler.CELL_FILE).read_text())
+    assert cell["machine"]["press_runner"]["packages"]["kvpress"] == "0.5.5" and "git_commit" in cell["machine"]
+    assert cell["settings"]["press"]["class"] == "KVzipPress" and len(cell["probe"]["prompts"]) == 2
+    requests.clear()
+    ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["press:kvzip@0.25"], limit=2, out_dir=out, progress=False,
+                   say=lambda _: None)
+    assert requests == []  # finished: skipped
+
+
+def test_the_runner_sets_the_ratio_for_equal_bytes_with_the_question_tail():
+    runner = load_runner()
+    press = SimpleNamespace(compression_ratio=0.0)
+    fraction = runner.set_budget(press, "snapkv", 0.25, context=1900, tail=100, heads=90)
+    assert fraction == pytest.approx((0.25 * 2000 - 100) / 1900) and press.compression_ratio == pytest.approx(1 - fraction)
+    duo = SimpleNamespace(head_compression_ratio=0.0)
+    runner.set_budget(duo, "duo_attention", 0.25, context=1950, tail=50, heads=90)
+    kept = 1 - duo.head_compression_ratio * (1 - ruler_press.DUO_KEPT / 1950)  # retrieval heads keep all, streaming heads 384
+    assert kept == pytest.approx((0.25 * 2000 - 50) / 1950, abs=1 / 90)
+    with pytest.raises(SystemExit, match="the question alone"):
+        runner.set_budget(press, "tova", 0.01, context=1000, tail=50, heads=90)
+
+
+@pytest.mark.skipif(not HAS_PRESS_ENV, reason=f"kvpress's environment is absent ({ruler_press.env_problem()}): {ruler_press.ENV_TARGET}")
+@pytest.mark.skipif(not HAS_LM_EVAL, reason="lm-eval not installed here: make ruler-env, run from .venv-ruler")
+def test_real_press_cells_through_kvpress_env(tiny_folder, tmp_path):  # noqa: F811
+    report = ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["press:snapkv@0.5", "press:adakv_snapkv@0.5"], limit=1,
+                            max_gen_toks=4, out_dir=tmp_path / "o", progress=False, say=lambda _: None)
+    for option in ("press:snapkv@0.5", "press:adakv_snapkv@0.5"):
+        row = report["cells"][f"{option}/niah_single_1/1024"]
+        assert row["n"] == 1 and 0.0 <= row["score"] <= 1.0 and (tmp_path / "o" / row["lm_eval_samples"]).is_file()
+        assert row["bytes_ratio_to_bf16_original"] == pytest.approx(0.5, abs=0.01)  # equal bytes, the question tail counted
+    assert report["cells"]["press:adakv_snapkv@0.5/niah_single_1/1024"]["bytes_ratio_live"] == pytest.approx(1.0)  # AdaKV masks, keeps every entry
+    assert report["cells"]["press:snapkv@0.5/niah_single_1/1024"]["bytes_ratio_live"] == pytest.approx(0.5, abs=0.01)
