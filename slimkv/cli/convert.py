@@ -14,10 +14,13 @@ from slimkv.convert.methods import CONVERSIONS
 from slimkv.convert.pipeline import (
     EXPORTS,
     ConvertOptions,
+    budget_plan,
+    check_before_work,
     conversion_fingerprint,
     convert_pretrained,
     heal_converted,
     read_manifest,
+    read_shape,
 )
 from slimkv.eval.models import conversion_method
 
@@ -58,6 +61,11 @@ def add_commands(subparsers) -> None:
     p.add_argument("--cache-storage", default=None, metavar="full|int8|int4[:group=G,residual=R]",
                    help="how the converted model's cache holds its rows (default full): int8 / int4 codes in groups of 32 channels with a "
                         "full-precision window of the newest 128 tokens; stacks with --cache-ratio (latent 0.5 x int4 keeps about 0.16 of the bytes)")
+    p.add_argument("--cache-budget", type=float, default=None, metavar="B",
+                   help="plan a hybrid conversion holding at most B of the bfloat16 original's cache bytes at --at tokens: the storage and "
+                        "the exact KV heads are chosen from measured head roles (slimkv.convert.budget); --to defaults to hybrid")
+    p.add_argument("--at", type=int, default=None, help="the context the budget is measured at (default min(8192, the model's positions)); "
+                                                        "the same as --to hybrid:at=N")
     p.add_argument("--out", required=True, help="output folder (must be empty, new, or an earlier conversion)")
     p.add_argument("--calib", default=None, help="calibration text: `shakespeare` (the training plays), `kjv`, `devil`, `pydoc`, `handbook`, a comma-separated mix of them (equal shares) "
                    f"or a text file/folder (default: {ConvertOptions.calib})")
@@ -85,7 +93,7 @@ HEAL_FLAGS = {"heal_tokens": "tokens", "heal_text": "text", "heal_params": "para
               "heal_batch_size": "batch_size", "seed": "seed"}
 # conversion option -> ConvertOptions field (checked against the manifest on --resume)
 CONVERT_FLAGS = {"method": "method", "cache_ratio": "cache_ratio", "calib": "calib", "calib_tokens": "calib_tokens", "calib_seq_len": "calib_seq_len",
-                 "seed": "seed", "export": "export", "cache_storage": "cache_storage"}
+                 "seed": "seed", "export": "export", "cache_storage": "cache_storage", "cache_budget": "cache_budget"}
 
 
 def _flag(name: str) -> str:
@@ -128,6 +136,15 @@ def _resume(args: argparse.Namespace) -> dict:
     return heal_converted(out, requested, resume=True, progress=not args.no_progress)
 
 
+def _with_at(method: str | None, at: int) -> str:
+    """``--at N`` as the hybrid method's ``at`` option."""
+    if method is None or not method.startswith("hybrid"):
+        raise ValueError(f"--at sets where a hybrid conversion's budget is measured; it needs --to hybrid or --cache-budget, not --to {method}")
+    if "at=" in method.partition(":")[2]:
+        raise ValueError(f"--at {at} and --to {method} both set at: give it once")
+    return f"{method}{',' if ':' in method else ':'}at={at}"
+
+
 def _convert(args: argparse.Namespace) -> int:
     if args.threads is not None:
         check_int("--threads", args.threads, 1)
@@ -136,10 +153,19 @@ def _convert(args: argparse.Namespace) -> int:
         manifest = _resume(args)
     else:
         heal_cfg = _heal_config(args)
+        if args.method is None and args.cache_budget is not None:
+            args.method = "hybrid"
+        if args.at is not None:
+            args.method = _with_at(args.method, args.at)
         missing = [flag for flag, value in (("--model", args.model), ("--to", args.method)) if value is None]
         if missing:
             raise ValueError(f"{', '.join(missing)} required (or --resume to continue a healing)")
         options = ConvertOptions(**{CONVERT_FLAGS[name]: value for name, value in _given(args, CONVERT_FLAGS).items()})
+        if options.cache_budget is not None:
+            check_before_work(args.model, options, args.out, heal_cfg)
+            plan = budget_plan(options, read_shape(args.model))
+            print(f"plan for --cache-budget {options.cache_budget} at {plan.at} tokens: --to {options.method} --cache-ratio {plan.cache_ratio:.4f} "
+                  f"--cache-storage {plan.storage}: {plan.why}")
         _, manifest = convert_pretrained(args.model, options, args.out, heal_cfg=heal_cfg, progress=not args.no_progress)
     if manifest.get("cache_elements_per_token_per_layer"):
         before, after = (sum(manifest["cache_elements_per_token_per_layer"][k]) for k in ("before", "after"))

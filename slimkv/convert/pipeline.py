@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,8 @@ from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import OutputFolder, read_json, write_json
 from slimkv.common.quiet import quiet_transformers
 from slimkv.common.version import VERSION
-from slimkv.convert import sensitivity
+from slimkv.convert import hybrid, sensitivity
+from slimkv.convert.budget import BudgetPlan, plan_budget
 from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfig, check_heal_text, check_resumable, heal
@@ -76,12 +77,19 @@ class ConvertOptions:
     calib_seq_len: int = 1024
     seed: int = 0
     export: str | None = None  # "deepseek": also write the model as transformers' DeepseekV3ForCausalLM (mla-prefix only)
-    cache_storage: str = "full"  # how the converted model's cache holds its rows (slimkv.ops.quantize): full, int8, int4[:group=G,residual=R]
+    cache_storage: str | None = None  # how the converted model's cache holds its rows (slimkv.ops.quantize): full (default), int8, int4[:group=G,residual=R]
+    cache_budget: float | None = None  # a fraction of the bfloat16 original's bytes at the method's `at` tokens: plans --to hybrid (slimkv.convert.budget)
 
     def validate(self) -> None:
         """ValueError naming the command-line option of a bad field."""
         method, _ = parse_method(self.method)
-        if method.sized_by_ratio:
+        if self.cache_budget is not None:
+            if method.name != "hybrid":
+                raise ValueError(f"--cache-budget plans --to hybrid (the per-head cache roles and their storage); --to {method.name} is sized by --cache-ratio")
+            if self.cache_ratio is not None:
+                raise ValueError("--cache-budget and --cache-ratio both size the cache: give one (the budget is in bytes, the ratio in elements)")
+            check_float("--cache-budget", self.cache_budget, 0.0, 1.0, open_low=True)
+        elif method.sized_by_ratio:
             if self.cache_ratio is None:
                 raise ValueError(f"--to {method.name} needs --cache-ratio R (the kept fraction of the original cache, in (0, 1))")
             check_float("--cache-ratio", self.cache_ratio, 0.0, 1.0, open_low=True, open_high=True)
@@ -95,7 +103,7 @@ class ConvertOptions:
             if self.method != "mla-prefix":
                 raise ValueError(f"--export deepseek needs --to mla-prefix (one RoPE ladder in every layer), not --to {self.method}")
         check_int("--seed", self.seed, 0)
-        storage = parse_storage(self.cache_storage, "--cache-storage")
+        storage = parse_storage(self.cache_storage or "full", "--cache-storage")
         if storage.bits is not None and method.kind in STATEFUL_KINDS:
             raise ValueError(f"--cache-storage {self.cache_storage}: --to {method.name} makes {method.kind} layers, which update their memory in place "
                              "and take full storage only")
@@ -112,7 +120,7 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
         names = OUTPUT_NAMES + ((EXPORT_FOLDER,) if options.export else ()) + ((HEAL_DIR,) if heal_cfg is not None else ())
         CONVERTED_FOLDER.check(out_dir, names)
     path = resolve_model_path(model)
-    shape = check_convertible(AutoConfig.from_pretrained(path, trust_remote_code=False))
+    shape = read_shape(model)
     check_window("--calib-seq-len", options.calib_seq_len, shape.max_position_embeddings)
     if heal_cfg is not None:
         check_window("--heal-seq-len", heal_cfg.seq_len, shape.max_position_embeddings)
@@ -121,6 +129,7 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
     method, settings = parse_method(options.method)
     if method.check is not None:
         method.check(shape, settings, heal_cfg.seq_len if heal_cfg is not None else None)
+    options = sized_by_budget(options, shape)
     minimum = method.ratio_floor(shape, settings) if method.ratio_floor is not None else method.min_ratio(shape)
     if method.sized_by_ratio and options.cache_ratio < minimum:
         raise ValueError(f"--cache-ratio {options.cache_ratio} is below what --to {options.method} can represent for this model: "
@@ -133,6 +142,27 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
         check_calibration_size(tokenizer, sources, *method.text_demand(settings, shape))
     if heal_cfg is not None:
         check_heal_text(tokenizer, heal_cfg)
+
+
+def read_shape(model: str) -> Shape:
+    """The source model's shape from its config.json alone (no weights), refusing what cannot convert."""
+    return check_convertible(AutoConfig.from_pretrained(resolve_model_path(model), trust_remote_code=False))
+
+
+def sized_by_budget(options: ConvertOptions, shape: Shape) -> ConvertOptions:
+    """``options`` with ``--cache-budget`` turned into the ratio and storage its plan chose
+    (``slimkv.convert.budget``); options without a budget as they are."""
+    if options.cache_budget is None:
+        return options
+    plan = budget_plan(options, shape)
+    return replace(options, cache_ratio=plan.cache_ratio, cache_storage=plan.storage)
+
+
+def budget_plan(options: ConvertOptions, shape: Shape) -> BudgetPlan:
+    """The plan of a ``--cache-budget`` conversion (before any weights load)."""
+    _, settings = parse_method(options.method)
+    return plan_budget(shape, options.cache_budget, hybrid.budget_length(shape, settings), window=settings["window"], sink_len=settings["sink_len"],
+                       storage=options.cache_storage)
 
 
 def check_window(option: str, length: int, positions: int) -> None:
@@ -165,6 +195,8 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     """The converted model and its manifest body (nothing written)."""
     started = time.perf_counter()
     shape = source.shape
+    budget = budget_plan(options, shape) if options.cache_budget is not None else None
+    asked, options = options, sized_by_budget(options, shape)
     method, settings = parse_method(options.method)
     sources = calibration_sources(options.calib)
     windows = calibration_ids(source.loaded.tokenizer, sources, options.calib_tokens, options.calib_seq_len, options.seed)
@@ -194,6 +226,7 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
         "cache_elements_per_token_per_layer": {"before": before, "after": after} if per_token else None,
         "cache_bytes": cache_bytes_table(model, shape, progress=progress),
         "cache_storage": model.config.cache_storage,
+        "budget_plan": budget.to_dict() if budget is not None else None,
         "refinement": refined,
         "allocation": allocation,
         "sensitivity": measured_sensitivity,
@@ -212,7 +245,7 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
                            + (", attention mass per distance" if method.distances else "") + ", per layer") if method.statistics
                           else "none (the method reads no calibration statistics)",
         },
-        "options": asdict(options),
+        "options": asdict(asked),
         "seconds": {"calibration": calibrated - started, "plan": planned - calibrated, "fit": fitted - planned, "refine": finished - fitted,
                     "total": finished - started},
         "threads": torch.get_num_threads(),

@@ -1,0 +1,109 @@
+"""``convert --cache-budget B [--at N]``: plan a hybrid conversion that holds at most B of the
+bfloat16 original's cache bytes at N tokens.
+
+The plan chooses the cache storage and the number of exact (retrieval) KV heads together, from a
+byte model of ``HybridCache`` (every buffer as ``slimkv.ops.quantize`` stores it: sinks in full
+precision, rows past the residual window as codes with a scale and a minimum per group):
+
+* for each storage, most precise first (``full``, ``int8``, ``int4``): the most exact heads whose
+  bytes at N stay within B (the rest keep sinks + a window);
+* the first storage that keeps every head exact wins; otherwise the one that keeps the most heads
+  exact (measured retrieval lives in a minority of heads, and transformers' int4 cache keeps the
+  original's retrieval: ``docs/conversion.md``);
+* which heads: the highest measured retrieval scores (``convert.hybrid``).
+
+The plan is said before any weights load; the conversion's manifest records it and the cache
+measured on a live bfloat16 cache beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from slimkv.attention.streaming import kept_tokens
+from slimkv.common.checks import check_float
+from slimkv.convert.source import Shape
+from slimkv.ops.quantize import KVStorage, parse_storage
+
+CANDIDATE_STORAGES = ("full", "int8", "int4")
+SERVED_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """The planner's answer: ``storage``, ``exact_heads`` of ``total_heads``, the element ratio that
+    gives ``hybrid.plan`` that head count, and the predicted byte fraction at ``at`` tokens."""
+
+    budget: float
+    at: int
+    storage: str
+    exact_heads: int
+    total_heads: int
+    cache_ratio: float
+    predicted_fraction: float
+    candidates: list[dict[str, Any]]
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rows_bytes(rows: int, dim: int, storage: KVStorage, dtype: torch.dtype = SERVED_DTYPE) -> int:
+    """Bytes of ``rows`` per-token rows of ``dim`` channels held by a buffer of ``storage``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if storage.bits is None:
+        return rows * dim * size
+    quantized = max(0, rows - storage.residual)
+    return quantized * storage.row_bytes(dim, dtype) + (rows - quantized) * dim * size
+
+
+def head_bytes(length: int, shape: Shape, storage: KVStorage, *, exact: bool, sink_len: int, window: int) -> int:
+    """Keys and values of one KV head after ``length`` tokens: every token (exact) or sinks + window."""
+    if exact:
+        return 2 * rows_bytes(length, shape.head_dim, storage)
+    sinks = min(sink_len, length)
+    recent = kept_tokens(length, sink_len, window) - sinks
+    size = torch.empty((), dtype=SERVED_DTYPE).element_size()
+    return 2 * (sinks * shape.head_dim * size + rows_bytes(recent, shape.head_dim, storage))
+
+
+def plan_budget(shape: Shape, budget: float, at: int, *, window: int, sink_len: int, storage: str | None = None) -> BudgetPlan:
+    """The storage and exact-head count for ``budget`` of the bfloat16 original's bytes at ``at``
+    tokens (module docstring); ``storage`` fixes the storage instead of choosing it. ValueError
+    naming --cache-budget when even every head streaming in int4 does not fit."""
+    check_float("--cache-budget", budget, 0.0, 1.0, open_low=True)
+    total = shape.n_layers * shape.n_kv_heads
+    original = total * 2 * rows_bytes(at, shape.head_dim, KVStorage())
+    names = [parse_storage(storage, "--cache-storage").name] if storage is not None else list(CANDIDATE_STORAGES)
+    candidates = []
+    for name in names:
+        kind = parse_storage(name)
+        exact_cost = head_bytes(at, shape, kind, exact=True, sink_len=sink_len, window=window)
+        stream_cost = head_bytes(at, shape, kind, exact=False, sink_len=sink_len, window=window)
+        room = budget * original - total * stream_cost
+        heads = -1 if room < 0 else min(total, int(room // max(1, exact_cost - stream_cost)))
+        fraction = (heads * exact_cost + (total - heads) * stream_cost) / original if heads >= 0 else None
+        candidates.append({"storage": kind.name, "exact_heads": heads, "fraction": fraction,
+                           "exact_head_fraction": exact_cost / (original / total), "streaming_head_fraction": stream_cost / (original / total)})
+    fitting = [c for c in candidates if c["exact_heads"] >= 0]
+    if not fitting:
+        smallest = min(c["streaming_head_fraction"] for c in candidates)
+        raise ValueError(f"--cache-budget {budget} is below what a hybrid conversion can hold at {at} tokens: every KV head streaming "
+                         f"(sinks {sink_len} + window {window}) in {names[-1]} storage needs {smallest:.4f} of the bfloat16 original's bytes")
+    every = [c for c in fitting if c["exact_heads"] == total]
+    chosen = every[0] if every else max(fitting, key=lambda c: c["exact_heads"])
+    heads = chosen["exact_heads"]
+    kept = kept_tokens(at, sink_len, window)
+    ratio = (heads * at + (total - heads) * kept) / (total * at)
+    if storage is not None:
+        why = f"storage {chosen['storage']} as asked: {heads} of {total} KV heads fit exact"
+    elif every:
+        why = f"{chosen['storage']} is the most precise storage that keeps all {total} KV heads exact within the budget"
+    else:
+        others = ", ".join(f"{c['storage']} {max(c['exact_heads'], 0)}" for c in candidates if c is not chosen)
+        why = f"{chosen['storage']} keeps the most KV heads exact ({heads} of {total}; {others})"
+    return BudgetPlan(budget, at, chosen["storage"], heads, total, ratio, chosen["fraction"], candidates,
+                      f"{why}; predicted {chosen['fraction']:.4f} of the bfloat16 original's cache at {at} tokens")

@@ -1,0 +1,79 @@
+"""``convert --cache-budget``: the byte model of a hybrid cache equals a live cache, the plan picks
+the storage and head count the budget allows, and the command says the plan before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slimkv.attention import build_attention
+from slimkv.cli import main
+from slimkv.convert.budget import head_bytes, plan_budget
+from slimkv.convert.pipeline import check_before_work, read_shape
+from slimkv.convert.source import Shape
+from slimkv.ops.quantize import parse_storage
+from slimkv.pretrained.loading import CONVERTED_MANIFEST
+from tests.convert.test_kvm import kvm_options
+
+SHAPE = Shape(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=128, vocab_size=50, rope_theta=1e4, norm_eps=1e-5,
+              qkv_bias=False, tie_word_embeddings=True, max_position_embeddings=512)
+
+
+@pytest.mark.parametrize("storage", ["full", "int8:group=8,residual=5", "int4:group=4,residual=0"])
+def test_the_byte_model_is_the_live_cache(storage):
+    attn = build_attention("hybrid", 256, 4, 64, n_kv_heads=2, full_heads=[1], window=6, sink_len=2).to(torch.bfloat16)
+    cache = attn.new_cache(1, storage=storage)
+    kind = parse_storage(storage)
+    with torch.no_grad():
+        for length in (1, 3, 7, 20, 41):
+            attn(torch.randn(1, length - cache.seq_len, 256, dtype=torch.bfloat16), cache=cache)
+            expected = sum(head_bytes(length, SHAPE, kind, exact=exact, sink_len=2, window=6) for exact in (True, False))
+            assert cache.nbytes() == expected, (storage, length)
+
+
+def test_the_plan_fits_the_budget_and_prefers_more_exact_heads():
+    for budget in (0.9, 0.5, 0.3, 0.2):
+        plan = plan_budget(SHAPE, budget, 512, window=32, sink_len=2)
+        assert plan.predicted_fraction <= budget + 1e-12
+        assert plan.exact_heads == max(c["exact_heads"] for c in plan.candidates)
+    every = plan_budget(SHAPE, 0.9, 512, window=32, sink_len=2)
+    assert every.storage == "int8:group=32,residual=128" and every.exact_heads == 4  # the most precise storage that keeps every head
+    fixed = plan_budget(SHAPE, 0.5, 512, window=32, sink_len=2, storage="full")
+    assert fixed.storage == "full" and len(fixed.candidates) == 1
+    with pytest.raises(ValueError, match="--cache-budget 0.01 is below what a hybrid conversion can hold"):
+        plan_budget(SHAPE, 0.01, 512, window=32, sink_len=2)
+
+
+def test_convert_with_a_budget_says_the_plan_and_meets_it(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    options = kvm_options(tmp_path, "hybrid:window=30,sink_len=2,roles_contexts=1", cache_budget=0.5)
+    argv = ["convert", "--model", str(tiny_folder), "--cache-budget", "0.5", "--at", "128", "--to", "hybrid:window=30,sink_len=2,roles_contexts=1",
+            "--calib", options.calib, "--calib-tokens", "96", "--calib-seq-len", "32", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert said.index("plan for --cache-budget 0.5") < said.index("converted")
+    manifest = json.loads((out / CONVERTED_MANIFEST).read_text())
+    plan = manifest["budget_plan"]
+    assert manifest["options"]["cache_budget"] == 0.5 and manifest["options"]["cache_ratio"] is None
+    assert manifest["cache_storage"] == plan["storage"] and plan["at"] == 128
+    measured = [row for row in manifest["cache_bytes"] if row["context"] == 128]
+    assert measured and measured[0]["ratio"] == pytest.approx(plan["predicted_fraction"], abs=1e-12) and measured[0]["ratio"] <= 0.5
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"method": "mla", "cache_budget": 0.25}, "--cache-budget plans --to hybrid"),
+    ({"method": "hybrid:window=8", "cache_budget": 0.25, "cache_ratio": 0.5}, "give one"),
+    ({"method": "hybrid:window=8", "cache_budget": 1.5}, "--cache-budget"),
+])
+def test_bad_budgets_fail_before_any_work(tiny_folder, tmp_path, no_loading, fields, message):
+    method = fields.pop("method")
+    with pytest.raises(ValueError, match=message):
+        check_before_work(str(tiny_folder), kvm_options(tmp_path, method, **fields), tmp_path / "out")
+
+
+def test_at_needs_a_hybrid_conversion(tiny_folder, tmp_path, capsys):
+    assert main(["convert", "--model", str(tiny_folder), "--to", "mla", "--cache-ratio", "0.5", "--at", "64", "--out", str(tmp_path / "o")]) == 2
+    assert "--at sets where a hybrid conversion's budget is measured" in capsys.readouterr().err
+    assert read_shape(str(tiny_folder)).max_position_embeddings >= 128
