@@ -57,7 +57,7 @@ KEY_WORDS = (
     "kitten", "lemon", "magnet", "napkin", "object", "parrot", "rabbit", "spider", "tomato", "umbrella",
     "valley", "walnut", "bottle", "cotton",
 )
-PROMPT_KEY_WORDS = 27  # the pretrained-model prompts draw their keys from the first 27 (as their committed results did)
+PROMPT_KEY_WORDS = 27  # the pretrained-model prompts draw keys from the first 27 only: more would change every prompt of a seed
 VALUE_WORDS = (
     "banana", "compass", "dragon", "emerald", "fountain", "giraffe", "horizon", "igloo", "jasmine", "kingdom", "lighthouse", "mountain",
     "notebook", "octopus", "penguin", "quartz", "rainbow", "sapphire", "telescope", "universe", "volcano", "whistle", "xylophone", "yogurt",
@@ -94,6 +94,8 @@ def random_value(rng: np.random.Generator, kind: str) -> str:
 
 def random_values(rng: np.random.Generator, kind: str, count: int) -> list[str]:
     """``count`` distinct values of ``kind``, drawn until they differ."""
+    if kind == "word":
+        check_int("count", count, 0, len(VALUE_WORDS))
     values: list[str] = []
     while len(values) < count:
         value = random_value(rng, kind)

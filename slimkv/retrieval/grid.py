@@ -26,6 +26,7 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 from tqdm import tqdm
 
+from slimkv.common.checks import check_int
 from slimkv.common.files import save_figure
 from slimkv.common.markdown import markdown_table
 from slimkv.common.plotting import new_figure
@@ -54,8 +55,7 @@ def length_factors(text: str, seq_len: int) -> tuple[int, ...]:
     """``"1x,2x,4x"`` -> (1, 2, 4): ``slimkv eval recall``'s test lengths, whole multiples of
     ``--seq-len``, 1x among them; a token count is accepted where it is one (``128`` at
     ``--seq-len 64`` is 2)."""
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"--seq-len must be an integer >= 1, got {seq_len!r}")
+    check_int("--seq-len", seq_len, 1)
     factors = []
     for entry, tokens in _parse_lengths(text, seq_len, "--seq-len"):
         if tokens % seq_len:
