@@ -1,14 +1,15 @@
-"""RULER on SmolLM2-135M-Instruct: the original's own cache against transformers' quantized caches.
+"""RULER on SmolLM2-135M-Instruct: the original's own cache against transformers' quantized caches and kvpress's presses.
 
 One model (slimkv's ``smollm2``: the 4-bit GGUF release dequantized to float32), lm-eval's offline
 RULER tasks ``niah_single_1`` and ``niah_multikey_2``, the cache options ``none`` (the original's
 float32 ``DynamicCache``: the ceiling), ``quanto-int4`` and ``quanto-int2`` (transformers'
-``QuantizedCache``), 40 prompts per cell, one torch thread; 2K first, then 4K while time allows
+``QuantizedCache``) and any ``press:NAME@BUDGET`` given to ``--caches`` (a kvpress press, run in
+``.venv-kvpress`` at that fraction of the bfloat16 original's bytes), 40 prompts per cell, one torch thread; 2K first, then 4K while time allows
 (``--stop-at`` turns a wall-clock deadline into ``--budget-minutes`` for each length). Every cell
 goes through ``slimkv eval ruler``'s runner (``slimkv.eval.ruler``), so a repeated run skips the
 finished cells. Each length has its folder, ``benchmarks/results/ruler/smollm2/<length>/``: the
 runner's ``ruler.json``, ``ruler.md`` and ``cells/`` (lm-eval's own files), and ``comparison.md``
-(each option beside the original, with intervals).
+(each option beside the original, with intervals, then every option ranked per task and budget tier).
 
     .venv-ruler/bin/python benchmarks/ruler_smollm2.py [--lengths 2k,4k] [--limit 40] [--stop-at 16:55]
 """
