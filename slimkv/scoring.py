@@ -77,8 +77,11 @@ class NonFiniteLossError(ValueError):
 
 
 @torch.no_grad()
-def perplexity_of_ids(model: nn.Module, ids: torch.Tensor, seq_len: int, *, progress: bool = False, desc: str = "ppl") -> dict[str, Any]:
-    """Perplexity of a 1-D LongTensor of token ids, non-overlapping windows of ``seq_len``."""
+def perplexity_of_ids(model: nn.Module, ids: torch.Tensor, seq_len: int, *, progress: bool = False, desc: str = "ppl",
+                      cache_chunk: int | None = None) -> dict[str, Any]:
+    """Perplexity of a 1-D LongTensor of token ids, non-overlapping windows of ``seq_len``. With
+    ``cache_chunk`` (a slimkv model), each window is fed through the model's own cache in calls of
+    that many tokens, so the scores see the cache as it is stored (a quantized cache's codes)."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if ids.numel() < 2:
@@ -95,7 +98,11 @@ def perplexity_of_ids(model: nn.Module, ids: torch.Tensor, seq_len: int, *, prog
     t0 = time.perf_counter()
     for index, start in enumerate(tqdm(starts, desc=desc, disable=not progress, leave=False)):
         window = ids[start:start + seq_len].to(device).unsqueeze(0)
-        logits = model(window, use_cache=False).logits[0, :-1].float()
+        if cache_chunk is None:
+            logits = model(window, use_cache=False).logits[0, :-1].float()
+        else:
+            cache = model.new_cache(1)
+            logits = torch.cat([model(part, cache=cache).logits[0] for part in window.split(cache_chunk, dim=1)])[:-1].float()
         nll = F.cross_entropy(logits, window[0, 1:], reduction="sum").double().item()
         if not math.isfinite(nll):
             raise NonFiniteLossError(f"window {index} (tokens {start}..{start + window.shape[1]}) has a non-finite loss ({nll})")
@@ -109,6 +116,7 @@ def perplexity_of_ids(model: nn.Module, ids: torch.Tensor, seq_len: int, *, prog
         "tokens_used": int(min(ids.numel(), starts[-1] + seq_len)),
         "windows": len(starts),
         "seq_len": seq_len,
+        "through_cache_in_calls_of": cache_chunk,
         "seconds": time.perf_counter() - t0,
     }
 

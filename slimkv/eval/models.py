@@ -112,7 +112,9 @@ def cache_label(converted: dict[str, Any]) -> str:
         return f"{asked + ', ' if asked else ''}bounded cache"
     row = table[-1]
     kind = "cache" if converted.get("method") == "hybrid" else "bounded cache"  # hybrid's exact heads grow, its other heads are bounded
-    return f"{asked + ', ' if asked else ''}{kind}: {row['bytes']:,} bytes at {row['context']} tokens ({float(row['ratio']):.4f} of the original's)"
+    storage = converted.get("cache_storage") or "full"
+    held = "" if storage == "full" else f", {storage} storage, measured in {row.get('dtype', 'bfloat16')}"
+    return f"{asked + ', ' if asked else ''}{kind}: {row['bytes']:,} bytes at {row['context']} tokens ({float(row['ratio']):.4f} of the original's{held})"
 
 
 def _is_number(value: Any) -> bool:

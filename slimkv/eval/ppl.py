@@ -17,7 +17,10 @@ from torch import nn
 from slimkv.common.checks import check_int
 from slimkv.data.texts import evaluation_text, text_sha256, tokenize
 from slimkv.eval.models import cache_label, check_positions, conversion_method, load_language_model, original_of
+from slimkv.ops.quantize import parse_storage
 from slimkv.scoring import perplexity_of_ids
+
+QUANTIZED_CHUNK = 128  # calls of a quantized cache with no residual window
 
 
 def perplexity(model: nn.Module, tokenizer, text: str, seq_len: int = 1024, max_tokens: int | None = None, *, progress: bool = False) -> dict[str, Any]:
@@ -27,7 +30,17 @@ def perplexity(model: nn.Module, tokenizer, text: str, seq_len: int = 1024, max_
     ids = torch.tensor(tokenize(tokenizer, text), dtype=torch.long)
     if max_tokens is not None:
         ids = ids[:max_tokens]
-    return perplexity_of_ids(model, ids, seq_len, progress=progress)
+    return perplexity_of_ids(model, ids, seq_len, progress=progress, cache_chunk=cache_chunk(model))
+
+
+def cache_chunk(model: nn.Module) -> int | None:
+    """Calls of this many tokens score a model whose cache is quantized through that cache (its
+    residual window: a call's queries read every older row as codes, never kinder than decode);
+    None for a full-precision cache (one call per window is the same computation)."""
+    storage = getattr(getattr(model, "config", None), "cache_storage", "full")
+    if storage == "full":
+        return None
+    return parse_storage(storage).residual or QUANTIZED_CHUNK
 
 
 def perplexity_report(model: str, text: str = "shakespeare-val", seq_len: int = 1024, max_tokens: int | None = None, *, progress: bool = True) -> dict[str, Any]:

@@ -81,3 +81,21 @@ def test_model_storage_default_generate_and_save(tmp_path):
     assert loaded.new_cache(1).layers[0].storage == parse_storage("int4")
     with pytest.raises(ValueError, match="cache_storage"):
         ModelConfig(vocab_size=50, d_model=D_MODEL, n_layers=2, n_heads=N_HEADS, cache_storage="int5")
+
+
+def test_perplexity_of_a_quantized_model_is_scored_through_its_cache():
+    from slimkv.eval.ppl import cache_chunk
+    from slimkv.scoring import perplexity_of_ids
+
+    torch.manual_seed(0)
+    model = SlimKVForCausalLM(ModelConfig(vocab_size=50, d_model=D_MODEL, n_layers=2, n_heads=N_HEADS, attention="gqa",
+                                          attention_options={"n_kv_heads": 2})).eval()
+    ids = torch.randint(0, 50, (90,))
+    with torch.no_grad():
+        plain = perplexity_of_ids(model, ids, 45)
+        chunked = perplexity_of_ids(model, ids, 45, cache_chunk=8)
+        assert cache_chunk(model) is None and abs(chunked["ppl"] - plain["ppl"]) < 1e-4 * plain["ppl"]
+        model.config.cache_storage = "int4:group=4,residual=8"
+        assert cache_chunk(model) == 8
+        quantized = perplexity_of_ids(model, ids, 45, cache_chunk=cache_chunk(model))
+    assert quantized["through_cache_in_calls_of"] == 8 and quantized["ppl"] != plain["ppl"]
