@@ -6,8 +6,10 @@ KV cache, the LatentLLM compression demo and a small recall frontier (``DEMO_PAR
    cache), kvm with the fixed and the sqrt schedule, and the swa/kvm hybrid. Prints the table and
    writes ``report.json``, ``report.md`` and the PNGs into the output folder (default
    ``demo_runs/``, git-ignored). One seed cannot support "A beats B": the report says so.
-2. Converts SmolLM2 to a smaller KV cache (``DEMO_CONVERSION``, one-shot) and prints perplexity
-   and the live cache bytes of a real generate() beside the original's, into ``OUT/conversion``.
+2. Converts SmolLM2 to a quarter of its bfloat16 cache bytes at 8K with ``convert --cache-budget``
+   (``DEMO_CONVERSION``: the planner picks the storage and the exact retrieval heads, one-shot) and
+   prints perplexity and the live cache bytes of a real generate() beside the original's, into
+   ``OUT/conversion``.
 3. Compresses SmolLM2 at ratio 0.2 with rootcov and latentllm and prints the perplexities beside
    the dense model's (``slimkv.compress.demo_compression``), into ``OUT/compression``.
 4. Asks the original SmolLM2 and the demo's conversion for a pass key hidden in 1K and 2K tokens
@@ -46,7 +48,8 @@ from slimkv.retrieval.prompts import TASKS
 from slimkv.train.config import TrainConfig
 
 DEMO_PARTS = ("compare", "convert", "retrieval", "compress", "recall")
-DEMO_CONVERSION = ("mla", 0.5)  # method and cache ratio of the conversion demo (the recommended method)
+# the conversion demo: the planner's hybrid at a quarter of the bfloat16 bytes at 8K (slimkv.convert.budget); one copy context per format keeps it short
+DEMO_CONVERSION = ("hybrid:roles_contexts=1", 0.25)
 DEMO_CONVERSION_CALIB_TOKENS = 2560
 DEMO_CONVERSION_CALIB_SEQ_LEN = 512  # 5 windows: one from each source of the default calibration mix
 DEMO_CONVERSION_EVAL_TOKENS = 2048
@@ -150,15 +153,19 @@ def run_compare_demo(entries: list, recipe: TrainConfig, out_dir: Path, eval_tok
     return report
 
 
-def run_conversion_demo(out_dir: Path, progress: bool, *, method: str = DEMO_CONVERSION[0], ratio: float = DEMO_CONVERSION[1]) -> dict[str, Any]:
-    """SmolLM2 converted to a smaller cache (one-shot): perplexity and the live cache before/after."""
-    print(f"\n== conversion demo (SmolLM2 -> {method} at {ratio:.0%} of its KV cache, one-shot) into {out_dir}", flush=True)
+def run_conversion_demo(out_dir: Path, progress: bool, *, method: str = DEMO_CONVERSION[0], budget: float = DEMO_CONVERSION[1]) -> dict[str, Any]:
+    """SmolLM2 converted to ``budget`` of its bfloat16 cache bytes (``convert --cache-budget``, one-shot):
+    the plan, perplexity and the live cache before/after."""
+    print(f"\n== conversion demo (SmolLM2 -> `convert --cache-budget {budget}`: {budget:.0%} of its bfloat16 KV cache at 8K, one-shot) into {out_dir}",
+          flush=True)
     fetch_smollm2()
-    options = ConvertOptions(method, ratio, calib_tokens=DEMO_CONVERSION_CALIB_TOKENS, calib_seq_len=DEMO_CONVERSION_CALIB_SEQ_LEN)
-    if finished_conversion(out_dir, options) is not None:
+    options = ConvertOptions(method, cache_budget=budget, calib_tokens=DEMO_CONVERSION_CALIB_TOKENS, calib_seq_len=DEMO_CONVERSION_CALIB_SEQ_LEN)
+    manifest = finished_conversion(out_dir, options)
+    if manifest is not None:
         print(f"reusing the conversion in {out_dir}", flush=True)
     else:
-        convert_pretrained(SMOLLM2, options, out_dir, progress=progress)
+        _, manifest = convert_pretrained(SMOLLM2, options, out_dir, progress=progress)
+    print(f"plan: {manifest['budget_plan']['why']}; {manifest['allocation']}", flush=True)
     quality = perplexity_report(str(out_dir), "shakespeare-val", 1024, DEMO_CONVERSION_EVAL_TOKENS, progress=progress)
     print(format_ppl(quality))
     cache = cache_report(str(out_dir), 1024, new_tokens=16)
