@@ -15,7 +15,6 @@ from slimkv.convert.pipeline import (
     EXPORTS,
     ConvertOptions,
     budget_plan,
-    check_before_work,
     conversion_fingerprint,
     convert_pretrained,
     heal_converted,
@@ -161,8 +160,8 @@ def _convert(args: argparse.Namespace) -> int:
         if missing:
             raise ValueError(f"{', '.join(missing)} required (or --resume to continue a healing)")
         options = ConvertOptions(**{CONVERT_FLAGS[name]: value for name, value in _given(args, CONVERT_FLAGS).items()})
-        if options.cache_budget is not None:
-            check_before_work(args.model, options, args.out, heal_cfg)
+        if options.cache_budget is not None:  # the plan is said before any weights load (convert_pretrained checks the rest first)
+            options.validate()
             plan = budget_plan(options, read_shape(args.model))
             print(f"plan for --cache-budget {options.cache_budget} at {plan.at} tokens: --to {options.method} --cache-ratio {plan.cache_ratio:.4f} "
                   f"--cache-storage {plan.storage}: {plan.why}")
