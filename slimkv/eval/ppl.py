@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from slimkv.common.checks import check_int
+from slimkv.common.markdown import markdown_table
 from slimkv.data.texts import evaluation_text, text_sha256, tokenize
 from slimkv.eval.models import cache_label, check_positions, conversion_method, load_language_model, original_of
 from slimkv.ops.quantize import parse_storage
@@ -86,6 +87,8 @@ def describe(identity: dict[str, Any], spec: str) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = [f"perplexity on {report['text']!r}, {report['seq_len']}-token windows", "| model | ppl | tokens predicted | windows |", "| --- | ---: | ---: | ---: |"]
-    lines += [f"| {r['model']} | {r['ppl']:.3f} | {r['tokens_predicted']} | {r['windows']} |" for r in report["results"]]
-    return "\n".join(lines)
+    """The report as a markdown table (a model scored through its quantized cache says so)."""
+    rows = [[r["model"] + (f" (through its cache, calls of {r['through_cache_in_calls_of']})" if r.get("through_cache_in_calls_of") else ""),
+             f"{r['ppl']:.3f}", r["tokens_predicted"], r["windows"]] for r in report["results"]]
+    return f"perplexity on {report['text']!r}, {report['seq_len']}-token windows\n" + markdown_table(
+        ["model", "ppl", "tokens predicted", "windows"], rows, align=["left", "right", "right", "right"])
