@@ -1,5 +1,5 @@
 """What the repository publishes matches its data: benchmarks/results/claims.md is what
-benchmarks/claims.py (its sections in benchmarks/claims_md/) renders from the committed JSON,
+benchmarks/claims.py renders from the committed JSON (its template, figures and rules in benchmarks/claims_md/),
 every results file is referred to by a document, every benchmark script is documented, and no
 document points outside the repository."""
 
@@ -49,7 +49,7 @@ def rules(claims):
 @pytest.fixture(scope="module")
 def results_file(claims):
     """``load``: a JSON file of benchmarks/results/ as claims.md reads it."""
-    return importlib.import_module("claims_md.text").load
+    return importlib.import_module("claims_md.figures").load
 
 
 def test_claims_md_is_what_the_script_renders_from_the_committed_json(claims):
@@ -65,6 +65,13 @@ def test_the_check_option_reports_a_difference(claims, tmp_path, monkeypatch):
     monkeypatch.setattr(claims, "OUTPUT", stale)
     assert claims.main(["--check"], out=lines.append) == 1
     assert "proven" in lines[-2] and "differs" in lines[-1]
+
+
+def test_the_template_fills_fields_lists_and_tables(claims):
+    fields = {"rows": [{"name": "a", "x": 1.5, "ok": True}, {"name": "b", "x": None, "ok": False}], "names": ["a", "b", "c"], "sign": -1}
+    template = "{names:and:code}: {sign:lower/level/higher}, {sign:claim}\n| name | x | ok |\n|-\n@rows | {name} | {x:.1f} | {ok:yes/no} |"
+    assert claims.fill(template, fields) == ["`a`, `b` and `c`: lower, not supported", "| name | x | ok |", "| --- | ---: | --- |",
+                                             "| a | 1.5 | yes |", "| b | - | no |"]
 
 
 def test_the_rules_decide_as_documented(rules):
