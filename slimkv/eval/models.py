@@ -43,7 +43,7 @@ def load_language_model(name_or_path: str, *, dtype: torch.dtype = torch.float32
             manifest = read_json(path / CONVERTED_MANIFEST, expect=dict)
             check_conversion_manifest(model, manifest, path / CONVERTED_MANIFEST)
             identity["converted"] = {k: manifest.get(k) for k in ("method", "method_options", "options", "cache_ratio", "achieved_cache_ratio",
-                                                                  "cache_bytes", "calibration", "healing")}
+                                                                  "cache_bytes", "cache_storage", "budget_plan", "calibration", "healing")}
             identity["converted"]["kind"] = model.config.layer_kinds()[0]
             identity["base"] = manifest.get("base_model", {}).get("name")
             identity["manifest"] = str(path / CONVERTED_MANIFEST)
@@ -187,8 +187,14 @@ def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Pa
     stored_method = str(options.get("method") or "").partition(":")[0]
     if stored_method != method:
         problems.append(f"method is {method!r} but the conversion's options say {options.get('method')!r}")
-    if options.get("cache_ratio") != ratio:
-        problems.append(f"cache_ratio is {ratio!r} but the conversion's options say {options.get('cache_ratio')!r}")
+    planned = (manifest.get("budget_plan") or {}).get("cache_ratio") if options.get("cache_budget") is not None else options.get("cache_ratio")
+    if planned != ratio:  # a --cache-budget conversion's ratio is its plan's
+        problems.append(f"cache_ratio is {ratio!r} but the conversion's {'budget plan' if options.get('cache_budget') is not None else 'options'} "
+                        f"say {planned!r}")
+    if options.get("cache_budget") is not None and (manifest.get("cache_storage") or "full") != (manifest.get("budget_plan") or {}).get("storage"):
+        problems.append(f"cache_storage is {manifest.get('cache_storage')!r} but the budget plan chose {(manifest.get('budget_plan') or {}).get('storage')!r}")
+    if (manifest.get("cache_storage") or "full") != getattr(model.config, "cache_storage", "full"):
+        problems.append(f"cache_storage is {manifest.get('cache_storage')!r} but config.json has {model.config.cache_storage!r}")
     recorded = [layer.get("options") for layer in manifest.get("layers") or []]
     per_layer = model.config.per_layer_options or [{} for _ in range(model.config.n_layers)]
     if json.loads(json.dumps(recorded)) != json.loads(json.dumps(per_layer)):

@@ -13,6 +13,7 @@ from slimkv.cli import main
 from slimkv.convert.budget import head_bytes, plan_budget
 from slimkv.convert.pipeline import check_before_work, read_shape
 from slimkv.convert.source import Shape
+from slimkv.eval.models import cache_label, load_language_model
 from slimkv.ops.quantize import parse_storage
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
 from tests.convert.test_kvm import kvm_options
@@ -60,6 +61,9 @@ def test_convert_with_a_budget_says_the_plan_and_meets_it(tiny_folder, tmp_path,
     assert manifest["cache_storage"] == plan["storage"] and plan["at"] == 128
     measured = [row for row in manifest["cache_bytes"] if row["context"] == 128]
     assert measured and measured[0]["ratio"] == pytest.approx(plan["predicted_fraction"], abs=1e-12) and measured[0]["ratio"] <= 0.5
+    loaded = load_language_model(str(out))  # the manifest's checks read a budget's ratio off its plan
+    assert loaded.identity["converted"]["budget_plan"] == plan
+    assert ("storage" in cache_label(loaded.identity["converted"])) == (plan["storage"] != "full")  # tiny 12-wide heads: int codes save nothing
 
 
 @pytest.mark.parametrize("fields, message", [
