@@ -19,7 +19,7 @@ the kernel), its cache filled to the last of ``--contexts``, in each of ``--dtyp
 call routed to each path in turn, interleaved in rounds, and so is the kernel call alone on the
 arguments the layer passed. Paths: ``generic`` (the portable C built for this CPU without AVX-512:
 what a CPU with AVX2 and no AVX-512 ran before the AVX2 path), ``avx2``, ``avx512`` (where the CPU
-has it) and ``portable`` (no -march). Each row has its roofline (bytes read and FLOPs of the layer
+has it), ``avx512-bf16`` (bfloat16 caches, where the CPU has AVX512-BF16) and ``portable`` (no -march). Each row has its roofline (bytes read and FLOPs of the layer
 step and of the kernel call; a read-only bandwidth and a small-GEMM rate measured before and after
 each dtype) and its time against the generic path's.
 
@@ -85,8 +85,10 @@ def measure(kv_heads: int, context: int, *, heads: int, head_dim: int, rounds: i
     return row
 
 
-PATHS = {"generic": ("avx2", ("-DSLIMKV_PORTABLE",)), "avx2": ("avx2", ()), "avx512": ("avx512", ()), "portable": ("portable", ())}
-"""--layers' paths -> (native.ISAS name, extra flags): ``generic`` is the portable C built for this CPU without AVX-512."""
+PATHS = {"generic": ("avx2", ("-DSLIMKV_PORTABLE",)), "avx2": ("avx2", ()), "avx512": ("avx512", ()), "avx512-bf16": ("avx512-bf16", ()),
+         "portable": ("portable", ())}
+"""--layers' paths -> (native.ISAS name, extra flags): ``generic`` is the portable C built for this CPU without AVX-512;
+``avx512-bf16`` (AVX512-BF16 dot products) runs for bfloat16 caches only, its float32 build being the avx512 path."""
 
 
 def path_libraries(dtype: torch.dtype) -> dict[str, Any]:
@@ -94,7 +96,8 @@ def path_libraries(dtype: torch.dtype) -> dict[str, Any]:
     if native.compiler() is None:
         raise SystemExit("error: no C compiler: there are no kernel paths to compare")
     runnable = native.runnable_isas()
-    return {name: native.isa_kernel(dtype, isa, flags) for name, (isa, flags) in PATHS.items() if isa in runnable}
+    return {name: native.isa_kernel(dtype, isa, flags) for name, (isa, flags) in PATHS.items()
+            if isa in runnable and not (isa.endswith("-bf16") and dtype != torch.bfloat16)}
 
 
 @contextlib.contextmanager
@@ -114,13 +117,19 @@ def routed_kernel(library: Any = None, calls: list | None = None) -> Iterator[No
 
 def call_cost(queries, segments) -> tuple[int, int]:
     """(bytes read, FLOPs) of one kernel call: each segment's key and value rows (values inside
-    the key rows, as MLA's, counted once) and 2 FLOPs per query head, key and channel."""
+    the key rows, as MLA's, counted once; values every head shares, value head stride 0 as the
+    latent kind's, counted once per batch row, as the kernel reads them) and 2 FLOPs per query
+    head, key and channel."""
     nbytes = flops = 0
     for q, (k, v) in zip(queries, segments):
         rows = k.shape[0] * k.shape[1] * k.shape[2]
         offset = (v.data_ptr() - k.data_ptr()) // k.element_size()
         inside = v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() and 0 <= offset < k.stride(2) and v.stride() == k.stride()
-        nbytes += rows * k.element_size() * (max(k.shape[3], offset + v.shape[3]) if inside else k.shape[3] + v.shape[3])
+        if inside:
+            nbytes += rows * k.element_size() * max(k.shape[3], offset + v.shape[3])
+        else:
+            value_rows = v.shape[0] * v.shape[2] if v.shape[1] > 1 and v.stride(1) == 0 else rows
+            nbytes += k.element_size() * (rows * k.shape[3] + value_rows * v.shape[3])
         flops += 2 * q.shape[0] * q.shape[1] * k.shape[2] * (k.shape[3] + v.shape[3])
     return nbytes, flops
 

@@ -11,7 +11,8 @@ returns None (with one warning saying why) and callers take the torch path; ``SL
 asks for that.
 
 Instruction-set paths (``ISAS``; the C source picks one at build time from the target's flags,
-and ``kernel_isa`` reports the one compiled): "avx512", "avx2" (AVX2 + FMA) and "portable" (plain
+and ``kernel_isa`` reports the one compiled): "avx512-bf16" (bfloat16 caches on a CPU with
+AVX512-BF16: the logits by its dot products), "avx512", "avx2" (AVX2 + FMA) and "portable" (plain
 C). The default build is the CPU's best (``-march=native``); ``build(..., isa="avx2")`` builds a
 named one, which tests use to check every path this CPU can run (``runnable_isas``).
 
@@ -40,9 +41,12 @@ from slimkv.common.paths import cache_dir
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"  # includes the headers beside it (decode_avx2.h, decode_avx512.h)
 FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
 ARCH_FLAGS = (("-march=native",), ())  # tried in order: this CPU's vector units, then the compiler's default target
-ISAS = {"avx512": ("-march=native",), "avx2": ("-march=native", "-mno-avx512f"), "portable": ("-DSLIMKV_PORTABLE",)}
-"""Named instruction-set path -> the flags that build it on a CPU that has it (``runnable_isas``)."""
-ISA_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}
+ISAS = {"avx512-bf16": ("-march=native",), "avx512": ("-march=native", "-mno-avx512bf16"), "avx2": ("-march=native", "-mno-avx512f"),
+        "portable": ("-DSLIMKV_PORTABLE",)}
+"""Named instruction-set path -> the flags that build it on a CPU that has it (``runnable_isas``).
+"avx512-bf16" differs from "avx512" in bfloat16 builds only (their logits by AVX512-BF16 dot
+products); a float32 build of it is the avx512 path and says so."""
+ISA_CPU_FLAGS = {"avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16"), "avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}
 """Named path -> the /proc/cpuinfo flags a CPU needs to run it."""
 MAX_SEGMENTS = 4  # MAX_SEGMENTS in the C source
 PARALLEL_MIN_BYTES = 32 << 20  # a step reading less runs on one thread: threads start per call (~0.2-0.3 ms measured here), which only pays off above this
@@ -132,7 +136,7 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
 
 
 def library_isa(library: ctypes.CDLL) -> str:
-    """The instruction-set path a loaded kernel library was compiled with: "avx512", "avx2" or "portable"."""
+    """The instruction-set path a loaded kernel library was compiled with: "avx512-bf16", "avx512", "avx2" or "portable"."""
     return library.slimkv_kernel_isa().decode()
 
 
@@ -191,7 +195,7 @@ def isa_kernel(dtype: torch.dtype, isa: str, extra_flags: tuple[str, ...] = ()) 
 
 def kernel_isa(dtype: torch.dtype = torch.float32) -> str:
     """Which path decode calls on caches of ``dtype`` take: the loaded kernel's own answer
-    ("avx512", "avx2", "portable"), or "torch (...)" with the reason there is no kernel."""
+    ("avx512-bf16", "avx512", "avx2", "portable"), or "torch (...)" with the reason there is no kernel."""
     library = decode_kernel(dtype)
     if library is not None:
         return library_isa(library)

@@ -89,10 +89,11 @@ def test_bfloat16_latent_rows_are_read_in_place():
 
 ISAS = native.runnable_isas() if LIBRARY is not None else []
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LAYOUTS = {  # name -> (kv_heads, groups, dim, v_dim, values in the key rows from this offset or None)
-    "mha32": (4, 1, 32, 32, None), "mha64": (3, 1, 64, 64, None), "mha128": (2, 1, 128, 128, None),
+LAYOUTS = {  # name -> (kv_heads, groups, dim, v_dim, values in the key rows from this offset, "shared", or None)
+    "mha32": (4, 1, 32, 32, None), "mha64": (3, 1, 64, 64, None), "mha128": (2, 1, 128, 128, None), "mha-odd": (3, 1, 40, 24, None),
     "gqa64": (2, 4, 64, 64, None), "mqa64": (1, 8, 64, 64, None), "gqa128x3": (2, 3, 128, 128, None), "gqa32x9": (1, 9, 32, 32, None),
     "mla288": (1, 8, 288, 256, 32), "mla-odd": (1, 9, 100, 68, 32), "latent": (2, 1, 64, 512, None),
+    "latent-shared": (8, 1, 64, 512, "shared"), "latent-shared-odd": (3, 2, 40, 72, "shared"),
     "lrkv192": (1, 8, 192, 192, None), "odd17x5": (1, 3, 17, 5, None), "odd40x24": (3, 2, 40, 24, None),
 }
 
@@ -100,7 +101,12 @@ LAYOUTS = {  # name -> (kv_heads, groups, dim, v_dim, values in the key rows fro
 def _isa_cache(layout, keys, dtype, seed):
     kv_heads, groups, dim, v_dim, offset = LAYOUTS[layout]
     gen = torch.Generator().manual_seed(seed)
-    if offset is not None:  # MLA's latent rows: the values are the rows past ``offset``, read in place
+    if offset == "shared":  # the latent kind's cache: per-head keys sliced from one row per token, one value row every head reads
+        rows = torch.randn(2, keys + 3, kv_heads * dim, generator=gen).to(dtype)[:, :keys]
+        k = rows.view(2, keys, kv_heads, dim).transpose(1, 2)
+        v = torch.randn(2, 1, keys + 4, v_dim, generator=gen).to(dtype)[:, :, :keys].expand(2, kv_heads, keys, v_dim)
+        assert v.stride(1) == 0
+    elif offset is not None:  # MLA's latent rows: the values are the rows past ``offset``, read in place
         rows = torch.randn(2, kv_heads, keys + 3, dim, generator=gen).to(dtype)[:, :, :keys]
         k, v = rows, rows[..., offset:offset + v_dim]
     else:  # one row [k | v] per key (LRKV's cache rows), the live part of a longer buffer
@@ -118,18 +124,21 @@ def _tolerance(dtype):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_isa_build_reports_its_own_path(isa, dtype):
-    assert native.library_isa(native.isa_kernel(DTYPES[dtype], isa)) == isa
+    """A float32 build of "avx512-bf16" is the avx512 path (bfloat16 dot products serve bfloat16 rows only) and says so."""
+    assert native.library_isa(native.isa_kernel(DTYPES[dtype], isa)) == (isa if dtype == "bfloat16" else isa.removesuffix("-bf16"))
 
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("keys", [1, 67, 300])
+@pytest.mark.parametrize("keys", [1, 23, 67, 300])
 def test_every_isa_path_matches_the_reference(isa, dtype, layout, keys):
-    """Every path this CPU can run (avx512, avx2, portable) x float32/bfloat16 x the cache layouts:
-    MHA/GQA/MQA rows of 32/64/128, MLA's wide latent rows read in place, LRKV's [k | v] rows, odd
-    widths; key counts below, across and past a block of 64."""
+    """Every path this CPU can run (avx512-bf16, avx512, avx2, portable) x float32/bfloat16 x the
+    cache layouts: MHA/GQA/MQA rows of 32/64/128 (one query row per head: the keys-in-lanes
+    tiles), MLA's wide latent rows read in place, the latent kind's per-head keys over one value
+    row shared by every head (value head stride 0, read once for all heads), LRKV's [k | v] rows,
+    odd widths; key counts below, across and past a block of 64 and a 16-key lane tile."""
     dtype = DTYPES[dtype]
     q, k, v = _isa_cache(layout, keys, dtype, seed=keys)
     assert native.supports([q], [(k, v)])
@@ -157,24 +166,49 @@ def test_every_isa_path_attends_kvm_segments_under_one_softmax(isa, dtype, dim, 
     torch.testing.assert_close(out.float(), expected, **_tolerance(dtype))
 
 
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_values_split_over_threads_give_the_same_result(isa, dtype, monkeypatch):
+    """Heads that read one value row (the latent kind) are one work item, or shares of the heads
+    when there are more threads than batch rows: the same sums either way."""
+    dtype = DTYPES[dtype]
+    q, k, v = _isa_cache("latent-shared", 300, dtype, seed=5)
+    library = native.isa_kernel(dtype, isa)
+    one = native.native_decode_attention([q], [(k, v)], 0.125, library)
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    with_threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        three = native.native_decode_attention([q], [(k, v)], 0.125, library)
+    finally:
+        torch.set_num_threads(with_threads)
+    assert torch.equal(one, three)
+    torch.testing.assert_close(one.float(), reference_attention(q.float(), k.float(), v.float(), scale=0.125), **_tolerance(dtype))
+
+
 def test_runnable_isas_follow_the_cpu_flags(monkeypatch):
     monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "sse2"})
     assert native.runnable_isas() == ["avx2", "portable"]
     monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw"})
     assert native.runnable_isas() == ["avx512", "avx2", "portable"]
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
+    assert native.runnable_isas() == ["avx512-bf16", "avx512", "avx2", "portable"]
     monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
     assert native.runnable_isas() == ["portable"]
 
 
 def test_an_unknown_isa_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="isa 'sse9' is not allowed; allowed values: avx512, avx2, portable"):
+    with pytest.raises(ValueError, match="isa 'sse9' is not allowed; allowed values: avx512-bf16, avx512, avx2, portable"):
         native.build("cc", tmp_path, isa="sse9")
 
 
 @needs_kernel
 def test_kernel_isa_is_what_the_loaded_library_says():
-    assert native.kernel_isa() == native.library_isa(LIBRARY) == native.runnable_isas()[0]
+    """The default build is the CPU's best path; for float32 caches "avx512-bf16" is the avx512 path."""
+    assert native.kernel_isa() == native.library_isa(LIBRARY) == native.runnable_isas()[0].removesuffix("-bf16")
+    assert native.kernel_isa(torch.bfloat16) == native.runnable_isas()[0]
 
 
 def test_kernel_isa_says_why_there_is_no_kernel(monkeypatch, tmp_path):

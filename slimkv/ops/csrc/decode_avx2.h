@@ -2,11 +2,13 @@
  * AVX2 and FMA but not AVX-512): register tiles over 8-float chunks of the rows, sized for the 16
  * vector registers, for every width and number of query rows (attend_item_avx2).
  *
- * Per block of keys: the logits of every query row (tiles of ROWS_TILE rows x KEYS_TILE keys: each
- * key chunk is loaded once for the rows, each query chunk once for the keys, and one horizontal
- * sum per logit is paid once per row, not per chunk), the online-softmax update on 8 lanes, then
- * the values (tiles of ROWS_TILE rows x CHUNKS_TILE chunks). bfloat16 rows are widened as they are
- * read (a zero-extension to 32 bits and a 16-bit shift); every product and sum is float32. */
+ * Per block of keys: the logits of every query row (a head with one query row: keys in lanes, 8
+ * keys per vector from one transposing reduction of 8 per-key accumulators; rows sharing a head's
+ * keys: tiles of ROWS_TILE rows x KEYS_TILE keys, each key chunk loaded once for the rows, each
+ * query chunk once for the keys, one horizontal sum per logit paid once per row, not per chunk),
+ * the online-softmax update on 8 lanes, then the values (tiles of ROWS_TILE rows x CHUNKS_TILE
+ * chunks). bfloat16 rows are widened as they are read (a zero-extension to 32 bits and a 16-bit
+ * shift); every product and sum is float32 (AVX2 has no bfloat16 arithmetic). */
 #include <immintrin.h>
 
 #define ROWS_TILE 4
@@ -103,6 +105,34 @@ static inline __attribute__((always_inline)) void logits_tile8(const float *rest
     }
 }
 
+/* Lane i of the result: the sum of the lanes of v[i], for 8 vectors (a transposing reduction:
+ * 21 shuffles and adds for 8 sums, no horizontal sum per vector). */
+static inline __attribute__((always_inline)) __m256 transpose_sums8(const __m256 *v) {
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; i++) b[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* per 128-bit half H: the partial sums over H of vectors 4i .. 4i + 3 */
+        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+}
+
+/* Keys in lanes: the logits of one query row against 8 consecutive keys as one vector (lane u:
+ * key u), for rows that share their keys with no other row (MHA, latent's per-head keys): one
+ * accumulator per key over the row's 8-float chunks, then one transposing reduction for the 8
+ * (no horizontal sum per key). q: the scaled row, zero past ``dim``. Stored to logits[0 .. 7]. */
+static inline __attribute__((always_inline)) void logits_lanes8(const float *restrict q, const elem_t *restrict kt, int64_t k_row, int64_t dim,
+                                                                float *restrict logits) {
+    __m256 acc[8];
+    const int64_t full = dim / 8;
+    for (int u = 0; u < 8; u++) { /* key by key, each row read front to back (the order the hardware prefetcher follows) */
+        const elem_t *kr = kt + u * k_row;
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t j = 0; j < full; j++) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), load8(kr + 8 * j), a);
+        if (8 * full < dim) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * full), load8_partial(kr + 8 * full, dim - 8 * full), a);
+        acc[u] = a;
+    }
+    _mm256_storeu_ps(logits, transpose_sums8(acc));
+}
+
 /* acc[R rows][chunks c0 .. c0 + CV - 1] += p . values of a block's n keys. p: the rows'
  * probabilities, BLOCK_KEYS apart; acc rows ``v_pad`` apart. */
 static inline __attribute__((always_inline)) void values_tile8(const float *restrict p, int n, const elem_t *restrict vb, int64_t v_row,
@@ -165,56 +195,79 @@ static inline void prefetch_rows(const elem_t *rows, int n, int64_t row, int64_t
         for (int64_t e = 0; e < width; e += 64 / (int64_t)sizeof(elem_t)) _mm_prefetch((const char *)(rows + t * row + e), _MM_HINT_T0);
 }
 
-/* One (batch, kv_head) item, any widths, any number of query rows. Same arithmetic as attend_item,
- * in another order of sums. Scratch: acc (groups x v_pad), qs (groups x d_pad), logits (groups x
- * BLOCK_KEYS), widths padded to 8 floats. */
-static void attend_item_avx2(int64_t item, float *restrict out, const Segment *segments, int n_segments, int64_t b, int64_t h, int64_t groups,
-                             int64_t dim, int64_t v_dim, float scale, float *restrict acc, float *restrict qs, float *restrict logits,
+/* One work item, any widths, any number of query rows: ``heads`` key heads from head h (a
+ * segment's key head stride apart) with ``groups`` query rows each, all reading the same values
+ * (heads > 1 only when every head shares the values: the latent kind's rows). Per block: logits
+ * (keys in lanes, 8 per vector, for a head with one row; 4 rows x 3 keys tiles for rows sharing a
+ * head's keys), the online softmax, then the values (4 rows x 3 chunks, each chunk read once for 4
+ * rows). Same arithmetic as attend_item, in another order of sums. Scratch: acc (rows x v_pad), qs
+ * (rows x d_pad), logits (rows x BLOCK_KEYS), widths padded to 8 floats. */
+static void attend_item_avx2(int64_t item, float *restrict out, const Segment *segments, int n_segments, int64_t b, int64_t h, int64_t heads,
+                             int64_t groups, int64_t dim, int64_t v_dim, float scale, float *restrict acc, float *restrict qs, float *restrict logits,
                              float *restrict run_max, float *restrict run_sum) {
-    const int64_t d_pad = (dim + 7) / 8 * 8, v_pad = (v_dim + 7) / 8 * 8, v_chunks = v_pad / 8;
-    for (int64_t g = 0; g < groups; g++) {
+    const int64_t d_pad = (dim + 7) / 8 * 8, v_pad = (v_dim + 7) / 8 * 8, v_chunks = v_pad / 8, rows_all = heads * groups;
+    for (int64_t g = 0; g < rows_all; g++) {
         run_max[g] = -INFINITY;
         run_sum[g] = 0.0f;
     }
-    memset(acc, 0, sizeof(float) * (size_t)(groups * v_pad));
-    memset(qs, 0, sizeof(float) * (size_t)(groups * d_pad));
+    memset(acc, 0, sizeof(float) * (size_t)(rows_all * v_pad));
+    memset(qs, 0, sizeof(float) * (size_t)(rows_all * d_pad));
     for (int s = 0; s < n_segments; s++) {
         const Segment seg = segments[s];
         const float *restrict q = seg.q + item * groups * dim;
-        for (int64_t g = 0; g < groups; g++)
+        for (int64_t g = 0; g < rows_all; g++)
             for (int64_t d = 0; d < dim; d++) qs[g * d_pad + d] = q[g * dim + d] * scale;
         const elem_t *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
         const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
         const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
-        const int v_in_k = values_in_key_rows(kh, vh, dim, v_dim, k_row, v_row);
+        const int v_in_k = heads == 1 && values_in_key_rows(kh, vh, dim, v_dim, k_row, v_row);
+        const int64_t ahead = prefetch_keys(heads, dim, v_in_k ? 0 : v_dim); /* rows prefetched this far ahead, with the logits */
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
-            const elem_t *restrict kb = kh + t0 * k_row;
             const elem_t *restrict vb = vh + t0 * v_row;
-            const int64_t ahead = PREFETCH_BLOCKS * BLOCK_KEYS; /* rows: prefetched this far ahead, with the first row tile's logits */
-            for (int64_t g = 0; g < groups; g += ROWS_TILE) {
-                const int rows = groups - g < ROWS_TILE ? (int)(groups - g) : ROWS_TILE;
-                const int fetch = PREFETCH_BLOCKS > 0 && g == 0;
-                int t = 0;
-#define LOGITS_WIDE(R)                                                                                                  \
-    for (; t + KEYS_TILE <= n; t += KEYS_TILE) {                                                                      \
-        if (fetch && t0 + t + ahead + KEYS_TILE <= seg.keys) {                                                        \
-            prefetch_rows(kb + (t + ahead) * k_row, KEYS_TILE, k_row, dim);                                           \
-            if (!v_in_k) prefetch_rows(vb + (t + ahead) * v_row, KEYS_TILE, v_row, v_dim);                                         \
-        }                                                                                                             \
-        logits_tile8(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, KEYS_TILE, logits + g * BLOCK_KEYS, t);    \
-    }
-#define LOGITS_ONE(R) for (; t < n; t++) logits_tile8(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, 1, logits + g * BLOCK_KEYS, t)
-                ROWS_SWITCH8(rows, LOGITS_WIDE)
-                ROWS_SWITCH8(rows, LOGITS_ONE)
-#undef LOGITS_WIDE
-#undef LOGITS_ONE
-            }
-            for (int64_t g = 0; g < groups; g++) softmax_block8(logits + g * BLOCK_KEYS, n, acc + g * v_pad, v_pad, run_max + g, run_sum + g);
-            for (int64_t c0 = 0; c0 < v_chunks; c0 += CHUNKS_TILE) {
-                const int chunks = v_chunks - c0 < CHUNKS_TILE ? (int)(v_chunks - c0) : CHUNKS_TILE;
+            for (int64_t hh = 0; hh < heads; hh++) {
+                const elem_t *restrict kb = kh + hh * seg.k_stride_h + t0 * k_row;
+                const int fetch_v = PREFETCH_BLOCKS > 0 && hh == 0 && !v_in_k;
+                if (groups == 1) {
+                    const float *qr = qs + hh * d_pad;
+                    float *lg = logits + hh * BLOCK_KEYS;
+                    int t = 0;
+                    for (; t + 8 <= n; t += 8) {
+                        if (PREFETCH_BLOCKS > 0 && t0 + t + ahead + 8 <= seg.keys) {
+                            prefetch_rows(kb + (t + ahead) * k_row, 8, k_row, dim);
+                            if (fetch_v) prefetch_rows(vb + (t + ahead) * v_row, 8, v_row, v_dim);
+                        }
+                        logits_lanes8(qr, kb + t * k_row, k_row, dim, lg + t);
+                    }
+                    for (; t < n; t++) logits_tile8(qr, d_pad, kb + t * k_row, k_row, dim, 1, 1, lg, t);
+                    continue;
+                }
                 for (int64_t g = 0; g < groups; g += ROWS_TILE) {
                     const int rows = groups - g < ROWS_TILE ? (int)(groups - g) : ROWS_TILE;
+                    const int fetch = PREFETCH_BLOCKS > 0 && g == 0;
+                    const float *qg = qs + (hh * groups + g) * d_pad;
+                    float *lg = logits + (hh * groups + g) * BLOCK_KEYS;
+                    int t = 0;
+#define LOGITS_WIDE(R)                                                                                  \
+    for (; t + KEYS_TILE <= n; t += KEYS_TILE) {                                                      \
+        if (fetch && t0 + t + ahead + KEYS_TILE <= seg.keys) {                                        \
+            prefetch_rows(kb + (t + ahead) * k_row, KEYS_TILE, k_row, dim);                           \
+            if (fetch_v) prefetch_rows(vb + (t + ahead) * v_row, KEYS_TILE, v_row, v_dim);            \
+        }                                                                                             \
+        logits_tile8(qg, d_pad, kb + t * k_row, k_row, dim, R, KEYS_TILE, lg, t);                     \
+    }
+#define LOGITS_ONE(R) for (; t < n; t++) logits_tile8(qg, d_pad, kb + t * k_row, k_row, dim, R, 1, lg, t)
+                    ROWS_SWITCH8(rows, LOGITS_WIDE)
+                    ROWS_SWITCH8(rows, LOGITS_ONE)
+#undef LOGITS_WIDE
+#undef LOGITS_ONE
+                }
+            }
+            for (int64_t g = 0; g < rows_all; g++) softmax_block8(logits + g * BLOCK_KEYS, n, acc + g * v_pad, v_pad, run_max + g, run_sum + g);
+            for (int64_t c0 = 0; c0 < v_chunks; c0 += CHUNKS_TILE) {
+                const int chunks = v_chunks - c0 < CHUNKS_TILE ? (int)(v_chunks - c0) : CHUNKS_TILE;
+                for (int64_t g = 0; g < rows_all; g += ROWS_TILE) {
+                    const int rows = rows_all - g < ROWS_TILE ? (int)(rows_all - g) : ROWS_TILE;
                     const float *pg = logits + g * BLOCK_KEYS;
                     float *ag = acc + g * v_pad;
 #define VALUES8(R)                                                                   \
@@ -229,7 +282,7 @@ static void attend_item_avx2(int64_t item, float *restrict out, const Segment *s
             }
         }
     }
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = 0; g < rows_all; g++) {
         const float inv = 1.0f / run_sum[g];
         for (int64_t e = 0; e < v_dim; e++) out[g * v_dim + e] = acc[g * v_pad + e] * inv;
     }

@@ -162,40 +162,102 @@ static inline __mmask16 chunk_mask(int64_t width, int64_t j) {
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
 }
 
-/* Logits of R query rows against KT consecutive keys, over the rows' 16-float chunks: each key
+/* The logits' dot products over chunks of DOT_WIDTH channels. bfloat16 rows on a CPU with
+ * AVX512-BF16 take vdpbf16ps (32 bfloat16 pairs of query and key per instruction, products and
+ * sums in float32; the keys are used as stored, the queries, which come from bfloat16 tensors,
+ * as bfloat16 too, and the scale is applied to the sum). Otherwise keys are widened to float32
+ * (bfloat16 by a shift) and multiplied with the scaled float32 queries. */
+#if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
+#define SLIMKV_BF16_DOT 1
+#define DOT_WIDTH 32
+typedef uint16_t qelem_t;
+typedef __m512i qvec_t;
+typedef __m512i kvec_t;
+static inline qvec_t q_load(const qelem_t *p) { return _mm512_loadu_si512(p); }
+static inline kvec_t k_load(const elem_t *p) { return _mm512_loadu_si512(p); }
+static inline kvec_t k_load_partial(const elem_t *p, int64_t left) { return _mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1ull), p); }
+static inline __m512 k_dot(__m512 acc, qvec_t q, kvec_t k) { return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)k); }
+#define IN_REGISTER_Q(x) __asm__("" : "+v"(x))
+#else
+#define DOT_WIDTH 16
+typedef float qelem_t;
+typedef __m512 qvec_t;
+typedef __m512 kvec_t;
+static inline qvec_t q_load(const qelem_t *p) { return _mm512_loadu_ps(p); }
+static inline kvec_t k_load(const elem_t *p) { return load16(p); }
+static inline kvec_t k_load_partial(const elem_t *p, int64_t left) { return load16_masked((__mmask16)((1u << left) - 1u), p); }
+static inline __m512 k_dot(__m512 acc, qvec_t q, kvec_t k) { return _mm512_fmadd_ps(q, k, acc); }
+#define IN_REGISTER_Q(x) IN_REGISTER(x)
+#endif
+
+/* Logits of R query rows against KT consecutive keys, over the rows' DOT_WIDTH chunks: each key
  * chunk is loaded once for the R rows, each query chunk once for the KT keys (R * KT accumulators).
- * qs: R scaled query rows, ``d_pad`` floats apart and zero past ``dim``; kt: the first key's row. */
-static inline __attribute__((always_inline)) void logits_tile(const float *restrict qs, int64_t d_pad, const elem_t *restrict kt, int64_t k_row,
-                                                              int64_t dim, const int R, const int KT, float *restrict logits, int t) {
+ * qs: R query rows, ``d_pad`` elements apart and zero past ``dim``; kt: the first key's row;
+ * ``post``: the factor applied to each sum (the scale when the queries are not scaled, else 1). */
+static inline __attribute__((always_inline)) void logits_tile(const qelem_t *restrict qs, int64_t d_pad, const elem_t *restrict kt, int64_t k_row,
+                                                              int64_t dim, const int R, const int KT, float *restrict logits, int t, float post) {
     __m512 dots[4][4];
     for (int i = 0; i < R; i++)
         for (int u = 0; u < KT; u++) dots[i][u] = _mm512_setzero_ps();
-    const int64_t full = dim / 16; /* whole chunks; a partial last one is loaded under a mask */
-    for (int64_t j = 0; j < d_pad / 16; j++) {
-        __m512 kv[4];
+    const int64_t full = dim / DOT_WIDTH; /* whole chunks; a partial last one is loaded under a mask */
+    for (int64_t j = 0; j < d_pad / DOT_WIDTH; j++) {
+        kvec_t kv[4];
         if (j < full)
-            for (int u = 0; u < KT; u++) kv[u] = load16(kt + u * k_row + 16 * j);
+            for (int u = 0; u < KT; u++) kv[u] = k_load(kt + u * k_row + DOT_WIDTH * j);
         else
-            for (int u = 0; u < KT; u++) kv[u] = load16_masked(chunk_mask(dim, j), kt + u * k_row + 16 * j);
+            for (int u = 0; u < KT; u++) kv[u] = k_load_partial(kt + u * k_row + DOT_WIDTH * j, dim - DOT_WIDTH * j);
         for (int i = 0; i < R; i++) {
-            __m512 qv = _mm512_loadu_ps(qs + i * d_pad + 16 * j);
-            IN_REGISTER(qv);
-            for (int u = 0; u < KT; u++) dots[i][u] = _mm512_fmadd_ps(qv, kv[u], dots[i][u]);
+            qvec_t qv = q_load(qs + i * d_pad + DOT_WIDTH * j);
+            IN_REGISTER_Q(qv);
+            for (int u = 0; u < KT; u++) dots[i][u] = k_dot(dots[i][u], qv, kv[u]);
         }
     }
     for (int i = 0; i < R; i++) {
         float sums[4];
         horizontal_sums(dots[i], KT, sums);
-        for (int u = 0; u < KT; u++) logits[i * BLOCK_KEYS + t + u] = sums[u];
+        for (int u = 0; u < KT; u++) logits[i * BLOCK_KEYS + t + u] = sums[u] * post;
     }
 }
 
+/* Lane i of the result: the sum of the lanes of v[i], for 16 vectors (a transposing reduction:
+ * 45 shuffles and adds for 16 sums, no horizontal sum per vector). */
+static inline __attribute__((always_inline)) __m512 transpose_sums16(const __m512 *v) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) b[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane L: the partial sums over L of vectors 4i .. 4i + 3 */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Keys in lanes: the logits of one query row against 16 consecutive keys as one vector (lane u:
+ * key u), for rows that share their keys with no other row (MHA, latent's per-head keys). Each
+ * key has its own accumulator over the row's chunks; one transposing reduction turns the 16 into
+ * the 16 logits, so no key pays a horizontal sum of its own. Stored to logits[0 .. 15]. */
+static inline __attribute__((always_inline)) void logits_lanes16(const qelem_t *restrict q, const elem_t *restrict kt, int64_t k_row, int64_t dim,
+                                                                 float *restrict logits, float post) {
+    __m512 acc[16];
+    for (int u = 0; u < 16; u++) acc[u] = _mm512_setzero_ps();
+    const int64_t full = dim / DOT_WIDTH, chunks = (dim + DOT_WIDTH - 1) / DOT_WIDTH;
+    for (int64_t j = 0; j < chunks; j++) { /* chunk by chunk: 16 independent accumulators (measured faster here than key by key) */
+        qvec_t qv = q_load(q + DOT_WIDTH * j);
+        IN_REGISTER_Q(qv);
+        if (j < full)
+            for (int u = 0; u < 16; u++) acc[u] = k_dot(acc[u], qv, k_load(kt + u * k_row + DOT_WIDTH * j));
+        else
+            for (int u = 0; u < 16; u++) acc[u] = k_dot(acc[u], qv, k_load_partial(kt + u * k_row + DOT_WIDTH * j, dim - DOT_WIDTH * j));
+    }
+    _mm512_storeu_ps(logits, _mm512_mul_ps(transpose_sums16(acc), _mm512_set1_ps(post)));
+}
+
 /* acc[R rows][chunks c0 .. c0 + CV - 1] += p . values of a block's n keys (each value chunk loaded
- * once for the R rows). p: the rows' probabilities, BLOCK_KEYS apart; acc rows ``v_pad`` apart. */
+ * once for the R rows; R * CV <= 16). p: the rows' probabilities, BLOCK_KEYS apart; acc rows
+ * ``v_pad`` apart. */
 static inline __attribute__((always_inline)) void values_tile(const float *restrict p, int n, const elem_t *restrict vb, int64_t v_row,
                                                               int64_t v_dim, int64_t c0, const int R, const int CV, float *restrict acc,
                                                               int64_t v_pad) {
-    __m512 av[4][4];
+    __m512 av[8][4];
     __mmask16 mask[4];
     for (int c = 0; c < CV; c++) mask[c] = chunk_mask(v_dim, c0 + c);
     for (int i = 0; i < R; i++)
@@ -228,53 +290,92 @@ static inline void prefetch_rows16(const elem_t *rows, int n, int64_t row, int64
         for (int64_t e = 0; e < width; e += 64 / (int64_t)sizeof(elem_t)) _mm_prefetch((const char *)(rows + t * row + e), _MM_HINT_T0);
 }
 
-/* One (batch, kv_head) item for any widths and any number of query rows: per block of keys, the
- * logits of every row (tiles of 4 rows x 4 keys), the online-softmax update of every row, then the
- * values (tiles of 4 rows x 4 chunks). Same arithmetic as attend_item, in another order of sums.
- * Scratch: acc (groups x v_pad), qs (groups x d_pad), logits (groups x BLOCK_KEYS). */
-static void attend_item_wide(int64_t item, float *restrict out, const Segment *segments, int n_segments, int64_t b, int64_t h, int64_t groups,
-                             int64_t dim, int64_t v_dim, float scale, float *restrict acc, float *restrict qs, float *restrict logits,
-                             float *restrict run_max, float *restrict run_sum) {
-    const int64_t d_pad = (dim + 15) / 16 * 16, v_pad = (v_dim + 15) / 16 * 16;
-    for (int64_t g = 0; g < groups; g++) {
+/* One work item for any widths and any number of query rows: ``heads`` key heads from head h
+ * (a segment's key head stride apart) with ``groups`` query rows each, all reading the same values
+ * (heads > 1 only when the values are shared by every head: the latent kind's rows). Per block of
+ * keys: the logits of every row (keys in lanes, 16 per vector, for a head with one row; tiles of
+ * 4 rows x 4 keys for rows that share a head's keys), the online-softmax update of every row, then
+ * the values (tiles of 8 rows x 2 chunks while 8 rows are left, then 4 rows x 4 chunks: each
+ * value chunk read once for the tile's rows). Same arithmetic
+ * as attend_item, in another order of sums. Scratch: acc (rows x v_pad), qs (rows x d_pad),
+ * logits (rows x BLOCK_KEYS). */
+static void attend_item_wide(int64_t item, float *restrict out, const Segment *segments, int n_segments, int64_t b, int64_t h, int64_t heads,
+                             int64_t groups, int64_t dim, int64_t v_dim, float scale, float *restrict acc, float *restrict q_scratch,
+                             float *restrict logits, float *restrict run_max, float *restrict run_sum) {
+    const int64_t d_pad = (dim + DOT_WIDTH - 1) / DOT_WIDTH * DOT_WIDTH, v_pad = (v_dim + 15) / 16 * 16, rows_all = heads * groups;
+    qelem_t *restrict qs = (qelem_t *)q_scratch;
+    for (int64_t g = 0; g < rows_all; g++) {
         run_max[g] = -INFINITY;
         run_sum[g] = 0.0f;
     }
-    memset(acc, 0, sizeof(float) * (size_t)(groups * v_pad));
-    memset(qs, 0, sizeof(float) * (size_t)(groups * d_pad));
+    memset(acc, 0, sizeof(float) * (size_t)(rows_all * v_pad));
+    memset(qs, 0, sizeof(qelem_t) * (size_t)(rows_all * d_pad));
+#ifdef SLIMKV_BF16_DOT
+    const float post = scale; /* bfloat16 queries as they are; the scale goes on the sums */
+#else
+    const float post = 1.0f;
+#endif
     for (int s = 0; s < n_segments; s++) {
         const Segment seg = segments[s];
         const float *restrict q = seg.q + item * groups * dim;
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t d = 0; d < dim; d++) qs[g * d_pad + d] = q[g * dim + d] * scale;
+        for (int64_t g = 0; g < rows_all; g++)
+            for (int64_t d = 0; d < dim; d++) {
+#ifdef SLIMKV_BF16_DOT
+                float x = q[g * dim + d];
+                uint32_t bits;
+                memcpy(&bits, &x, sizeof bits);
+                qs[g * d_pad + d] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16); /* round to nearest even (exact for bfloat16 queries) */
+#else
+                qs[g * d_pad + d] = q[g * dim + d] * scale;
+#endif
+            }
         const elem_t *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
         const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
         const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
-        const int v_in_k = values_in_key_rows(kh, vh, dim, v_dim, k_row, v_row);
+        const int v_in_k = heads == 1 && values_in_key_rows(kh, vh, dim, v_dim, k_row, v_row);
+        const int64_t ahead = prefetch_keys(heads, dim, v_in_k ? 0 : v_dim); /* rows prefetched this far ahead, with the logits */
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
-            const elem_t *restrict kb = kh + t0 * k_row;
             const elem_t *restrict vb = vh + t0 * v_row;
-            const int64_t ahead = PREFETCH_BLOCKS * BLOCK_KEYS; /* rows: prefetched this far ahead, with the first row tile's logits */
-            for (int64_t g = 0; g < groups; g += 4) {
-                const int rows = groups - g < 4 ? (int)(groups - g) : 4;
-                const int fetch = PREFETCH_BLOCKS > 0 && g == 0;
-                int t = 0;
+            for (int64_t hh = 0; hh < heads; hh++) {
+                const elem_t *restrict kb = kh + hh * seg.k_stride_h + t0 * k_row;
+                const int fetch_v = PREFETCH_BLOCKS > 0 && hh == 0 && !v_in_k;
+                if (groups == 1) {
+                    const qelem_t *qr = qs + hh * d_pad;
+                    float *lg = logits + hh * BLOCK_KEYS;
+                    int t = 0;
+                    for (; t + 16 <= n; t += 16) {
+                        if (PREFETCH_BLOCKS > 0 && t0 + t + ahead + 16 <= seg.keys) {
+                            prefetch_rows16(kb + (t + ahead) * k_row, 16, k_row, dim);
+                            if (fetch_v) prefetch_rows16(vb + (t + ahead) * v_row, 16, v_row, v_dim);
+                        }
+                        logits_lanes16(qr, kb + t * k_row, k_row, dim, lg + t, post);
+                    }
+                    for (; t < n; t++) logits_tile(qr, d_pad, kb + t * k_row, k_row, dim, 1, 1, lg, t, post);
+                    continue;
+                }
+                for (int64_t g = 0; g < groups; g += 4) {
+                    const int rows = groups - g < 4 ? (int)(groups - g) : 4;
+                    const int fetch = PREFETCH_BLOCKS > 0 && g == 0;
+                    const qelem_t *qg = qs + (hh * groups + g) * d_pad;
+                    float *lg = logits + (hh * groups + g) * BLOCK_KEYS;
+                    int t = 0;
 #define LOGITS4(R)                                                                                                \
     for (; t + 4 <= n; t += 4) {                                                                                  \
         if (fetch && t0 + t + ahead + 4 <= seg.keys) {                                                            \
             prefetch_rows16(kb + (t + ahead) * k_row, 4, k_row, dim);                                             \
-            if (!v_in_k) prefetch_rows16(vb + (t + ahead) * v_row, 4, v_row, v_dim);                                           \
+            if (fetch_v) prefetch_rows16(vb + (t + ahead) * v_row, 4, v_row, v_dim);                              \
         }                                                                                                         \
-        logits_tile(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, 4, logits + g * BLOCK_KEYS, t);         \
+        logits_tile(qg, d_pad, kb + t * k_row, k_row, dim, R, 4, lg, t, post);                                    \
     }
-#define LOGITS1(R) for (; t < n; t++) logits_tile(qs + g * d_pad, d_pad, kb + t * k_row, k_row, dim, R, 1, logits + g * BLOCK_KEYS, t)
-                ROWS_SWITCH(rows, LOGITS4)
-                ROWS_SWITCH(rows, LOGITS1)
+#define LOGITS1(R) for (; t < n; t++) logits_tile(qg, d_pad, kb + t * k_row, k_row, dim, R, 1, lg, t, post)
+                    ROWS_SWITCH(rows, LOGITS4)
+                    ROWS_SWITCH(rows, LOGITS1)
 #undef LOGITS4
 #undef LOGITS1
+                }
             }
-            for (int64_t g = 0; g < groups; g++) {
+            for (int64_t g = 0; g < rows_all; g++) {
                 float *restrict lg = logits + g * BLOCK_KEYS;
                 for (int t = n; t < BLOCK_KEYS; t++) lg[t] = -INFINITY;
                 __m512 m16 = _mm512_loadu_ps(lg);
@@ -296,10 +397,18 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
                 }
                 run_sum[g] += _mm512_reduce_add_ps(sum16);
             }
-            for (int64_t c0 = 0; c0 < v_pad / 16; c0 += 4) {
+            int64_t g8 = 0; /* 8 rows at a time (8 x 2 chunks): each value chunk is read once for the 8, not once per 4 rows */
+            for (; g8 + 8 <= rows_all; g8 += 8)
+                for (int64_t c0 = 0; c0 < v_pad / 16; c0 += 2) {
+                    if (v_pad / 16 - c0 >= 2)
+                        values_tile(logits + g8 * BLOCK_KEYS, n, vb, v_row, v_dim, c0, 8, 2, acc + g8 * v_pad, v_pad);
+                    else
+                        values_tile(logits + g8 * BLOCK_KEYS, n, vb, v_row, v_dim, c0, 8, 1, acc + g8 * v_pad, v_pad);
+                }
+            for (int64_t c0 = 0; c0 < v_pad / 16 && g8 < rows_all; c0 += 4) {
                 const int chunks = v_pad / 16 - c0 < 4 ? (int)(v_pad / 16 - c0) : 4;
-                for (int64_t g = 0; g < groups; g += 4) {
-                    const int rows = groups - g < 4 ? (int)(groups - g) : 4;
+                for (int64_t g = g8; g < rows_all; g += 4) {
+                    const int rows = rows_all - g < 4 ? (int)(rows_all - g) : 4;
                     const float *pg = logits + g * BLOCK_KEYS;
                     float *ag = acc + g * v_pad;
 #define VALUES(R)                                                                 \
@@ -315,9 +424,8 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
             }
         }
     }
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = 0; g < rows_all; g++) {
         const float inv = 1.0f / run_sum[g];
         for (int64_t e = 0; e < v_dim; e++) out[g * v_dim + e] = acc[g * v_pad + e] * inv;
     }
 }
-
