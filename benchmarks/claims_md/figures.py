@@ -170,13 +170,10 @@ def healing() -> dict[str, Any]:
     names = ["convert_latent_mix5_smollm2.json", "convert_latent_healed_smollm2.json", "convert_latent25_healed_smollm2.json",
              *sorted(p.name for p in RESULTS.glob("heal_curve_latent*.json"))]
     points, texts = curve_points([load(name) for name in names]), list(load(names[0])["original_ppl"])
-
-    def over(r: dict[str, Any]) -> list[float]:
-        return [r["ppl_over_original"][t] for t in texts]
-
     rows = [{"ratio": ratio, "tokens": tokens, "file": d["benchmark"] + ".json", "minutes": r["healing"]["train_seconds"] / 60 if tokens else None,
-             "cells": [(x, 1 - (x - 1) / (y - 1) if tokens else None) for x, y in zip(over(r), over(points[ratio][0][0]))]}
-            for ratio in sorted(points, reverse=True) for tokens, (r, d) in sorted(points[ratio].items())]
+             "cells": [(x[t], 1 - (x[t] - 1) / (y[t] - 1) if tokens else None) for t in texts]}  # the multiple and the excess removed
+            for ratio in sorted(points, reverse=True) for tokens, (r, d) in sorted(points[ratio].items())
+            for x, y in [(r["ppl_over_original"], points[ratio][0][0]["ppl_over_original"])]]
     return {"texts": texts, "rows": rows, "lr_files": sorted(p.name for p in RESULTS.glob("heal_lr_latent*.json")), "run": load(names[0]),
             "config": next(r["healing"]["config"] for p in points.values() for r, _ in p.values() if r.get("healing"))}
 
@@ -201,7 +198,7 @@ def kvm() -> dict[str, Any]:
     targets = [t for name in DECODE_RUNS for t in load(name)["targets"] if t["label"].startswith("kvm")]
     return {"lengths": mha["lengths"], "longest": longest, "rows": [e for k in by_kinds.values() for e in k], "hybrid": hybrid, "window": window,
             "far": far, "far_windows": "-".join(str(int(g) // window) for g in far.split("-")), "solving": solving, "swa_far": swa_far,
-            "past_window": len(solving) >= 2 and min(solving) > swa_far, "mha_far": mha["at"][longest]["by_gap"][far],
+            "past_window": len(solving) >= RULES["past_window_seeds"] and min(solving) > swa_far, "mha_far": mha["at"][longest]["by_gap"][far],
             "vs_mha": seed_verdict(hybrid["at"][longest]["accuracy"], mha["at"][longest]["accuracy"]),
             "mha_acc": mha["at"][longest]["accuracy"], "hybrid_acc": hybrid["at"][longest]["accuracy"],
             "lm_recipe": load("lm_frontier.json")["recipe"], "lm_mha": lm["mha"], "lm_seeds": len(lm["mha"]["seeds"]),
@@ -235,12 +232,13 @@ def bounded() -> dict[str, Any]:
     small = [state(r) <= RULES["state_target"] for r in states]
     healed = [{"label": r["label"], "minutes": r["healing"]["train_seconds"] / 60, "missed": missed(
         {t: v["ppl_vs_original"] for t, v in r["texts"].items()}, BOUNDED_TARGET, r["healing"]["train_seconds"] / 60)} for r in states if r.get("healing")]
-    retrieval = [{"label": x, "base": base, "score": niah[x], "base_score": niah[base], "points": 100 * (niah[x] - niah[base])}
+    retrieval = [{"label": x, "base": base, "score": niah[x], "base_score": niah[base], "gap": niah[x] - niah[base]}
                  for x, bases in fair.items() for base in bases]
-    return {"convert": convert, "target": BOUNDED_TARGET, "sizes": [state(r) for r in states], "states": [r["label"] for r in states],
+    scored = [r | {"state": state(r), "score": niah.get("smollm2" if r["label"] == "original" else r["label"])} for r in convert["rows"]]
+    return {"convert": convert, "target": BOUNDED_TARGET, "rows": scored,
             "small": all(small) - (not any(small)), "flat": [r["label"] for r in states if len({c["bytes"] for c in r["cache_bytes"]}) == 1],
             "healed": healed, "ppl_met": any(not h["missed"] for h in healed), "retrieval": retrieval,
-            "niah_met": any(r["points"] >= 100 * RULES["niah_margin"] for r in retrieval),
+            "niah_met": any(r["gap"] >= RULES["niah_margin"] for r in retrieval),
             "decode": decode, "decode_met": any(d["speed"] >= RULES["decode_target"] and d["flat"] for d in decode)}
 
 

@@ -11,6 +11,7 @@ RULES: dict[str, float] = {
     "min_seeds": MIN_SEEDS_FOR_CLAIM,  # trained models: seeds per side before A may differ from B (slimkv compare's rule)
     "ppl_margin": 0.10,  # deterministic procedures: a perplexity gap counts when it exceeds this fraction on every text
     "solved": 0.9,  # recall: a seed solves the task at >= this accuracy at the training length
+    "past_window_seeds": 2,  # retrieval past the window: seeds that solve the task, each above every SWA seed far back
     "exponent_flat": 0.2,  # decode time ~ context^e: "flat" (O(1)) when e is below this
     "exponent_sqrt": 0.6,  # "at most O(sqrt N)" when e is below this (0.5 plus timing noise)
     "much_faster": 2.0,  # decode: every run's speed-up over MHA at the longest context above this
