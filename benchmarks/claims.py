@@ -34,8 +34,8 @@ class Page(string.Formatter):
             return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items) or "none"
         if isinstance(value, list):
             return " | ".join(self.format_field(v, spec) for v in value)
-        if spec in WORDS:  # a verdict's sign, -1, 0 or +1 (False, True: -1, +1), in words
-            return value if isinstance(value, str) else WORDS[spec][(1 if value else -1) + 1 if isinstance(value, bool) else value + 1]
+        if spec in WORDS:  # a verdict's sign (-1, 0, +1; False and True read as -1 and +1) in words
+            return value if isinstance(value, str) else WORDS[spec][(2 if value else 0) if isinstance(value, bool) else value + 1]
         if "/" in spec:
             words = spec.split("/")
             return words[value + 1] if len(words) == 3 else words[0] if value else words[1]
@@ -46,9 +46,9 @@ def fill(template: str, fields: dict[str, Any]) -> list[str]:
     """The lines of one section's template with its fields filled in."""
     lines = []
     for line in template.splitlines():
-        name, _, rest = line[1:].partition(" ")
-        items = Page().get_field(name, (), fields)[0] if line.startswith("@") else [{}]
-        lines += [Page().vformat(rest if line.startswith("@") else line, (), fields | item) for item in items]
+        repeated, _, row = line[1:].partition(" ") if line.startswith("@") else ("", "", line)
+        items = Page().get_field(repeated, (), fields)[0] if repeated else [{}]
+        lines += [Page().vformat(row, (), fields | item) for item in items]
     for i, line in enumerate(lines):  # a column is right-aligned when each of its cells but "-" starts with a number
         if line == "|-":
             columns = zip(*(row.strip("| ").split(" | ") for row in itertools.takewhile(lambda row: row.startswith("|"), lines[i + 1:])))
@@ -59,7 +59,8 @@ def fill(template: str, fields: dict[str, Any]) -> list[str]:
 def render() -> str:
     """The whole of claims.md from the committed JSON."""
     sections = re.split(r"^@@ (\w+)\n", figures.TEMPLATE.read_text(encoding="utf-8"), flags=re.M)[1:]
-    return "\n".join(line for name, text in zip(sections[::2], sections[1::2]) for line in fill(text, {"rule": RULES} | getattr(figures, name, dict)())).strip() + "\n"
+    filled = (fill(text, {"rule": RULES} | getattr(figures, name, dict)()) for name, text in zip(sections[::2], sections[1::2]))
+    return "\n".join(line for lines in filled for line in lines).strip() + "\n"
 
 
 def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> int:
