@@ -251,8 +251,10 @@ def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[
 
     each query (batch, q_heads, 1, dim); each k (batch, kv_heads, keys_i, dim), v (batch, kv_heads,
     keys_i, v_dim) -> (batch, q_heads, 1, v_dim), in the queries' dtype (the kernel works in
-    float32: bfloat16 queries are widened first and the output rounded once at the end). Call
-    ``supports`` first, and pass the library ``decode_kernel`` gave for the cache's dtype."""
+    float32: bfloat16 queries are widened first and the output rounded once at the end). Values
+    every head shares (value head stride 0 in every segment, as the latent kind passes them) are
+    read once per step for all heads. Call ``supports`` first, and pass the library
+    ``decode_kernel`` gave for the cache's dtype."""
     batch, q_heads, _, dim = queries[0].shape
     kv_heads, v_dim = segments[0][0].shape[1], segments[0][1].shape[-1]
     dtype = segments[0][0].dtype
