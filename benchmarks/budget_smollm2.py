@@ -82,17 +82,22 @@ def render(payload: dict) -> str:
 
 
 def ruler_rows() -> list[dict]:
-    """Every RULER cell of the original (under each cache option) and of the budget conversions."""
-    rows = []
+    """Every RULER cell of the original (under each cache option) and of the budget conversions; of a
+    cell run more than once (another --out, more prompts), the run with the most prompts."""
+    rows: dict[tuple, dict] = {}
     for path in sorted((RESULTS / "ruler").glob("smollm2*/*/ruler.json")):
-        model = path.parent.parent.name
-        for cell in json.loads(path.read_text())["cells"].values():
+        run = json.loads(path.read_text())
+        converted = (run["settings"].get("identity") or {}).get("converted")
+        for cell in run["cells"].values():
             if cell.get("n"):
-                name = (("original" if cell["option"] == "none" else f"original, {cell['option']}") if model == "smollm2"
-                        else f"{model.removeprefix('smollm2-')} (slimkv convert --cache-budget)")
-                rows.append({"method": name, "task": cell["task"], "length": cell["length"], "score": cell["score"], "full": cell["full"], "n": cell["n"],
-                             "low": cell["wilson95"][0], "high": cell["wilson95"][1], "ratio": cell["bytes_ratio_to_bf16_original"]})
-    return rows
+                name = (("original" if cell["option"] == "none" else f"original, {cell['option']}") if not converted
+                        else f"{path.parent.parent.name.removeprefix('smollm2-')} (slimkv convert --cache-budget)")
+                row = {"method": name, "task": cell["task"], "length": cell["length"], "score": cell["score"], "full": cell["full"], "n": cell["n"],
+                       "low": cell["wilson95"][0], "high": cell["wilson95"][1], "ratio": cell["bytes_ratio_to_bf16_original"]}
+                key = (name, cell["task"], cell["length"])
+                if key not in rows or row["n"] > rows[key]["n"]:  # a cell run again with more prompts replaces the smaller run
+                    rows[key] = row
+    return list(rows.values())
 
 
 def render_ruler(rows: list[dict]) -> str:
