@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -63,3 +67,15 @@ def assert_paths_agree(attn, x: torch.Tensor, expected: torch.Tensor, paths: tup
             assert rel_rmse(attn(x), expected) < tol, path
             for sizes in splits:
                 assert rel_rmse(run_in_calls(attn, x, list(sizes)), expected) < tol, (path, sizes)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(script: str) -> ModuleType:
+    """A script of ``benchmarks/`` (not a package) imported as a module, for tests of its rendering."""
+    spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_under_test", BENCHMARKS / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

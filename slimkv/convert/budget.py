@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from slimkv.attention.streaming import kept_tokens
+from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import check_float
 from slimkv.convert.source import Shape
 from slimkv.ops.quantize import KVStorage, parse_storage
@@ -53,7 +54,7 @@ class BudgetPlan:
 
 def rows_bytes(rows: int, dim: int, storage: KVStorage, dtype: torch.dtype = SERVED_DTYPE) -> int:
     """Bytes of ``rows`` per-token rows of ``dim`` channels held by a buffer of ``storage``."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype_bytes(dtype)
     if storage.bits is None:
         return rows * dim * size
     quantized = max(0, rows - storage.residual)
@@ -66,7 +67,7 @@ def head_bytes(length: int, shape: Shape, storage: KVStorage, *, exact: bool, si
         return 2 * rows_bytes(length, shape.head_dim, storage)
     sinks = min(sink_len, length)
     recent = kept_tokens(length, sink_len, window) - sinks
-    size = torch.empty((), dtype=SERVED_DTYPE).element_size()
+    size = dtype_bytes(SERVED_DTYPE)
     return 2 * (sinks * shape.head_dim * size + rows_bytes(recent, shape.head_dim, storage))
 
 

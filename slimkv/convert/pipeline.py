@@ -129,7 +129,7 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
     method, settings = parse_method(options.method)
     if method.check is not None:
         method.check(shape, settings, heal_cfg.seq_len if heal_cfg is not None else None)
-    options = sized_by_budget(options, shape)
+    options, _ = sized_by_budget(options, shape)
     minimum = method.ratio_floor(shape, settings) if method.ratio_floor is not None else method.min_ratio(shape)
     if method.sized_by_ratio and options.cache_ratio < minimum:
         raise ValueError(f"--cache-ratio {options.cache_ratio} is below what --to {options.method} can represent for this model: "
@@ -149,13 +149,13 @@ def read_shape(model: str) -> Shape:
     return check_convertible(AutoConfig.from_pretrained(resolve_model_path(model), trust_remote_code=False))
 
 
-def sized_by_budget(options: ConvertOptions, shape: Shape) -> ConvertOptions:
+def sized_by_budget(options: ConvertOptions, shape: Shape) -> tuple[ConvertOptions, BudgetPlan | None]:
     """``options`` with ``--cache-budget`` turned into the ratio and storage its plan chose
-    (``slimkv.convert.budget``); options without a budget as they are."""
+    (``slimkv.convert.budget``), and that plan; options without a budget as they are, and None."""
     if options.cache_budget is None:
-        return options
+        return options, None
     plan = budget_plan(options, shape)
-    return replace(options, cache_ratio=plan.cache_ratio, cache_storage=plan.storage)
+    return replace(options, cache_ratio=plan.cache_ratio, cache_storage=plan.storage), plan
 
 
 def budget_plan(options: ConvertOptions, shape: Shape) -> BudgetPlan:
@@ -195,8 +195,8 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     """The converted model and its manifest body (nothing written)."""
     started = time.perf_counter()
     shape = source.shape
-    budget = budget_plan(options, shape) if options.cache_budget is not None else None
-    asked, options = options, sized_by_budget(options, shape)
+    asked = options
+    options, budget = sized_by_budget(options, shape)
     method, settings = parse_method(options.method)
     sources = calibration_sources(options.calib)
     windows = calibration_ids(source.loaded.tokenizer, sources, options.calib_tokens, options.calib_seq_len, options.seed)

@@ -24,7 +24,7 @@ from slimkv.attention import Attention, AttentionCache, build_attention
 from slimkv.common.quiet import quiet_transformers
 from slimkv.model.config import ModelConfig
 from slimkv.ops.norm import RMSNorm
-from slimkv.ops.quantize import KVStorage, parse_storage
+from slimkv.ops.quantize import DEFAULT_GROUP, DEFAULT_RESIDUAL, KVStorage, parse_storage
 
 # Keywords transformers' generate() and Trainer pass to forward() that change nothing here.
 IGNORED_KWARGS = frozenset({"cache_position", "num_items_in_batch", "next_sequence_length"})
@@ -309,7 +309,8 @@ def generation_storage(generation_config: Any) -> KVStorage | None:
     bits = config.get("nbits", 4)
     if bits not in (4, 8):
         raise ValueError(f"cache_config nbits={bits!r}: slimkv's quantized storage has 4 or 8 bits")
-    return KVStorage(bits=bits, group=config.get("q_group_size", 32), residual=config.get("residual_length", 128))
+    return KVStorage(bits=bits, group=config.get("q_group_size", DEFAULT_GROUP),
+                     residual=config.get("residual_length", DEFAULT_RESIDUAL))
 
 
 def _check_ids(input_ids: torch.Tensor, vocab_size: int) -> None:

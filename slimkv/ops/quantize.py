@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slimkv.common.buffer import GrowableBuffer
+from slimkv.common.buffer import GrowableBuffer, dtype_bytes
 from slimkv.common.spec import parse_item, split_items
 
 STORAGE_KINDS = {"full": None, "int8": 8, "int4": 4}
@@ -59,7 +59,7 @@ class KVStorage:
     def row_bytes(self, dim: int, dtype: torch.dtype) -> int:
         """Bytes of one quantized row of ``dim`` channels: codes, then a scale and a minimum per group."""
         groups = math.ceil(dim / self.group)
-        return groups * self.group * self.bits // 8 + 2 * groups * torch.empty((), dtype=dtype).element_size()
+        return groups * self.group * self.bits // 8 + 2 * groups * dtype_bytes(dtype)
 
 
 FULL = KVStorage()

@@ -3,24 +3,18 @@ benchmarks/budget_smollm2.py renders from the JSON, and each conversion met its 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.helpers import BENCHMARKS, load_benchmark
+
 RESULTS = BENCHMARKS / "results"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("budget_smollm2_under_test", BENCHMARKS / "budget_smollm2.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("budget_smollm2.py")
 
 
 def test_the_pages_are_what_the_json_renders(script):

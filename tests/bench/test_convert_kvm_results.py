@@ -3,24 +3,18 @@ renders from its JSON, and a few figures are read straight from the JSON."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.helpers import BENCHMARKS, load_benchmark
+
 NAME = "convert_kvm_smollm2"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("convert_kvm_under_test", BENCHMARKS / "convert_kvm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("convert_kvm.py")
 
 
 def test_the_markdown_is_what_the_json_renders(script):
