@@ -42,7 +42,7 @@ def rope_diagnostic(base, ratio: float = 0.2, layers: tuple[int, ...] = (0, 7, 1
 
     from slimkv.compress.cost import rank_for_budget
     from slimkv.compress.joint_qk import RopeAverage, joint_qk
-    from slimkv.compress.latent import spend_leftover
+    from slimkv.compress.latentllm import spend_leftover
     from slimkv.compress.linalg import StatsAccumulator, rootcov_factors
     from slimkv.compress.workflow import calibration_set
 

@@ -13,7 +13,7 @@ manifest (float32 bytes by context, beside the original's).
     .venv/bin/python benchmarks/convert_kvm.py
     .venv/bin/python benchmarks/convert_kvm.py --runs rope16=rope-partial kvm=kvm streaming=streaming:window=769 --windows 2
     .venv/bin/python benchmarks/convert_kvm.py --add --runs kvm-rope24=kvm:rope_pairs=24   # evaluate one more, keep the rows there
-    .venv/bin/python benchmarks/convert_kvm.py --add --runs mla-kvm=mla+kvm@0.5   # a method sized by a ratio: @RATIO
+    .venv/bin/python benchmarks/convert_kvm.py --add --runs mla-kvm=mla-kvm@0.5   # a method sized by a ratio: @RATIO
 
 ``--add`` keeps the rows of the results file already there (the same texts, windows and length)
 and evaluates only the runs it does not hold. Every row records the torch threads and the load it
@@ -36,6 +36,7 @@ import torch
 from slimkv.common.files import read_json, save_figure
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
+from slimkv.common.vocabulary import in_todays_words
 from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained, finished_conversion
 from slimkv.data.texts import evaluation_text, tokenize
 from slimkv.eval.models import load_language_model
@@ -44,13 +45,15 @@ from slimkv.pretrained import fetch_smollm2
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_RUNS = ("rope-partial=rope-partial", "kvm-oneshot=kvm:transfer_steps=0", "kvm=kvm", "streaming=streaming:window=769")  # streaming: the kvm default's bytes at 8K (4 sinks + 768)
+KVM_RECIPE = "chunk_size=128,sink_len=4"  # the measured kvm runs (the conversion's defaults before they became the layer's)
+DEFAULT_RUNS = ("rope-partial=rope-partial", f"kvm-oneshot=kvm:{KVM_RECIPE},transfer_steps=0", f"kvm=kvm:{KVM_RECIPE}",
+                "streaming=streaming:window=769")  # streaming: that kvm's bytes at 8K (4 sinks + 768)
 
 
 def parse_run(text: str) -> tuple[str, str]:
     label, sep, method = text.partition("=")
     if not sep or not label or not method:
-        raise SystemExit(f"--runs {text!r}: expected LABEL=METHOD[:KEY=VALUE,...][@RATIO], e.g. kvm=kvm:rows=128 or mla-kvm=mla+kvm@0.5")
+        raise SystemExit(f"--runs {text!r}: expected LABEL=METHOD[:KEY=VALUE,...][@RATIO], e.g. kvm=kvm:min_rows=512 or mla-kvm=mla-kvm@0.5")
     return label, method
 
 
@@ -62,7 +65,7 @@ def split_ratio(method: str) -> tuple[str, float | None]:
     try:
         return to, float(ratio)
     except ValueError:
-        raise SystemExit(f"--runs ...={method}: the text after @ must be a cache ratio, e.g. mla+kvm@0.5") from None
+        raise SystemExit(f"--runs ...={method}: the text after @ must be a cache ratio, e.g. mla-kvm@0.5") from None
 
 
 def converted(model: str, label: str, method: str, work: Path, seed: int) -> Path:
@@ -109,7 +112,7 @@ def main() -> None:
     runs = [parse_run(r) for r in args.runs]
     rows, methods = [], {}
     if args.add:
-        earlier = read_json(RESULTS / f"{args.name}.json")
+        earlier = read_results(RESULTS / f"{args.name}.json")
         same = {k: earlier["settings"][k] for k in ("seq_len", "windows", "texts")} == {"seq_len": args.seq_len, "windows": args.windows, "texts": args.texts}
         if not same:
             raise SystemExit(f"--add: {args.name}.json was measured with {earlier['settings']}; give the same --seq-len, --windows and --texts")
@@ -138,7 +141,7 @@ def main() -> None:
         rows.append(row)
         del loaded
     if args.add:  # rows another --add run wrote meanwhile (each run read the file when it started) stay
-        latest = read_json(RESULTS / f"{args.name}.json")
+        latest = read_results(RESULTS / f"{args.name}.json")
         mine = {row["label"] for row in rows}
         rows += [row for row in latest["rows"] if row["label"] not in mine]
         methods = {**latest["settings"]["runs"], **methods}
@@ -153,6 +156,12 @@ def main() -> None:
     plot(rows, args.texts, RESULTS / f"{args.name}.png")
     plot_state(rows, RESULTS / f"{args.name}_state.png")
     print(format_markdown(settings, rows))
+
+
+def read_results(path: Path) -> dict:
+    """A results file of this script, its methods spelled as today (one written before the renames of
+    ``slimkv.common.vocabulary`` reads in today's words, the old kvm defaults written out)."""
+    return in_todays_words(read_json(path))
 
 
 def healing_summary(healing: dict | None) -> dict | None:

@@ -61,7 +61,7 @@ def label_of(report: dict) -> str:
     if converted:
         if converted["method"] == "hybrid":  # its ratio is the budget at the length it was planned for
             return f"{conversion_method(converted)} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"
-        if converted.get("achieved_cache_ratio") is None:  # kvm, mla+kvm, streaming, rope-partial: bounded or sized by their own options
+        if converted.get("achieved_cache_ratio") is None:  # kvm, mla-kvm, streaming, rope-partial: bounded or sized by their own options
             return f"{Path(report['settings']['model']).name} ({converted['method']}, bounded{', healed' if converted.get('healing') else ''})"
         return f"{converted['method']} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"
     compressed = identity.get("compressed")

@@ -28,17 +28,7 @@ from slimkv.convert.source import Shape
 from slimkv.model import ModelConfig
 from slimkv.ops.quantize import STORAGE_KINDS
 
-KNOWN_CLASHES = {
-    "--to mla+kvm": "reads as the pattern mla alternating with kvm in --attention, but converts to the one kind mla-kvm: rename --to mla-kvm",
-    "--to lrkv:rope": "the lrkv layer's RoPE placement (decoupled/full), not the common rope option (full/partial/none): rename rope_placement, with the layer's rope_mode",
-    "--to kvm:chunk_size": "default 128 in the conversion, 256 on the layer (saved configs spell it out, so only typed options differ)",
-    "--to kvm:sink_len": "default 4 in the conversion, 1 on the layer (a kept token in streaming, a protected state row in kvm)",
-    "--to mla+kvm:chunk_size": "default 128 in the conversion, 256 on the layer",
-    "--to mla+kvm:sink_len": "default 4 in the conversion, 1 on the layer",
-    "--to kvm:rows": "the layer's min_rows (beside its max_rows and saturating_rows): rename --to kvm:min_rows",
-    "--to mla+kvm:rows": "the layer's min_rows: rename min_rows",
-    "slimkv/compress/latent.py": "LatentLLM compression (method latentllm) in a module named like the attention kind latent: rename latentllm.py",
-}
+KNOWN_CLASHES: dict[str, str] = {}
 
 # A source model shape every built-in conversion accepts with its default settings.
 SHAPE = Shape(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512, vocab_size=64, rope_theta=10000.0, norm_eps=1e-5,

@@ -11,6 +11,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from slimkv.common.vocabulary import in_todays_words
+
 from .healing import curve_points
 from .rules import BOUNDED_TARGET, CONVERSION_TARGETS, RULES, WORDS, missed, ppl_verdict, seed_verdict
 
@@ -27,7 +29,7 @@ TRANSFORMERS, EXACT_COPY = "transformers (SDPA, DynamicCache)", "slimkv exact co
 @functools.cache
 def load(name: str) -> dict[str, Any]:
     """The JSON file ``name`` of benchmarks/results/ (read once: treat it as read-only)."""
-    return json.loads((RESULTS / name).read_text(encoding="utf-8"))
+    return in_todays_words(json.loads((RESULTS / name).read_text(encoding="utf-8")))  # a file of vocabulary 1 read in today's words
 
 
 def when(name: str) -> str:
@@ -221,7 +223,7 @@ def bounded() -> dict[str, Any]:
     def state(row: dict[str, Any]) -> float:  # the cache at the target's context over the original's (1: a full cache)
         return next((c["ratio"] for c in row["cache_bytes"] or [] if c["context"] == RULES["state_context"]), 1.0)
 
-    states = [r for r in convert["rows"] if (r["method"] or "").split(":")[0].split("@")[0] in ("kvm", "mla+kvm")]
+    states = [r for r in convert["rows"] if (r["method"] or "").split(":")[0].split("@")[0] in ("kvm", "mla-kvm")]
     streaming = sorted((r for r in convert["rows"] if (r["method"] or "").startswith("streaming") and r["label"] in niah), key=state)
     fair = {r["label"]: [s["label"] for s in streaming if state(s) <= state(r) + 1e-9][-1:] for r in states if r["label"] in niah}
     decode = []

@@ -20,6 +20,8 @@ from slimkv.convert.pipeline import (
     heal_converted,
     read_manifest,
     read_shape,
+    same_method,
+    stored_options,
 )
 from slimkv.eval.models import conversion_method
 
@@ -45,7 +47,7 @@ def add_commands(subparsers) -> None:
             "  slimkv convert --model smollm2 --to mla --cache-ratio 0.25 --heal-tokens 500000 --out runs/smollm2-mla25\n"
             "  slimkv convert --model smollm2 --to mla-prefix --cache-ratio 0.5 --export deepseek --out runs/smollm2-ds50\n"
             "  slimkv convert --model smollm2 --to latent --cache-ratio 0.5 --out runs/smollm2-latent50   # exact RoPE, slower long decode\n"
-            "  slimkv convert --model smollm2 --to kvm:chunk_size=128,rows=256 --out runs/smollm2-kvm\n"
+            "  slimkv convert --model smollm2 --to kvm:chunk_size=128,sink_len=4 --out runs/smollm2-kvm   # the recipe docs/conversion.md measured\n"
             "  slimkv convert --out runs/smollm2-mla25 --resume        # continue an interrupted healing (with its options)\n"
             "  slimkv eval cache --model runs/smollm2-mla50 --context 4096\n"
             "  slimkv eval ppl --model runs/smollm2-mla50"
@@ -56,7 +58,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--to", dest="method", metavar="METHOD[:KEY=VALUE,...]",
                    help=f"the conversion method ({', '.join(CONVERSIONS)}; see below), with its own options where it has any (listed below)")
     p.add_argument("--cache-ratio", type=float,
-                   help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5 (not for kvm, rope-partial and streaming: their cache is set by their own options; for mla+kvm: the width of its latent rows, whose state is bounded)")
+                   help="kept fraction of the original KV-cache elements per token, in (0, 1), e.g. 0.5 (not for kvm, rope-partial and streaming: their cache is set by their own options; for mla-kvm: the width of its latent rows, whose state is bounded)")
     p.add_argument("--cache-storage", default=None, metavar="full|int8|int4[:group=G,residual=R]",
                    help="how the converted model's cache holds its rows (default full): int8 / int4 codes in groups of 32 channels with a "
                         "full-precision window of the newest 128 tokens; stacks with --cache-ratio (latent 0.5 x int4 keeps about 0.16 of the bytes)")
@@ -119,9 +121,9 @@ def _resume(args: argparse.Namespace) -> dict:
     """``--resume``: the options given must be those of the conversion and healing in --out."""
     out = Path(args.out).expanduser()
     manifest = read_manifest(out)
-    stored = manifest.get("options") or {}
+    stored = stored_options(manifest)  # the --to text spelled as today, for a folder converted before the renames
     differences = [f"{_flag(name)}: {out} has {stored[CONVERT_FLAGS[name]]!r}, given {value!r}" for name, value in _given(args, CONVERT_FLAGS).items()
-                   if CONVERT_FLAGS[name] in stored and stored[CONVERT_FLAGS[name]] != value]
+                   if CONVERT_FLAGS[name] in stored and not (stored[CONVERT_FLAGS[name]] == value or name == "method" and same_method(stored["method"], value))]
     base = (manifest.get("base_model") or {}).get("name")
     if args.model is not None and args.model != base and str(Path(args.model).expanduser().resolve()) != base:
         differences.insert(0, f"--model: {out} was converted from {base!r}, given {args.model!r}")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from slimkv.common.files import save_figure, write_json
+from slimkv.common.vocabulary import VOCABULARY
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
@@ -125,7 +126,7 @@ def write_results(name: str, payload: dict[str, Any], out_dir: str | Path, figur
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    body = {"benchmark": name, "machine": machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **payload}
+    body = {"benchmark": name, "machine": machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "vocabulary": VOCABULARY, **payload}
     write_json(path, body)
     if figure is not None:
         save_figure(figure, out_dir / f"{name}.png")

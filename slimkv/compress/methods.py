@@ -3,7 +3,7 @@
 
 Built in (docs/compression.md): ``svd`` (truncated SVD of each weight, no data), ``asvd`` (SVD of
 W diag(mean|x|^alpha), unscaled), ``rootcov`` (local activation-aware RootCov, all of a block's
-statistics from one pass) and ``latentllm`` (``slimkv.compress.latent``).
+statistics from one pass) and ``latentllm`` (``slimkv.compress.latentllm``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from slimkv.common.checks import close_matches
 from slimkv.compress.block import BlockContext
-from slimkv.compress.latent import attention_stage, mlp_stage
+from slimkv.compress.latentllm import attention_stage, mlp_stage
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ class CompressOptions:
     joint_qk: bool = True  # latentllm components (ablations switch them off)
     rope_aware_qk: bool = True  # average the joint QK objective over RoPE offsets (models with RoPE)
     joint_mlp: bool = True
-    joint_mlp_check: bool = True  # per block, keep the joint MLP only if its MLP output error beats separate RootCov factors (latent.mlp_output_errors)
+    joint_mlp_check: bool = True  # per block, keep the joint MLP only if its MLP output error beats separate RootCov factors (latentllm.mlp_output_errors)
     identity_block: bool = True
     cov_shrinkage: float = 0.0  # C -> (1 - s) C + s (tr C / d) I before factoring (Stats.shrunk): robustness away from the calibration text
     correct_upstream: bool = False  # fit each projection to the dense model's output from the compressed model's input (Stats.corrected_weight)

@@ -18,11 +18,11 @@ each head), exactly as the MLA conversion prices them (``convert.mla``):
    scale of the keys it summarises) and its bias at 0. ``convert.transfer`` then fits them (and
    optionally more) to the original attention's outputs on long calibration windows.
 
-``mla+kvm`` (``fit_latent_layer``) takes the ``mla`` conversion instead of steps 1-2 and runs KVM
+``mla-kvm`` (``fit_latent_layer``) takes the ``mla`` conversion instead of steps 1-2 and runs KVM
 over its latent rows (``slimkv.attention.mla_kvm``): a state key keeps the whole unrotated key of
 every head (its content part), not only the pairs left without rotation.
 
-Options (``--to kvm:NAME=VALUE,...``): ``METHOD_OPTIONS`` below; ``mla+kvm`` takes the same less
+Options (``--to kvm:NAME=VALUE,...``): ``METHOD_OPTIONS`` below; ``mla-kvm`` takes the same less
 ``rope_pairs`` (``LATENT_OPTIONS``) and a ``--cache-ratio`` for its latent rows.
 """
 
@@ -41,11 +41,14 @@ from slimkv.convert.source import Shape, Source
 from slimkv.convert.transfer import DEFAULT_LR, MAX_LR, PARAMETER_SETS, TransferConfig, capture_attention, transfer_model
 from slimkv.data.texts import calibration_ids, calibration_sources
 from slimkv.ops.kvm import KVMSettings
+from slimkv.ops.kvm.settings import DEFAULT_MIN_ROWS
 
-# --to kvm:NAME=VALUE options and their defaults: the KVM layer's own settings, the rotated pairs
-# and the attention transfer (convert.transfer); docs/conversion.md gives the measured choices.
-KVM_LAYER_OPTIONS = {"chunk_size": 128, "window_chunks": 2, "schedule": "fixed", "rows": 256, "sqrt_coef": None,
-                     "saturating_rows": None, "max_rows": None, "sink_len": 4}
+# --to kvm:NAME=VALUE options and their defaults: the KVM layer's own settings, named and defaulted
+# as on the layer (min_rows None: the schedule's default, 256 rows for fixed and sqrt), the rotated
+# pairs and the attention transfer (convert.transfer); docs/conversion.md gives the measured choices
+# (the runs there spell chunk_size=128,sink_len=4, the defaults before vocabulary 2: slimkv.common.vocabulary).
+KVM_LAYER_OPTIONS = {"chunk_size": 256, "window_chunks": 2, "schedule": "fixed", "min_rows": None, "sqrt_coef": None,
+                     "saturating_rows": None, "max_rows": None, "sink_len": 1}
 ROPE_OPTIONS = {"rope_pairs": 16}
 TRANSFER_OPTIONS = {"transfer_steps": 100, "transfer_lr": None, "transfer_seq_len": 2048, "transfer_windows": 8,
                     "transfer_params": "kvm"}  # transfer_lr None: DEFAULT_LR of the parameter set
@@ -69,26 +72,26 @@ def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | Non
 
 
 def check_latent_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
-    """Every ``--to mla+kvm`` option, before any work (the rotated pairs are MLA's rule)."""
-    check_state_options(shape, options, heal_seq_len, method="mla+kvm")
+    """Every ``--to mla-kvm`` option, before any work (the rotated pairs are MLA's rule)."""
+    check_state_options(shape, options, heal_seq_len, method="mla-kvm")
 
 
 def check_state_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None, *, method: str) -> None:
     """The KVM state and attention-transfer options (``KVM_LAYER_OPTIONS``, ``TRANSFER_OPTIONS``)
     and the healing window; errors name ``--to METHOD``."""
-    check_int(f"--to {method}: rows", options["rows"], 1)
+    if options["min_rows"] is not None:
+        check_int(f"--to {method}: min_rows", options["min_rows"], 1)
     check_int(f"--to {method}: chunk_size", options["chunk_size"], 1)
-    chunk = options["chunk_size"]
-    if options["rows"] < chunk:
-        raise ValueError(f"--to {method}: rows={options['rows']} is below chunk_size={chunk}: the state keeps every row of the first chunk, "
-                         f"so it holds at least {chunk} rows; give rows >= {chunk} (or a smaller chunk_size)")
+    chunk, rows = options["chunk_size"], state_rows(options)
+    if rows < chunk and (options["min_rows"] is not None or options["schedule"] in ("fixed", "sqrt")):  # saturating's default floor is 1 row, as on the layer
+        raise ValueError(f"--to {method}: min_rows={rows}{'' if options['min_rows'] is not None else ' (the default)'} is below chunk_size={chunk}: "
+                         f"the state keeps every row of the first chunk, so it holds at least {chunk} rows; give min_rows >= {chunk} (or a smaller chunk_size)")
     if options["max_rows"] is not None and (isinstance(options["max_rows"], bool) or not isinstance(options["max_rows"], int)
-                                            or options["max_rows"] < options["rows"]):
-        raise ValueError(f"--to {method}: max_rows={options['max_rows']!r} must be an integer >= rows={options['rows']} "
+                                            or options["max_rows"] < rows):
+        raise ValueError(f"--to {method}: max_rows={options['max_rows']!r} must be an integer >= min_rows={rows} "
                          "(the cap on the state's rows cannot be below its size)")
     try:
-        KVMSettings(**{name: options[name] for name in ("chunk_size", "window_chunks", "schedule", "sqrt_coef", "saturating_rows", "max_rows", "sink_len")},
-                    min_rows=options["rows"])
+        KVMSettings(**{name: options[name] for name in ("chunk_size", "window_chunks", "schedule", "min_rows", "sqrt_coef", "saturating_rows", "max_rows", "sink_len")})
     except ValueError as err:
         raise ValueError(f"--to {method}: {err}") from None
     window = options["chunk_size"] * options["window_chunks"]
@@ -107,6 +110,11 @@ def check_state_options(shape: Shape, options: dict[str, Any], heal_seq_len: int
                          f"({window} + {options['chunk_size']} tokens), or healing never trains the compressed state")
 
 
+def state_rows(options: dict[str, Any]) -> int:
+    """The state's floor of rows: ``min_rows``, or the schedule's default (``DEFAULT_MIN_ROWS``, the layer's)."""
+    return DEFAULT_MIN_ROWS.get(options["schedule"], 1) if options["min_rows"] is None else options["min_rows"]
+
+
 def transfer_demand(options: dict[str, Any]) -> tuple[int, int]:
     """(tokens, window length) the attention transfer samples from the calibration text."""
     return options["transfer_windows"] * options["transfer_seq_len"], options["transfer_seq_len"]
@@ -120,7 +128,7 @@ def layer_options(shape: Shape, options: dict[str, Any]) -> dict[str, Any]:
 def state_layer_options(options: dict[str, Any]) -> dict[str, Any]:
     """The KVM settings of a converted layer from the method options (``KVM_LAYER_OPTIONS``)."""
     schedule = options["schedule"]
-    layer = {"chunk_size": options["chunk_size"], "window_chunks": options["window_chunks"], "schedule": schedule, "min_rows": options["rows"],
+    layer = {"chunk_size": options["chunk_size"], "window_chunks": options["window_chunks"], "schedule": schedule, "min_rows": options["min_rows"],
              "sink_len": options["sink_len"], "max_rows": options["max_rows"]}
     if schedule == "sqrt":
         layer["sqrt_coef"] = options["sqrt_coef"]
@@ -200,7 +208,7 @@ def fit_layer(layer: LayerContext, options: dict[str, Any]) -> LayerFit:
 
 
 def fit_latent_layer(layer: LayerContext, options: dict[str, Any]) -> LayerFit:
-    """``mla+kvm``: the ``mla`` conversion of the layer (its kv_rank and rope_dim from the plan),
+    """``mla-kvm``: the ``mla`` conversion of the layer (its kv_rank and rope_dim from the plan),
     then KVM over its latent rows (``slimkv.attention.mla_kvm``): LN_s over a row [k_pe | c] with
     gain 0 on the rotary channels (a state key carries no position) and the typical spread of a
     latent elsewhere, gate 1, temperatures 1."""
@@ -222,18 +230,18 @@ def plan(layers: list[LayerContext], ratio: float | None, **options: Any) -> tup
     window = options["chunk_size"] * options["window_chunks"]
     return [dict(options) for _ in layers], (
         f"every layer: {options['rope_pairs']} rotated pairs per head (chosen by the cost of their loss), a window of {window} tokens "
-        f"({options['window_chunks']} chunks of {options['chunk_size']}), {options['schedule']} state of {options['rows']} rows, "
-        f"{options['sink_len']} sink tokens")
+        f"({options['window_chunks']} chunks of {options['chunk_size']}), {options['schedule']} state of {state_rows(options)} rows, "
+        f"{options['sink_len']} sink rows")
 
 
 def plan_latent(layers: list[LayerContext], ratio: float, **options: Any) -> tuple[list[dict[str, Any]], str]:
-    """``mla+kvm``: the ``mla`` plan for the latent rows (sized by the cache ratio) and the same
+    """``mla-kvm``: the ``mla`` plan for the latent rows (sized by the cache ratio) and the same
     KVM options in every layer."""
     plans, text = mla.plan_uniform(layers, ratio)
     window = options["chunk_size"] * options["window_chunks"]
     return [{**plan, **options} for plan in plans], (
         f"latent rows: {text}; KVM over them: a window of {window} tokens ({options['window_chunks']} chunks of {options['chunk_size']}), "
-        f"{options['schedule']} state of {options['rows']} rows shared by all heads, {options['sink_len']} sink tokens")
+        f"{options['schedule']} state of {state_rows(options)} rows shared by all heads, {options['sink_len']} sink rows")
 
 
 def plan_rope(layers: list[LayerContext], ratio: float | None, **options: Any) -> tuple[list[dict[str, Any]], str]:

@@ -2,7 +2,7 @@
 float64.
 
 Group g's key and value become k_g = W_s x + B_g (A_g x) (shared map plus a rank-r residual;
-``rank_k`` for keys, ``rank_v`` for values). Two RoPE placements (``--to lrkv:rope=...``):
+``rank_k`` for keys, ``rank_v`` for values). Two RoPE placements (``--to lrkv:rope_placement=...``, the layer's ``rope_placement``):
 
 * ``full`` (default, ``rope_mode="full"``): RoPE turns the rebuilt key exactly as the source's, so
   positions are never approximated, but decode rebuilds and rotates every cached key at every step.
@@ -29,7 +29,7 @@ channels of a pair means something); for values W_o,h^T W_o,h summed over the gr
 * **Alternating fit** (``ALTERNATING_STEPS``): W_s = (sum M_g)^-1 sum M_g (T_g - B_g A_g) (exact given
   the residuals), then each group's residual by the weighted low-rank fit; the relative
   objective falls monotonically (recorded in the manifest).
-* **Decoupled keys** (``rope=decoupled``): group g's unrotated residual keys (d_h rows) are first
+* **Decoupled keys** (``rope_placement=decoupled``): group g's unrotated residual keys (d_h rows) are first
   brought to the d_h - 2 ``rope_pairs`` channels left, by the fit weighted with the query energy
   of the group's heads (their queries absorb the map), then aligned across groups as the values are.
 * **Key/value split** of each group's residual width: 2:1 for keys by default (``split=rule``);
@@ -66,7 +66,7 @@ ALIGN_MAX_CONDITION = 1e4  # a group whose alignment map (values; decoupled keys
 SPLIT_CHOICES = ("rule", "measured")  # how each layer splits its residual width between keys and values
 KEY_SHARES = (1 / 3, 1 / 2, 2 / 3, 5 / 6, 1.0)  # ``split=measured``: the keys' shares of the residual width tried
 ROPE_CHOICES = ("full", "decoupled")  # where the rotation lives (module docstring)
-METHOD_OPTIONS = {"split": "rule", "rope": "full", "rope_pairs": None}  # rope_pairs: decoupled's rotated pairs, None = ``decoupled_pairs``
+METHOD_OPTIONS = {"split": "rule", "rope_placement": "full", "rope_pairs": None}  # rope_pairs: decoupled's rotated pairs, None = ``decoupled_pairs``
 
 
 def min_ratio(shape: Shape) -> float:
@@ -83,32 +83,32 @@ def ranks_for(shape: Shape, budget: int) -> tuple[int, int]:
 
 
 def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | None = None) -> None:
-    """``split`` one of SPLIT_CHOICES, ``rope`` one of ROPE_CHOICES, ``rope_pairs`` (decoupled only)
+    """``split`` one of SPLIT_CHOICES, ``rope_placement`` one of ROPE_CHOICES, ``rope_pairs`` (decoupled only)
     leaving channels for the residual: ValueError naming the option."""
     check_choice("--to lrkv: split", options["split"], SPLIT_CHOICES)
-    check_choice("--to lrkv: rope", options["rope"], ROPE_CHOICES)
+    check_choice("--to lrkv: rope_placement", options["rope_placement"], ROPE_CHOICES)
     pairs = options["rope_pairs"]
     if pairs is None:
         return
-    if options["rope"] != "decoupled":
-        raise ValueError(f"--to lrkv: rope_pairs={pairs!r} applies only with rope=decoupled (rope=full keeps every pair's rotation)")
+    if options["rope_placement"] != "decoupled":
+        raise ValueError(f"--to lrkv: rope_pairs={pairs!r} applies only with rope_placement=decoupled (rope_placement=full keeps every pair's rotation)")
     if isinstance(pairs, bool) or not isinstance(pairs, int) or not 1 <= pairs < shape.head_dim // 2:
         raise ValueError(f"--to lrkv: rope_pairs={pairs!r} must be an integer from 1 to {shape.head_dim // 2 - 1}: the shared key rotates that "
                          f"many of the model's {shape.head_dim // 2} pairs and the residual writes the channels left")
 
 
 def decoupled_pairs(shape: Shape, rope_pairs: int | None) -> int:
-    """The rotated pairs of ``rope=decoupled``: ``rope_pairs``, or 5 head_dim / 16 (20 of SmolLM2's
+    """The rotated pairs of ``rope_placement=decoupled``: ``rope_pairs``, or 5 head_dim / 16 (20 of SmolLM2's
     32 pairs, the best of 4 to 28 at R = 1/2, docs/conversion.md), at least one, leaving a channel."""
     if rope_pairs is not None:
         return rope_pairs
     return min(max(1, round(5 * shape.head_dim / 16)), shape.head_dim // 2 - 1)
 
 
-def _layer_plan(shape: Shape, rank_k: int, width: int, rope: str, rope_pairs: int | None) -> dict[str, Any]:
+def _layer_plan(shape: Shape, rank_k: int, width: int, rope_placement: str, rope_pairs: int | None) -> dict[str, Any]:
     """One layer's planned options: the key rank (at most the channels the residual writes) and
-    the value rank sharing ``width``, with the rotated pairs for ``rope=decoupled``."""
-    if rope != "decoupled":
+    the value rank sharing ``width``, with the rotated pairs for ``rope_placement=decoupled``."""
+    if rope_placement != "decoupled":
         return {"rank_k": rank_k, "rank_v": width - rank_k}
     pairs = decoupled_pairs(shape, rope_pairs)
     rank_k = min(rank_k, shape.head_dim - 2 * pairs)
@@ -126,46 +126,46 @@ def split_candidates(shape: Shape, ratio: float) -> list[int]:
     return sorted({round(share * width) for share in KEY_SHARES})
 
 
-def plan_uniform(layers: list[LayerContext], ratio: float, *, split: str = "rule", rope: str = "full", rope_pairs: int | None = None
+def plan_uniform(layers: list[LayerContext], ratio: float, *, split: str = "rule", rope_placement: str = "full", rope_pairs: int | None = None
                  ) -> tuple[list[dict[str, Any]], str]:
     """Every layer keeps the shared key and value and the same residual width per K/V group;
     ``split=rule`` divides it 2:1 for keys in every layer (``ranks_for``), ``split=measured`` gives
     each layer the key rank of ``split_candidates`` whose layer alone moved the model least
-    (``LayerContext.sensitivity``, one KL per candidate). ``rope=decoupled`` adds the rotated
+    (``LayerContext.sensitivity``, one KL per candidate). ``rope_placement=decoupled`` adds the rotated
     pairs (``decoupled_pairs``) and caps the key rank at the channels the residual writes."""
     shape = layers[0].shape
     budget = layer_budget(shape, ratio)
     rank_k, rank_v = ranks_for(shape, budget)
     width = rank_k + rank_v
     cache = 2 * shape.head_dim + shape.n_kv_heads * width
-    rotation = (f"; the shared key rotates {decoupled_pairs(shape, rope_pairs)} pairs, the residual keys none" if rope == "decoupled" else "")
+    rotation = (f"; the shared key rotates {decoupled_pairs(shape, rope_pairs)} pairs, the residual keys none" if rope_placement == "decoupled" else "")
     if split == "measured":
         candidates = split_candidates(shape, ratio)
-        plans = [_layer_plan(shape, r, width, rope, rope_pairs) for r in least_sensitive(layers, candidates, "lrkv:split=measured")]
+        plans = [_layer_plan(shape, r, width, rope_placement, rope_pairs) for r in least_sensitive(layers, candidates, "lrkv:split=measured")]
         ranks = [p["rank_k"] for p in plans]
         return plans, (
             f"measured: every layer keeps the shared key and value and a residual of {width} per K/V group, split between keys and "
             f"values by the key rank of {candidates} whose layer alone moved the model least (rank_k from {min(ranks)} to {max(ranks)}; "
             f"cache {cache} <= floor(ratio x {shape.cache_elements}) per layer){rotation}")
-    plan = _layer_plan(shape, rank_k, width, rope, rope_pairs)
+    plan = _layer_plan(shape, rank_k, width, rope_placement, rope_pairs)
     return [dict(plan) for _ in layers], (
         f"uniform: every layer keeps the shared key and value and rank_k={plan['rank_k']}, rank_v={plan['rank_v']} per K/V group "
         f"(cache {cache} <= floor(ratio x {shape.cache_elements}) per layer){rotation}")
 
 
-def probe_plans(layers: list[LayerContext], ratio: float, *, split: str = "rule", rope: str = "full", rope_pairs: int | None = None
+def probe_plans(layers: list[LayerContext], ratio: float, *, split: str = "rule", rope_placement: str = "full", rope_pairs: int | None = None
                 ) -> list[list[dict[str, Any]]] | None:
     """``split=measured``: one uniform plan per candidate key rank; nothing otherwise."""
     if split != "measured":
         return None
     shape = layers[0].shape
     width = residual_width(shape, ratio)
-    return [[_layer_plan(shape, r, width, rope, rope_pairs) for _ in layers] for r in split_candidates(shape, ratio)]
+    return [[_layer_plan(shape, r, width, rope_placement, rope_pairs) for _ in layers] for r in split_candidates(shape, ratio)]
 
 
 def fit_layer(layer: LayerContext, options: dict[str, Any], *, align: bool = True, steps: int = ALTERNATING_STEPS) -> LayerFit:
     """The lrkv layer with ``options`` rank_k and rank_v fitted to ``layer`` (module docstring);
-    with ``rope_pairs`` (``rope=decoupled``) the layer's options come back with its rotation
+    with ``rope_pairs`` (``rope_placement=decoupled``) the layer's options come back with its rotation
     (``rope_mode``, the rotated pairs' original frequencies)."""
     s, a = layer.shape, layer.affine()
     pairs = options.get("rope_pairs")

@@ -33,6 +33,7 @@ from typing import Any
 
 from slimkv.common.checks import close_matches
 from slimkv.common.spec import parse_item, split_items
+from slimkv.common.vocabulary import renamed_method, renamed_setting
 from slimkv.convert import gqa, hybrid, kvm, latent, lrkv, mla, streaming
 from slimkv.convert.context import LayerContext, LayerFit
 from slimkv.convert.source import Shape
@@ -85,6 +86,8 @@ def register_conversion(name: str, *, kind: str, plan: Callable, fit: Callable, 
 def get_conversion(name: str) -> Conversion:
     """The method ``name`` (the part of ``--to`` before any ``:``)."""
     name = name.partition(":")[0]
+    if renamed_method(name):
+        raise ValueError(renamed_method(name))
     if name not in CONVERSIONS:
         raise ValueError(f"--to {name!r} is not a conversion method{close_matches(name, CONVERSIONS)}; allowed values: {', '.join(CONVERSIONS)}")
     return CONVERSIONS[name]
@@ -98,6 +101,8 @@ def parse_method(text: str) -> tuple[Conversion, dict[str, Any]]:
     _, _, items = text.partition(":")
     for item in split_items(items, f"--to {text}"):
         key, value = parse_item(item, f"--to {text}")
+        if key not in settings and renamed_setting(method.name, key):
+            raise ValueError(renamed_setting(method.name, key))
         if key not in settings:
             allowed = f"allowed options: {', '.join(settings)}" if settings else "it takes no options"
             raise ValueError(f"--to {text}: {key!r} is not an option of {method.name}{close_matches(key, settings)}; {allowed}")
@@ -128,7 +133,7 @@ register_conversion(
     "lrkv", kind="lrkv", min_ratio=lrkv.min_ratio, plan=lrkv.plan_uniform, fit=lrkv.fit_layer,
     options=lambda shape: {"rope_mode": "full", "n_kv_heads": shape.n_kv_heads}, settings=lrkv.METHOD_OPTIONS, check=lrkv.check_options,
     probe_plans=lrkv.probe_plans,
-    description="shared K/V plus low-rank residuals per K/V head (aligned, alternating fit); RoPE exact, or rope=decoupled for a decode "
+    description="shared K/V plus low-rank residuals per K/V head (aligned, alternating fit); RoPE exact, or rope_placement=decoupled for a decode "
                 "that reads the compact cache directly",
 )
 register_conversion(
@@ -137,7 +142,7 @@ register_conversion(
     description="key-value means: exact window + bounded state of key/value means (partial RoPE, attention transfer); no --cache-ratio",
 )
 register_conversion(
-    "mla+kvm", kind="mla-kvm", min_ratio=mla.min_ratio, plan=kvm.plan_latent, fit=kvm.fit_latent_layer,
+    "mla-kvm", kind="mla-kvm", min_ratio=mla.min_ratio, plan=kvm.plan_latent, fit=kvm.fit_latent_layer,
     options=lambda shape: {"latent_norm": False}, settings=kvm.LATENT_OPTIONS, check=kvm.check_latent_options,
     refine=kvm.attention_transfer, text_demand=lambda settings, shape: kvm.transfer_demand(settings),
     description="mla's latent rows for the window, KVM's bounded state of latent means for the past (attention transfer); --cache-ratio sizes the rows",

@@ -159,7 +159,7 @@ class DecoupledRotation:
 def decouple_rotation(layer: LayerContext, a: AffineLayer, q: torch.Tensor, pairs: int, select: str = "error") -> DecoupledRotation:
     """Steps 1-2 of the module docstring for ``pairs`` rotated pairs chosen by ``select``
     (``error`` or ``prefix``); ``q`` (H, F, d') complex are the queries the logits are read with.
-    Shared by ``mla`` and ``lrkv:rope=decoupled``."""
+    Shared by ``mla`` and ``lrkv:rope_placement=decoupled``."""
     groups, hd = layer.shape.n_kv_heads, layer.shape.head_dim
     group_of = layer.head_group
     k = to_complex(a.k)  # (G, F, d')

@@ -33,6 +33,7 @@ from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import OutputFolder, read_json, write_json
 from slimkv.common.quiet import quiet_transformers
 from slimkv.common.version import VERSION
+from slimkv.common.vocabulary import VOCABULARY, current_method, is_legacy
 from slimkv.convert import hybrid, sensitivity
 from slimkv.convert.budget import BudgetPlan, plan_budget
 from slimkv.convert.calibrate import layer_statistics
@@ -215,9 +216,10 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     refined = method.refine(model, source, settings, calib=options.calib, seed=options.seed, progress=progress) if method.refine else None
     finished = time.perf_counter()
     before = [float(shape.cache_elements)] * shape.n_layers
-    per_token = method.sized_by_ratio and model.cache_is_per_token()  # mla+kvm: the ratio sizes its rows, its cache is bounded
+    per_token = method.sized_by_ratio and model.cache_is_per_token()  # mla-kvm: the ratio sizes its rows, its cache is bounded
     after = model.cache_elements_per_token() if per_token else []
     manifest = {
+        "vocabulary": VOCABULARY,  # the spelling of method and method_options (slimkv.common.vocabulary)
         "method": method.name,
         "method_options": settings,
         "kind": method.kind,
@@ -378,7 +380,35 @@ def finished_conversion(out_dir: str | Path, options: ConvertOptions) -> dict[st
     if not path.is_file():
         return None
     manifest = read_json(path, expect=dict)
-    return manifest if manifest.get("options") == asdict(options) else None
+    return manifest if same_options(stored_options(manifest), asdict(options)) else None
+
+
+def stored_options(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's ``options`` with its ``--to`` text spelled as today (``slimkv.common.vocabulary``):
+    a folder converted before the renames (``mla+kvm``, ``kvm:rows``, ``lrkv:rope``, the old kvm defaults) reads as it was made."""
+    options = dict(manifest.get("options") or {})
+    if isinstance(options.get("method"), str):
+        options["method"] = current_method(options["method"], legacy=is_legacy(manifest))
+    return options
+
+
+def same_options(stored: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether two ``ConvertOptions`` (as dicts) make the same conversion: every field equal, the
+    ``--to`` texts by the method and settings they parse to (``kvm:a=1,b=2`` is ``kvm:b=2,a=1``)."""
+    if {k: v for k, v in stored.items() if k != "method"} != {k: v for k, v in wanted.items() if k != "method"}:
+        return False
+    return same_method(stored.get("method"), wanted.get("method"))
+
+
+def same_method(a: Any, b: Any) -> bool:
+    """Whether two ``--to`` texts name the same method with the same settings (defaults filled in)."""
+    if a == b:
+        return True
+    try:
+        (method_a, settings_a), (method_b, settings_b) = parse_method(str(a)), parse_method(str(b))
+    except ValueError:
+        return False
+    return method_a.name == method_b.name and settings_a == settings_b
 
 
 def conversion_fingerprint(out_dir: Path, manifest: dict[str, Any]) -> str:

@@ -85,7 +85,7 @@ def load_original(loaded: LoadedModel, *, dtype: torch.dtype = torch.float32, de
 
 def conversion_method(converted: dict[str, Any]) -> str:
     """The ``--to`` text a converted model was made with (``identity["converted"]``), options
-    included (``lrkv:rope=decoupled``), or the bare method name of a manifest without it."""
+    included (``lrkv:rope_placement=decoupled``), or the bare method name of a manifest without it."""
     return (converted.get("options") or {}).get("method") or converted["method"]
 
 
@@ -101,7 +101,7 @@ def kept_cache_ratio(converted: dict[str, Any]) -> float:
 
 def cache_label(converted: dict[str, Any]) -> str:
     """How a converted model's cache compares with the original's (``identity["converted"]``): a
-    per-token cache by its ratio asked and achieved; a bounded one (kvm, mla+kvm, streaming: no
+    per-token cache by its ratio asked and achieved; a bounded one (kvm, mla-kvm, streaming: no
     achieved ratio, its cache stops growing) or a hybrid one (some heads grow, the others are
     bounded) by its bytes at the longest context of its cache table."""
     asked = "" if converted.get("cache_ratio") is None else f"cache ratio {converted['cache_ratio']}"

@@ -48,7 +48,7 @@ def slimkv_row(report: dict[str, Any], label: str, source: str) -> dict[str, Any
     converted = identity.get("converted") or {}
     compressed = identity.get("compressed") or {}
     kept = kept_cache_ratio(converted) if converted and not compressed else 1.0
-    # the fraction asked (the budget class); a bounded cache's kept fraction (kvm; mla+kvm, whose ratio sizes its rows)
+    # the fraction asked (the budget class); a bounded cache's kept fraction (kvm; mla-kvm, whose ratio sizes its rows)
     bounded = converted.get("achieved_cache_ratio") is None
     budget = (kept if bounded else converted["cache_ratio"]) if converted and not compressed else 1.0
     items = [(c["task"], c["length"], s) for c in report["cells"].values() for s in c["scores"]]

@@ -18,7 +18,7 @@ def script():
 
 
 def test_the_markdown_is_what_the_json_renders(script):
-    data = json.loads((BENCHMARKS / "results" / f"{NAME}.json").read_text())
+    data = script.read_results(BENCHMARKS / "results" / f"{NAME}.json")
     committed = (BENCHMARKS / "results" / f"{NAME}.md").read_text()
     assert committed == script.format_markdown(data["settings"], data["rows"]), f"run benchmarks/convert_kvm.py to regenerate {NAME}.md"
 
@@ -32,7 +32,15 @@ def test_the_ratios_follow_from_the_perplexities():
 
 
 def test_a_run_names_its_cache_ratio_after_an_at_sign(script):
-    assert script.split_ratio("mla+kvm:rows=192@0.75") == ("mla+kvm:rows=192", 0.75)
-    assert script.split_ratio("kvm:rows=128") == ("kvm:rows=128", None)
+    assert script.split_ratio("mla-kvm:min_rows=192@0.75") == ("mla-kvm:min_rows=192", 0.75)
+    assert script.split_ratio("kvm:min_rows=512") == ("kvm:min_rows=512", None)
     with pytest.raises(SystemExit, match="must be a cache ratio"):
-        script.split_ratio("mla+kvm@half")
+        script.split_ratio("mla-kvm@half")
+
+
+def test_the_committed_runs_read_in_todays_words(script):
+    """The file was written before the renames: its methods read as today's, the old kvm defaults written out."""
+    data = script.read_results(BENCHMARKS / "results" / f"{NAME}.json")
+    methods = {row["label"]: row["method"] for row in data["rows"]}
+    assert methods["kvm"] == f"kvm:{script.KVM_RECIPE}" and methods["mla75-kvm"] == f"mla-kvm:{script.KVM_RECIPE},min_rows=192@0.75"
+    assert data["settings"]["runs"]["kvm-rows1024"] == f"kvm:{script.KVM_RECIPE},min_rows=1024"

@@ -21,7 +21,7 @@ from tests.compress.conftest import tiny_model
 from tests.convert.test_methods import contexts, max_logit_error, perturbed
 
 HEAD_PAIRS = 6  # the tiny Llama's head_dim 12
-SMALL_KVM = "kvm:chunk_size=4,window_chunks=2,rows=6,sink_len=1,rope_pairs=3,transfer_seq_len=32,transfer_windows=2"
+SMALL_KVM = "kvm:chunk_size=4,window_chunks=2,min_rows=6,sink_len=1,rope_pairs=3,transfer_seq_len=32,transfer_windows=2"
 
 
 def kvm_options(tmp_path, method: str = SMALL_KVM, **fields) -> ConvertOptions:
@@ -63,7 +63,7 @@ def test_kvm_end_to_end_transfer_lowers_every_layers_error_and_the_state_stays_f
     model, manifest = convert_pretrained(str(tiny_folder), kvm_options(tmp_path, SMALL_KVM + ",transfer_steps=25,transfer_lr=0.05"), out, progress=False)
     stored = json.loads((out / CONVERTED_MANIFEST).read_text())
     assert stored["method"] == "kvm" and stored["kind"] == "kvm" and stored["cache_ratio"] is None
-    assert stored["method_options"]["rows"] == 6 and stored["achieved_cache_ratio"] is None
+    assert stored["method_options"]["min_rows"] == 6 and stored["achieved_cache_ratio"] is None
     layers = stored["refinement"]["layers"]
     assert len(layers) == 2 and all(layer["relative_error_after"] < layer["relative_error_before"] for layer in layers)
     table = stored["cache_bytes"]
@@ -81,25 +81,29 @@ def test_kvm_end_to_end_transfer_lowers_every_layers_error_and_the_state_stays_f
     ("kvm:rope_pairs=6", None, r"--to kvm: rope_pairs=6 must be an integer from 1 to 5"),
     ("rope-partial:rope_pairs=6", None, r"--to rope-partial: rope_pairs=6 must be an integer from 1 to 5"),
     ("kvm:rope_pairs=0", None, r"rope_pairs=0 must be an integer from 1 to 5"),
-    ("kvm:rope_pairs=3,rows=0", None, r"rows must be an integer >= 1"),
+    ("kvm:rope_pairs=3,min_rows=0", None, r"min_rows must be an integer >= 1"),
+    ("kvm:rope_pairs=3,rows=256", None, r"--to kvm: the option 'rows' is now spelled 'min_rows'"),
     ("kvm:rope_pairs=3,chunk_size=64", None, r"the window \(chunk_size x window_chunks = 128 tokens\) must be shorter than the model's 128 positions"),
     ("kvm:rope_pairs=3,chunk_size=4,sink_len=1,transfer_seq_len=12", None, r"transfer_seq_len must be an integer >= 16"),
     ("kvm:rope_pairs=3,schedule=daily", None, r"schedule='daily' is not allowed"),
     ("kvm:window=3", None, r"'window' is not an option of kvm.*allowed options: chunk_size"),
     ("kvm:rope_pairs=3", 0.5, r"--to kvm takes no --cache-ratio"),
     ("mla", None, r"--to mla needs --cache-ratio"),
-    ("mla+kvm", None, r"--to mla\+kvm needs --cache-ratio"),
-    ("mla+kvm:rope_pairs=3", 0.5, r"'rope_pairs' is not an option of mla\+kvm.*allowed options: chunk_size"),
-    ("mla+kvm:rows=0", 0.5, r"--to mla\+kvm: rows must be an integer >= 1"),
-    ("mla+kvm:chunk_size=64", 0.5, r"--to mla\+kvm: the window \(chunk_size x window_chunks = 128 tokens\) must be shorter"),
+    ("mla-kvm", None, r"--to mla-kvm needs --cache-ratio"),
+    ("mla+kvm", 0.5, r"--to mla\+kvm is now spelled --to mla-kvm"),
+    ("mla-kvm:rope_pairs=3", 0.5, r"'rope_pairs' is not an option of mla-kvm.*allowed options: chunk_size"),
+    ("mla-kvm:min_rows=0", 0.5, r"--to mla-kvm: min_rows must be an integer >= 1"),
+    ("mla-kvm:rows=2", 0.5, r"the option 'rows' is now spelled 'min_rows'"),
+    ("mla-kvm:chunk_size=64", 0.5, r"--to mla-kvm: the window \(chunk_size x window_chunks = 128 tokens\) must be shorter"),
     ("mla:rank=3", 0.5, r"'rank' is not an option of mla.*allowed options: pairs"),
     ("gqa:rank=3", 0.5, r"'rank' is not an option of gqa.*it takes no options"),
     ("latent:weighting=plain", 0.5, r"--to latent: weighting='plain' is not allowed.*output, rootcov"),
     ("latent:kv_balance=0", 0.5, r"--to latent: kv_balance must be"),
     ("latent", None, r"--to latent needs --cache-ratio"),
-    ("lrkv:rope=sideways", 0.5, r"--to lrkv: rope='sideways' is not allowed; allowed values: full, decoupled"),
-    ("lrkv:rope_pairs=2", 0.5, r"--to lrkv: rope_pairs=2 applies only with rope=decoupled"),
-    ("lrkv:rope=decoupled,rope_pairs=6", 0.5, r"--to lrkv: rope_pairs=6 must be an integer from 1 to 5"),
+    ("lrkv:rope_placement=sideways", 0.5, r"--to lrkv: rope_placement='sideways' is not allowed; allowed values: full, decoupled"),
+    ("lrkv:rope=decoupled", 0.5, r"--to lrkv: the option 'rope' is now spelled 'rope_placement'"),
+    ("lrkv:rope_pairs=2", 0.5, r"--to lrkv: rope_pairs=2 applies only with rope_placement=decoupled"),
+    ("lrkv:rope_placement=decoupled,rope_pairs=6", 0.5, r"--to lrkv: rope_pairs=6 must be an integer from 1 to 5"),
 ])
 def test_bad_options_fail_before_any_work(tiny_folder, tmp_path, method, ratio, message):
     with pytest.raises(ValueError, match=message):
@@ -114,19 +118,19 @@ def test_the_cli_refuses_a_healing_window_the_state_never_reaches(tiny_folder, t
     assert not (tmp_path / "never").exists()
 
 
-SMALL_MLA_KVM = "mla+kvm:chunk_size=4,window_chunks=2,rows=6,sink_len=1,transfer_seq_len=32,transfer_windows=2"
+SMALL_MLA_KVM = "mla-kvm:chunk_size=4,window_chunks=2,min_rows=6,sink_len=1,transfer_seq_len=32,transfer_windows=2"
 
 
 def test_mla_kvm_with_a_window_covering_the_sequence_is_the_mla_conversion():
-    """mla+kvm one-shot reads only its window until a chunk leaves it: the mla conversion at the
+    """mla-kvm one-shot reads only its window until a chunk leaves it: the mla conversion at the
     same ratio, logit for logit; with a short window the state changes the late tokens only."""
     original = perturbed(tiny_model("llama"))
     source, layers = contexts(original)
     mla_plans, _ = get_conversion("mla").plan(layers, 0.5)
-    _, wide = parse_method("mla+kvm:chunk_size=16,window_chunks=4,transfer_steps=0")
-    _, narrow = parse_method("mla+kvm:chunk_size=4,window_chunks=2,rows=6,sink_len=1,transfer_steps=0")
+    _, wide = parse_method("mla-kvm:chunk_size=16,window_chunks=4,transfer_steps=0")
+    _, narrow = parse_method("mla-kvm:chunk_size=4,window_chunks=2,min_rows=6,sink_len=1,transfer_steps=0")
     plain, _, _ = build_converted(source, get_conversion("mla"), layers, mla_plans)
-    method = get_conversion("mla+kvm")
+    method = get_conversion("mla-kvm")
     whole, _, _ = build_converted(source, method, layers, method.plan(layers, 0.5, **wide)[0])
     bounded, _, _ = build_converted(source, method, layers, method.plan(layers, 0.5, **narrow)[0])
     ids = torch.randint(3, 99, (2, 40), generator=torch.Generator().manual_seed(3))
@@ -141,7 +145,7 @@ def test_mla_kvm_end_to_end_transfer_lowers_every_layers_error_and_the_state_sta
     options = kvm_options(tmp_path, SMALL_MLA_KVM + ",transfer_steps=25,transfer_lr=0.05", cache_ratio=0.5)
     model, _ = convert_pretrained(str(tiny_folder), options, out, progress=False)
     stored = json.loads((out / CONVERTED_MANIFEST).read_text())
-    assert stored["method"] == "mla+kvm" and stored["kind"] == "mla-kvm" and stored["cache_ratio"] == 0.5
+    assert stored["method"] == "mla-kvm" and stored["kind"] == "mla-kvm" and stored["cache_ratio"] == 0.5
     layers = stored["refinement"]["layers"]
     assert len(layers) == 2 and all(layer["relative_error_after"] < layer["relative_error_before"] for layer in layers)
     table = stored["cache_bytes"]
@@ -153,7 +157,7 @@ def test_mla_kvm_end_to_end_transfer_lowers_every_layers_error_and_the_state_sta
     ids = torch.randint(3, 99, (1, 40))
     with torch.no_grad():
         assert torch.equal(reloaded.model(ids).logits, model(ids).logits)
-    assert reloaded.identity["converted"]["method"] == "mla+kvm"
+    assert reloaded.identity["converted"]["method"] == "mla-kvm"
 
 
 def test_streaming_keeps_the_original_weights_and_forgets_only_the_middle():

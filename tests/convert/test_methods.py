@@ -84,7 +84,7 @@ def test_mla_prefix_is_exact_for_one_kv_head(family):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_decoupled_lrkv_at_full_rank_is_the_partial_rope_layer(family):
-    """With one K/V head and full residual ranks, ``lrkv:rope=decoupled`` loses only the rotations
+    """With one K/V head and full residual ranks, ``lrkv:rope_placement=decoupled`` loses only the rotations
     it drops: it must compute what ``rope-partial`` (the same pairs kept, the rest read with the
     rotation's expectation) computes, through a different fit (mixed pairs, channel map, alignment)."""
     config = tiny_config(family)
@@ -148,12 +148,12 @@ def test_each_method_end_to_end_at_half_the_cache(method, tiny_folder, tmp_path)
 
 
 def test_decoupled_lrkv_end_to_end_decodes_from_the_compact_cache(tiny_folder, tmp_path):
-    """``--to lrkv:rope=decoupled`` at 3/4 of the cache (residual ranks 4 and 2 on the tiny model):
+    """``--to lrkv:rope_placement=decoupled`` at 3/4 of the cache (residual ranks 4 and 2 on the tiny model):
     every layer rotates the rule's pairs at the frequencies its fit chose, the cache is what
-    ``rope=full`` keeps, and a decode step by step (factored, never rebuilding a key) gives the
+    ``rope_placement=full`` keeps, and a decode step by step (factored, never rebuilding a key) gives the
     logits of one forward pass over the sequence."""
     out = tmp_path / "out"
-    model, manifest = convert_pretrained(str(tiny_folder), options("lrkv:rope=decoupled", 0.75, tmp_path), out, progress=False)
+    model, manifest = convert_pretrained(str(tiny_folder), options("lrkv:rope_placement=decoupled", 0.75, tmp_path), out, progress=False)
     full_rope, _ = convert_pretrained(str(tiny_folder), options("lrkv", 0.75, tmp_path), tmp_path / "full", progress=False)
     config = json.loads((out / "config.json").read_text())
     for layer_options, layer in zip(config["per_layer_options"], model.attention_layers):
@@ -169,7 +169,7 @@ def test_decoupled_lrkv_end_to_end_decodes_from_the_compact_cache(tiny_folder, t
     assert not torch.allclose(whole, full_rope(ids).logits, atol=1e-3)  # a different conversion, not the full-rope one renamed
     from slimkv.eval.ppl import describe  # the label eval prints names the method with its options
 
-    assert describe(load_language_model(str(out)).identity, str(out)).startswith("convert lrkv:rope=decoupled (lrkv layers)")
+    assert describe(load_language_model(str(out)).identity, str(out)).startswith("convert lrkv:rope_placement=decoupled (lrkv layers)")
 
 
 def test_the_methods_refuse_ratios_below_their_minimum(tiny_folder, tmp_path):

@@ -89,11 +89,11 @@ def test_a_transfer_at_too_high_a_rate_is_not_published_worse(tiny_folder, tmp_p
 
 @pytest.mark.parametrize("extra, message", [
     (",transfer_lr=1000000.0", r"transfer_lr must be a finite number > 0.0 and <= 1.0"),
-    (",rows=1", r"rows=1 is below chunk_size=4: the state keeps every row of the first chunk"),
-    (",rows=8,max_rows=6", r"max_rows=6 must be an integer >= rows=8"),
+    (",min_rows=1", r"min_rows=1 is below chunk_size=4: the state keeps every row of the first chunk"),
+    (",min_rows=8,max_rows=6", r"max_rows=6 must be an integer >= min_rows=8"),
 ])
 def test_state_and_transfer_options_that_cannot_hold_are_refused(tiny_folder, tmp_path, extra, message):
-    method = SMALL_KVM.replace(",rows=6", "") + extra
+    method = SMALL_KVM.replace(",min_rows=6", "") + extra
     with pytest.raises(ValueError, match=message):
         pipeline.check_before_work(str(tiny_folder), kvm_options(tmp_path, method), tmp_path / "out")
 

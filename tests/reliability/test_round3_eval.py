@@ -26,7 +26,7 @@ from slimkv.retrieval import models as retrieval
 from slimkv.retrieval.prompts import TASKS
 from tests.compress.conftest import CALIB_LINES, HELD_OUT_LINES, char_tokenizer, tiny_config, tiny_model, write_tiny_llama_folder
 
-MLA_KVM = "mla+kvm:chunk_size=4,window_chunks=2,rows=6,sink_len=1,transfer_steps=0,transfer_seq_len=32,transfer_windows=2"
+MLA_KVM = "mla-kvm:chunk_size=4,window_chunks=2,min_rows=6,sink_len=1,transfer_steps=0,transfer_seq_len=32,transfer_windows=2"
 
 
 @pytest.fixture
@@ -77,8 +77,8 @@ def test_plain_float_spellings_are_numbers_in_every_option_grammar():
 
 
 def test_an_option_given_twice_is_refused_naming_it():
-    with pytest.raises(ValueError, match=r"option 'rows' is given twice in 'rows=1,rows=2'"):
-        parse_method("kvm:rows=1,rows=2")
+    with pytest.raises(ValueError, match=r"option 'min_rows' is given twice in 'min_rows=1,min_rows=2'"):
+        parse_method("kvm:min_rows=1,min_rows=2")
     with pytest.raises(ValueError, match=r"entry 'swa\+kvm:swa.window=4,kvm.rows=2,swa.window=8': option 'swa.window' is given twice"):
         AttentionSpec.parse("swa+kvm:swa.window=4,kvm.rows=2,swa.window=8")
     assert AttentionSpec.parse("swa+kvm:window=4,swa.window=8").layer_options(0) == {"window": 8}  # a kind's own option over the shared one
@@ -86,7 +86,7 @@ def test_an_option_given_twice_is_refused_naming_it():
 
 
 def test_ppl_of_a_bounded_conversion_describes_its_cache_in_bytes(tiny_folder, tmp_path, capsys):
-    """mla+kvm records a ratio but no achieved ratio (its cache is bounded): the label gives its
+    """mla-kvm records a ratio but no achieved ratio (its cache is bounded): the label gives its
     cache bytes at the longest context of its table, where it used to format None."""
     manifest = convert(tiny_folder, MLA_KVM, 0.5, tmp_path / "out")
     assert manifest["cache_ratio"] == 0.5 and manifest["achieved_cache_ratio"] is None

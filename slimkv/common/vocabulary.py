@@ -1,0 +1,99 @@
+"""Spellings that were renamed so that each public word means one thing (docs/glossary.md, issue 40).
+
+A user who types an old spelling is refused with a message naming the new one (``renamed_method``,
+``renamed_setting``: ``slimkv.convert.methods`` raises them). What was *written* under an old
+spelling keeps reading: ``current_method`` rewrites a ``--to`` text as it is spelled today, so a
+converted folder's manifest or a results file made before the renames compares and displays with
+today's words. Pure data and text (it reads option lists with ``slimkv.common.spec``).
+
+Renamed in vocabulary 2:
+
+* ``--to mla+kvm`` -> ``--to mla-kvm`` (``+`` is the layer pattern of ``--attention swa+kvm``; this
+  conversion builds the one kind ``mla-kvm``);
+* ``--to kvm:rows`` and ``--to mla-kvm:rows`` -> ``min_rows`` (the layer's option, beside ``max_rows``);
+* ``--to lrkv:rope`` -> ``rope_placement`` (``rope`` is the common option, ``full``/``partial``/``none``;
+  this setting is where lrkv applies RoPE, ``full``/``decoupled``: the layer's ``rope_placement``);
+* the defaults of ``--to kvm`` and ``--to mla-kvm`` are the layer's: ``chunk_size`` 256 (was 128),
+  ``sink_len`` 1 (was 4), ``min_rows`` the schedule's default (256 for ``fixed`` and ``sqrt``, as
+  ``rows`` was). A text written before spelled neither when it used the old defaults, so
+  ``current_method(..., legacy=True)`` writes them out (``LEGACY_DEFAULTS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from slimkv.common.spec import split_items
+
+VOCABULARY = 2  # results files and conversion manifests record it; those without it were written under vocabulary 1
+
+RENAMED_METHODS = {"mla+kvm": "mla-kvm"}
+RENAMED_SETTINGS = {"kvm": {"rows": "min_rows"}, "mla-kvm": {"rows": "min_rows"}, "lrkv": {"rope": "rope_placement"}}
+LEGACY_DEFAULTS = {"kvm": {"chunk_size": 128, "sink_len": 4}, "mla-kvm": {"chunk_size": 128, "sink_len": 4}}  # vocabulary 1's defaults
+
+
+def renamed_method(name: str) -> str | None:
+    """The message refusing ``--to NAME`` when NAME is an old spelling, else None."""
+    new = RENAMED_METHODS.get(name)
+    return None if new is None else (f"--to {name} is now spelled --to {new} (it builds the one kind {new}; `+` alternates layers in --attention)")
+
+
+def renamed_setting(method: str, key: str) -> str | None:
+    """The message refusing ``--to METHOD:KEY=...`` when KEY is an old spelling, else None."""
+    new = RENAMED_SETTINGS.get(method, {}).get(key)
+    return None if new is None else f"--to {method}: the option {key!r} is now spelled {new!r} ({method}:{new}=...)"
+
+
+def is_legacy(record: Mapping[str, Any]) -> bool:
+    """Whether a results file or manifest was written before vocabulary 2 (it records no ``vocabulary``)."""
+    return not isinstance(record.get("vocabulary"), int) or record["vocabulary"] < VOCABULARY
+
+
+def current_method(text: str | None, *, legacy: bool = True) -> str | None:
+    """A ``--to`` text (``NAME[:KEY=VALUE,...][@RATIO]``, as results files hold it) spelled as today:
+    renamed methods and options replaced, and with ``legacy`` (the text was written under vocabulary
+    1) the old defaults that differ from today's written out. Options keep their order; None stays None."""
+    if not text:
+        return text
+    body, at, ratio = text.rpartition("@") if "@" in text else (text, "", "")
+    name, colon, items = body.partition(":")
+    new_name = RENAMED_METHODS.get(name, name)
+    if name == new_name and name not in RENAMED_SETTINGS and name not in LEGACY_DEFAULTS:
+        return text  # a method no rename touched (and any other text a results file calls its method)
+    renames = RENAMED_SETTINGS.get(new_name, {})
+    parts = split_items(items) if colon else []
+    keys = []
+    for i, piece in enumerate(parts):
+        key, sep, value = piece.partition("=")
+        key = renames.get(key.strip(), key.strip())
+        keys.append(key)
+        parts[i] = f"{key}{sep}{value}"
+    if legacy:
+        parts = [f"{key}={value}" for key, value in LEGACY_DEFAULTS.get(new_name, {}).items() if key not in keys] + parts
+    return new_name + (":" + ",".join(parts) if parts else "") + (at + ratio)
+
+
+def current_settings(method: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A manifest's ``method_options`` (``method`` its recorded method name) with today's option names."""
+    renames = RENAMED_SETTINGS.get(RENAMED_METHODS.get(method, method), {})
+    return {renames.get(key, key): value for key, value in settings.items()}
+
+
+def in_todays_words(payload: Any) -> Any:
+    """A results file's payload read in today's words: when it was written under vocabulary 1
+    (``is_legacy``), a copy with every ``method`` text and every text of a ``runs`` mapping (label
+    -> ``--to`` text) spelled as today (``current_method``); a file of today as it is."""
+    if not isinstance(payload, Mapping) or not is_legacy(payload):
+        return payload
+
+    def walk(value: Any, key: str | None = None) -> Any:
+        if isinstance(value, Mapping):
+            if key == "runs":
+                return {k: current_method(v) if isinstance(v, str) else walk(v) for k, v in value.items()}
+            return {k: current_method(v) if k == "method" and isinstance(v, str) else walk(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    return walk(payload)
