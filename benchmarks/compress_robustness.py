@@ -28,6 +28,7 @@ import torch
 
 from slimkv.common.files import save_figure
 from slimkv.common.plotting import new_figure
+from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
 from slimkv.compress.sweep import DEFAULT_TEXTS, markdown_table, parse_methods, run_sweep
 from slimkv.compress.workflow import DEFAULT_CALIB
@@ -85,7 +86,7 @@ def write_part(name: str, results: list[dict], several: bool) -> None:
     if several:
         merged["calibration"] = {"source": "each row's (in its label)", "tokens": "each row's"}
     payload = {"part": name, "threads": torch.get_num_threads(), "load_average_1min_end": os.getloadavg()[0], "result": merged}
-    path = write_results(name, payload, RESULTS, figure=plot_curve(merged) if name == "compress_calibration_curve" else None)
+    path = write_results(name, payload, results_dir(RESULTS, name), figure=plot_curve(merged) if name == "compress_calibration_curve" else None)
     path.with_suffix(".md").write_text(markdown_table(merged))
 
 
@@ -106,8 +107,8 @@ def run(base, name: str, plan: list[tuple[str, tuple[float, ...]]], calibs: list
 
 def replot_curve() -> None:
     """The curve with the default-calibration point of the main sweep (same evaluation tokens and seed)."""
-    curve = json.loads((RESULTS / "compress_calibration_curve.json").read_text())
-    sweep = json.loads((RESULTS / "compress_sweep_smollm2.json").read_text())
+    curve = json.loads((results_dir(RESULTS, "compress_") / "compress_calibration_curve.json").read_text())
+    sweep = json.loads((results_dir(RESULTS, "compress_") / "compress_sweep_smollm2.json").read_text())
     merged = curve["result"]
     row = next(r for r in sweep["rows"] if r["method"] == "latentllm" and r["ratio"] == 0.2)
     source, tokens = sweep["calibration"]["source"], sweep["calibration"]["tokens"]
@@ -116,9 +117,9 @@ def replot_curve() -> None:
     merged["rows"].sort(key=lambda r: (r["calib"], r["calib_tokens"]))
     merged["calibration"] = {"source": "each row's (in its label)", "tokens": "each row's"}
     curve["result"] = merged
-    (RESULTS / "compress_calibration_curve.json").write_text(json.dumps(curve, indent=1))
-    save_figure(plot_curve(merged), RESULTS / "compress_calibration_curve.png")
-    (RESULTS / "compress_calibration_curve.md").write_text(markdown_table(merged))
+    (results_dir(RESULTS, "compress_") / "compress_calibration_curve.json").write_text(json.dumps(curve, indent=1))
+    save_figure(plot_curve(merged), results_dir(RESULTS, "compress_") / "compress_calibration_curve.png")
+    (results_dir(RESULTS, "compress_") / "compress_calibration_curve.md").write_text(markdown_table(merged))
 
 
 def main(argv: list[str] | None = None) -> int:

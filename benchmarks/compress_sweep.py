@@ -1,6 +1,6 @@
 """LatentLLM and its baselines on SmolLM2-135M-Instruct (targets in docs/compression.md).
 
-Writes under benchmarks/results/:
+Writes under benchmarks/results/compress/:
 - compress_sweep_smollm2.{json,md,png}: svd/asvd/rootcov/latentllm x ratios 0.1..0.5 on the held-out
   plays (in domain) and Austen's novels (out of domain), with the default calibration (perplexity,
   parameters, analytic FLOPs/token, measured CPU prefill latency, calibration + factorization
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
 from slimkv.compress.sweep import markdown_table, parse_methods, run_sweep, write_sweep
 from slimkv.eval.ppl import perplexity
@@ -136,23 +137,23 @@ def main(argv: list[str] | None = None) -> int:
         text = "\n\n".join(shakespeare_plays().values())
         check = perplexity(base.model, base.tokenizer, text, seq_len=1024, max_tokens=16384, progress=True)
         print(f"dense SmolLM2 on the first {check['tokens_predicted']} predicted tokens of all plays: ppl {check['ppl']:.2f} (assets.md: about 42)")
-        write_results("compress_dense_check_smollm2", {"text": "all 38 plays joined, first 16384 tokens", "threads": torch.get_num_threads(), **check}, RESULTS)
+        write_results("compress_dense_check_smollm2", {"text": "all 38 plays joined, first 16384 tokens", "threads": torch.get_num_threads(), **check}, results_dir(RESULTS, "compress_"))
 
     if "rope" not in skip:
         result = rope_diagnostic(base)
-        path = write_results("compress_rope_smollm2", result, RESULTS)
+        path = write_results("compress_rope_smollm2", result, results_dir(RESULTS, "compress_"))
         path.with_suffix(".md").write_text(result["table"])
         print(result["table"])
 
     common = {"calib_tokens": args.calib_tokens, "max_tokens": max_tokens}
     if "sweep" not in skip:
         result = run_sweep(base, parse_methods(args.methods), ratios, repeats=args.repeats, **common)
-        write_sweep(result, args.name, RESULTS)
+        write_sweep(result, args.name, results_dir(RESULTS, args.name))
         print(markdown_table(result))
     if "ablation" not in skip:
         labels = ["rootcov", "latentllm", "latentllm-rope-blind-qk", "latentllm-no-joint-qk", "latentllm-no-joint-mlp", "latentllm-no-identity-block"]
         result = run_sweep(base, labels, [0.2], repeats=0, **common)
-        path = write_results("compress_ablation_smollm2", result, RESULTS)
+        path = write_results("compress_ablation_smollm2", result, results_dir(RESULTS, "compress_"))
         path.with_suffix(".md").write_text(markdown_table(result))
         print(markdown_table(result))
     return 0

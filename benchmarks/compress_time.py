@@ -8,7 +8,7 @@ numbers.
 
     .venv/bin/python benchmarks/compress_time.py [--methods rootcov latentllm] [--calib-tokens 4096 8192] [--threads 2]
 
-Writes ``benchmarks/results/compress_time_smollm2.json``.
+Writes ``benchmarks/results/compress/compress_time_smollm2.json``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
 from slimkv.compress import CompressOptions
 from slimkv.compress.sweep import parse_methods, variant
@@ -56,7 +57,7 @@ def main() -> None:
             print(f"{label:<10} calib {tokens:>6} tokens, ratio {args.ratio}: {seconds:6.1f} s "
                   f"(load {load_before:.2f} -> {row['load_average_1min']['after']:.2f})", flush=True)
             del loaded
-    path = write_results(args.name, {"model": "smollm2", "threads": args.threads, "cpu_count": os.cpu_count(), "rows": rows}, RESULTS)
+    path = write_results(args.name, {"model": "smollm2", "threads": args.threads, "cpu_count": os.cpu_count(), "rows": rows}, results_dir(RESULTS, args.name))
     print(f"wrote {path}")
 
 

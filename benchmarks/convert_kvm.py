@@ -20,7 +20,7 @@ and evaluates only the runs it does not hold. Every row records the torch thread
 was evaluated under (``--add`` rows ran later, maybe with other settings); ``settings.threads`` is
 the last run's.
 
-Writes benchmarks/results/<name>.json, .md, .png (mean NLL by position bucket, per text) and
+Writes benchmarks/results/convert/<name>.json, .md, .png (mean NLL by position bucket, per text) and
 <name>_state.png (cache bytes against context: the original's grows, a bounded kind's stays flat).
 """
 
@@ -35,6 +35,7 @@ import torch
 
 from slimkv.common.files import read_json, save_figure
 from slimkv.common.plotting import new_figure
+from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
 from slimkv.common.vocabulary import in_todays_words
 from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained, finished_conversion
@@ -112,7 +113,7 @@ def main() -> None:
     runs = [parse_run(r) for r in args.runs]
     rows, methods = [], {}
     if args.add:
-        earlier = read_results(RESULTS / f"{args.name}.json")
+        earlier = read_results(results_dir(RESULTS, args.name) / f"{args.name}.json")
         same = {k: earlier["settings"][k] for k in ("seq_len", "windows", "texts")} == {"seq_len": args.seq_len, "windows": args.windows, "texts": args.texts}
         if not same:
             raise SystemExit(f"--add: {args.name}.json was measured with {earlier['settings']}; give the same --seq-len, --windows and --texts")
@@ -141,7 +142,7 @@ def main() -> None:
         rows.append(row)
         del loaded
     if args.add:  # rows another --add run wrote meanwhile (each run read the file when it started) stay
-        latest = read_results(RESULTS / f"{args.name}.json")
+        latest = read_results(results_dir(RESULTS, args.name) / f"{args.name}.json")
         mine = {row["label"] for row in rows}
         rows += [row for row in latest["rows"] if row["label"] not in mine]
         methods = {**latest["settings"]["runs"], **methods}
@@ -151,10 +152,10 @@ def main() -> None:
             r["ppl_vs_original"] = r["ppl"] / base[text]["ppl"]
     settings = {"seq_len": args.seq_len, "windows": args.windows, "texts": args.texts, "runs": methods, "seed": args.seed,
                 "threads": torch.get_num_threads(), "load_average_at_end": os.getloadavg()}
-    write_results(args.name, {"settings": settings, "rows": rows}, RESULTS)
-    (RESULTS / f"{args.name}.md").write_text(format_markdown(settings, rows))
-    plot(rows, args.texts, RESULTS / f"{args.name}.png")
-    plot_state(rows, RESULTS / f"{args.name}_state.png")
+    write_results(args.name, {"settings": settings, "rows": rows}, results_dir(RESULTS, args.name))
+    (results_dir(RESULTS, args.name) / f"{args.name}.md").write_text(format_markdown(settings, rows))
+    plot(rows, args.texts, results_dir(RESULTS, args.name) / f"{args.name}.png")
+    plot_state(rows, results_dir(RESULTS, args.name) / f"{args.name}_state.png")
     print(format_markdown(settings, rows))
 
 

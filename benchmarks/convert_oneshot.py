@@ -12,12 +12,12 @@ Jane Austen, out of domain) in 1024-token windows, and its live cache is measure
     .venv/bin/python benchmarks/convert_oneshot.py --runs mla:0.5 lrkv:0.5 --eval-tokens 4096
     .venv/bin/python benchmarks/convert_oneshot.py --calib shakespeare --name convert_oneshot_plays_smollm2
     .venv/bin/python benchmarks/convert_oneshot.py --runs mla:0.5 --heal-tokens 100000 --name convert_healed_smollm2
-    .venv/bin/python benchmarks/convert_oneshot.py --name convert_smollm2 --plot-from benchmarks/results/convert_{oneshot,healed}_smollm2.json
+    .venv/bin/python benchmarks/convert_oneshot.py --name convert_smollm2 --plot-from benchmarks/results/convert/convert_{oneshot,healed}_smollm2.json
     .venv/bin/python benchmarks/convert_oneshot.py --runs latent:0.5 --heal-tokens 30000 --name heal_curve_latent05_30000   # one curve point
     .venv/bin/python benchmarks/convert_oneshot.py --runs latent:0.25 --heal-tokens 30000 --heal-lr 3e-4 --name heal_lr_latent025_3e-4   # learning rate
-    .venv/bin/python benchmarks/convert_oneshot.py --name heal_curve_latent_smollm2 --curve-from benchmarks/results/heal_curve_*.json ...
+    .venv/bin/python benchmarks/convert_oneshot.py --name heal_curve_latent_smollm2 --curve-from benchmarks/results/heal/heal_curve_*.json ...
 
-Writes benchmarks/results/<name>.json, .md and .png (perplexity / original's against live cache ratio).
+Writes benchmarks/results/<experiment>/<name>.json, .md and .png (convert/, or heal/ for a name heal_*: slimkv.common.results) (perplexity / original's against live cache ratio).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 
 from slimkv.common.files import read_json, save_figure
 from slimkv.common.plotting import new_figure
+from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
 from slimkv.convert.heal import PARAMETER_SETS, HealConfig
 from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained, finished_conversion
@@ -134,7 +135,7 @@ def main() -> None:
                         help="only draw perplexity against healing tokens of the latent rows of these result files into <--name>.png")
     args = parser.parse_args()
     if args.plot_from or args.curve_from:
-        path = RESULTS / f"{args.name}.png"
+        path = results_dir(RESULTS, args.name) / f"{args.name}.png"
         draw = plot if args.plot_from else curve_plot
         save_figure(draw([read_json(p, expect=dict) for p in args.plot_from or args.curve_from]), path)
         print(f"wrote {path}")
@@ -173,7 +174,7 @@ def main() -> None:
     payload = {"model": "smollm2", "threads": args.threads, "calib": args.calib, "seed": args.seed, "heal_tokens": args.heal_tokens, "heal_text": args.heal_text if heal else None, "heal_params": args.heal_params if heal else None, "heal_lr": args.heal_lr if heal else None,
                "eval_tokens": args.eval_tokens, "seq_len": 1024, "context": args.context,
                "texts": args.texts, "original_ppl": baseline, "rows": rows}
-    path = write_results(args.name, payload, RESULTS, plot([payload]))
+    path = write_results(args.name, payload, results_dir(RESULTS, args.name), plot([payload]))
     what = (f"healed on {args.heal_tokens:,} tokens of {args.heal_text}, peak learning rate {args.heal_lr:g}" if args.heal_tokens else "one-shot")
     lines = [f"# Conversion of SmolLM2-135M, calibrated on {args.calib}, {what} ({args.eval_tokens} tokens per text, 1024-token windows, {args.threads} threads)", "",
              "original: " + ", ".join(f"{n} {p:.2f}" for n, p in baseline.items()), "",

@@ -22,7 +22,7 @@ ratios are full / KVM medians from the same run.
     python benchmarks/kvm_speed.py --ops backward --contexts 1024,4096,16384 --name kvm_speed_backward
     python benchmarks/kvm_speed.py --heads 32 --head-dim 128 --batch 8 --dtype bfloat16 --device cuda  # paper's shape
 
-Writes ``benchmarks/results/<name>.json`` and ``.png`` (default name ``kvm_speed``, ``kvm_speed_quick``
+Writes ``benchmarks/results/kvm/<name>.json`` and ``.png`` (default name ``kvm_speed``, ``kvm_speed_quick``
 with --quick).
 """
 
@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 import slimkv  # noqa: F401  (registers everything; keeps import order canonical)
 from slimkv.common.plotting import new_figure
+from slimkv.common.results import results_dir
 from slimkv.common.timing import time_fn, write_results
 from slimkv.ops.attention import attend
 from slimkv.ops.kvm import KVMParams, KVMSettings, kvm_attention
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants": {"full": "slimkv.ops.attention.attend: causal scaled_dot_product_attention", **{v: repr(kvm_settings(v, args)) for v in VARIANTS[1:]}},
         "results": results,
     }
-    path = write_results(args.name, payload, Path(__file__).resolve().parent / "results", figure=plot(results, args))
+    path = write_results(args.name, payload, results_dir(Path(__file__).resolve().parent / "results", args.name), figure=plot(results, args))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 

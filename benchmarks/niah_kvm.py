@@ -13,7 +13,7 @@ SWA vs KVM isolates the state.
     .venv/bin/python benchmarks/niah_kvm.py [--steps 300] [--seq-len 256] [--kinds kvm-sqrt kvm-fixed mha swa]
 
 Runs are kept in ``<cache>/runs/niah_kvm/<kind>`` (finished ones are reused; interrupted ones
-resume). Results: ``benchmarks/results/niah_kvm.json`` and ``.png``.
+resume). Results: ``benchmarks/results/niah/niah_kvm.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 
 from slimkv.common.paths import cache_dir
 from slimkv.common.plotting import new_figure
+from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
 from slimkv.eval.positions import positions_report
 from slimkv.retrieval.grid import DEPTHS_SYNTAX, parse_depths
@@ -68,7 +69,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs-dir", default=None, help="where the runs go (default <cache>/runs/niah_kvm)")
-    parser.add_argument("--name", default="niah_kvm", help="result file name under benchmarks/results/")
+    parser.add_argument("--name", default="niah_kvm", help="result file name under benchmarks/results/niah/")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runs_dir = Path(args.runs_dir) if args.runs_dir else cache_dir() / "runs" / "niah_kvm"
@@ -137,7 +138,7 @@ def main() -> None:
     axes[-1].legend(fontsize=8)
     settings = {**{k: v for k, v in vars(args).items() if k != "kinds"}, "kinds": args.kinds, "lengths": lengths, "max_new_tokens": max_new_tokens,
                 "recipe": recipe(args), "note": "models trained with the needle mixture: the retrieval mechanism, not model scale, is measured"}
-    path = write_results(args.name, {"settings": settings, "results": rows}, Path(__file__).resolve().parent / "results", figure=fig)
+    path = write_results(args.name, {"settings": settings, "results": rows}, results_dir(Path(__file__).resolve().parent / "results", args.name), figure=fig)
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 

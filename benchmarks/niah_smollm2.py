@@ -5,15 +5,15 @@ same prompts (docs/evaluation.md, "Long-context retrieval on pretrained models")
     .venv/bin/python benchmarks/niah_smollm2.py run smollm2 runs/smollm2-mla50 runs/smollm2-mla25 --threads 1
     # 2. the presses, in kvpress's own environment, on the exported prompts
     make bench-kvpress PROMPTS=runs/niah/smollm2/niah_prompts.json OUT=runs/kvpress/all
-    # 3. the comparison: benchmarks/results/niah_smollm2.{json,md,png}
+    # 3. the comparison: benchmarks/results/niah/niah_smollm2.{json,md,png}
     .venv/bin/python benchmarks/niah_smollm2.py report --runs runs/niah --kvpress runs/kvpress/*
     # bounded memory (docs/conversion.md, kvm): the original, rope-partial, kvm and streaming at 4K
     .venv/bin/python benchmarks/niah_smollm2.py run smollm2 runs/convert_kvm/kvm runs/convert_kvm/streaming --lengths 4k --runs runs/niah_kvm
-    .venv/bin/python benchmarks/niah_smollm2.py report --runs runs/niah_kvm --out benchmarks/results/niah_kvm_smollm2 \
+    .venv/bin/python benchmarks/niah_smollm2.py report --runs runs/niah_kvm --out benchmarks/results/niah/niah_kvm_smollm2 \
         --title "bounded memory (kvm, streaming) at equal state bytes"
     # one more bounded model beside the committed rows (--add keeps the rows whose runs are not in --runs)
     .venv/bin/python benchmarks/niah_smollm2.py run runs/convert_kvm/mla-kvm --lengths 4k --runs runs/niah_kvm
-    .venv/bin/python benchmarks/niah_smollm2.py report --add --runs runs/niah_kvm --out benchmarks/results/niah_kvm_smollm2 --title "..."
+    .venv/bin/python benchmarks/niah_smollm2.py report --add --runs runs/niah_kvm --out benchmarks/results/niah/niah_kvm_smollm2 --title "..."
 
 The grid (``GRID``) is sized for the 2-core development box: 2 tasks x 3 depths x 1 sample = 6
 prompts per length and model. ``report`` renders the markdown from the JSON only
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from slimkv.common.files import read_json, write_json, write_text
+from slimkv.common.results import results_dir
 from slimkv.eval.models import conversion_method
 from slimkv.eval.ppl import perplexity_report
 from slimkv.retrieval import models as retrieval
@@ -174,13 +175,13 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("report", help="merge the runs and the kvpress generations into the comparison")
     s.add_argument("--runs", default="runs/niah", help="folder of */niah.json (default runs/niah)")
     s.add_argument("--kvpress", nargs="*", default=[], help="folders of kvpress generation files (benchmarks/kvpress_niah.py --out)")
-    s.add_argument("--out", default=str(RESULTS / NAME), help="output path without suffix (default benchmarks/results/niah_smollm2)")
+    s.add_argument("--out", default=str(results_dir(RESULTS, NAME) / NAME), help="output path without suffix (default benchmarks/results/niah/niah_smollm2)")
     s.add_argument("--title", default=None, help="the title's subject for another --out than the default")
     s.add_argument("--grid", choices=GRIDS, default="main", help="the grid the runs were measured on (as `run --grid`)")
     s.add_argument("--add", action="store_true", help="keep the slimkv rows of the --out JSON there whose runs are not in --runs (the new runs' rows replace theirs)")
     s.set_defaults(func=report)
     c = sub.add_parser("check", help="the committed markdown matches what its JSON renders")
-    c.add_argument("--out", default=str(RESULTS / NAME))
+    c.add_argument("--out", default=str(results_dir(RESULTS, NAME) / NAME))
     c.set_defaults(func=check)
     args = p.parse_args(argv)
     args.func(args)

@@ -19,6 +19,7 @@ import torch
 
 from slimkv.attention import ATTENTION_KINDS, kind_spec
 from slimkv.bench.entries import recipe_shape
+from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
 from slimkv.demo import demo_recipe
 from slimkv.model import SlimKVForCausalLM
@@ -82,7 +83,7 @@ def main() -> None:
         }
         print(f"{kind:<6} {steps[kind][1]:>10,} {median:>14.3f} {tokens / median:>18,.0f} {tokens / max(times):>9,.0f}..{tokens / min(times):<9,.0f}")
     path = write_results(args.name, {"settings": {**recipe.to_dict(), "vocab_size": args.vocab_size, "threads": args.threads, "repeats": args.repeats, "warmup": args.warmup, "tokens_per_step": tokens},
-                                         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}, "results": results}, Path(__file__).resolve().parent / "results")
+                                         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}, "results": results}, results_dir(Path(__file__).resolve().parent / "results", args.name))
     print(f"1-minute load average before/after: {load_before:.2f}/{os.getloadavg()[0]:.2f} (other processes' load slows these numbers: rerun on a quiet machine)")
     print(f"wrote {path}")
 

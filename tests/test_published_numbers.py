@@ -6,6 +6,7 @@ document points outside the repository."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -16,6 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 SKIP_DIRS = {".git", ".venv", ".venv-kvpress", ".venv-ruler", "node_modules", "runs", "demo_runs", "slimkv.egg-info", ".pytest_cache", ".ruff_cache"}
+
+
+def results_files() -> list[Path]:
+    """Every results file: at the top of benchmarks/results/ and in its experiment folders (not the
+    folders' manifest.json, nor ruler/, which documents its own files)."""
+    top = [p for p in RESULTS.iterdir() if p.is_file() and not p.name.startswith(".")]
+    folders = [d for d in RESULTS.iterdir() if d.is_dir() and d.name != "ruler"]
+    return top + [p for d in folders for p in d.iterdir() if p.is_file() and p.name not in ("manifest.json", "README.md")]
 
 
 def documents() -> list[Path]:
@@ -126,11 +135,9 @@ def test_every_results_file_is_referred_to_by_a_document():
     ``x.md`` covers the ``x.json`` it was rendered from and the ``x.png`` beside it)."""
     texts = {doc: doc.read_text(encoding="utf-8") for doc in documents()}
     unreferenced = []
-    for path in sorted(RESULTS.iterdir()):
-        if path.name.startswith(".") or path.is_dir():
-            continue
+    for path in sorted(results_files()):
         named = re.compile(rf"(?<![\w.]){re.escape(path.stem)}\.(json|md|png)\b")
-        if not any(named.search(text) for doc, text in texts.items() if not (doc.parent == RESULTS and doc.stem == path.stem)):
+        if not any(named.search(text) for doc, text in texts.items() if not (doc.parent == path.parent and doc.stem == path.stem)):
             unreferenced.append(path.name)
     assert not unreferenced, f"no document refers to these results files (refer to them or delete them): {unreferenced}"
 
@@ -143,11 +150,23 @@ def test_every_benchmark_script_is_documented():
     assert not missing, f"benchmark scripts no document names (document them or delete them): {missing}"
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in RESULTS.glob("niah_*smollm2.json")))
+@pytest.mark.parametrize("name", sorted(p.stem for p in (RESULTS / "niah").glob("niah_*smollm2.json")))
 def test_every_retrieval_comparison_is_what_its_json_renders(name):
     from slimkv.common.files import read_json
     from slimkv.retrieval.comparison import render_markdown
 
-    committed = (RESULTS / f"{name}.md").read_text(encoding="utf-8")
-    assert committed == render_markdown(read_json(RESULTS / f"{name}.json", expect=dict)), \
-        f"benchmarks/results/{name}.md differs from its JSON: run benchmarks/niah_smollm2.py report"
+    committed = (RESULTS / "niah" / f"{name}.md").read_text(encoding="utf-8")
+    assert committed == render_markdown(read_json(RESULTS / "niah" / f"{name}.json", expect=dict)), \
+        f"benchmarks/results/niah/{name}.md differs from its JSON: run benchmarks/niah_smollm2.py report"
+
+
+def test_each_experiment_folder_has_the_manifest_of_its_files():
+    """benchmarks/results/ holds one folder per experiment, each file in the folder its name calls for,
+    and each folder's manifest.json lists exactly its files with their writer (``results_manifest.py``)."""
+    spec = importlib.util.spec_from_file_location("results_manifest_under_test", BENCHMARKS / "results_manifest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.problems() == [], "run .venv/bin/python benchmarks/results_manifest.py"
+    for folder in module.folders():
+        recorded = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        assert [f["written_by"] for f in recorded["files"]] == [f["written_by"] for f in module.manifest(folder, history=False)["files"]]

@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from slimkv.common.results import relative_name, results_dir, results_path
 from slimkv.common.vocabulary import in_todays_words
 
 from .healing import curve_points
@@ -29,7 +30,7 @@ TRANSFORMERS, EXACT_COPY = "transformers (SDPA, DynamicCache)", "slimkv exact co
 @functools.cache
 def load(name: str) -> dict[str, Any]:
     """The JSON file ``name`` of benchmarks/results/ (read once: treat it as read-only)."""
-    return in_todays_words(json.loads((RESULTS / name).read_text(encoding="utf-8")))  # a file of vocabulary 1 read in today's words
+    return in_todays_words(json.loads(results_path(RESULTS, name).read_text(encoding="utf-8")))  # a file of vocabulary 1 read in today's words
 
 
 def when(name: str) -> str:
@@ -56,9 +57,9 @@ FORMATS = {
     "bpb": lambda s: f"{s['mean']:.4f} ± {s['std']:.4f} [{s['min']:.4f}, {s['max']:.4f}]",
     "K": lambda tokens: f"{tokens // 1024}K",
     "code": lambda name: f"`{name}`",
-    "link": lambda name: f"[`{name}`]({name})",
+    "link": lambda name: f"[`{name}`]({relative_name(name)})",
     "when": when,
-    "source": lambda name: f"[`{name}`]({name}): {when(name)}",
+    "source": lambda name: f"[`{name}`]({relative_name(name)}): {when(name)}",
 }
 
 
@@ -170,13 +171,13 @@ def latent() -> dict[str, Any]:
 def healing() -> dict[str, Any]:
     """The healing curve per cache ratio, with the share of the one-shot excess each budget removed, and the learning-rate sweep."""
     names = ["convert_latent_mix5_smollm2.json", "convert_latent_healed_smollm2.json", "convert_latent25_healed_smollm2.json",
-             *sorted(p.name for p in RESULTS.glob("heal_curve_latent*.json"))]
+             *sorted(p.name for p in results_dir(RESULTS, "heal_").glob("heal_curve_latent*.json"))]
     points, texts = curve_points([load(name) for name in names]), list(load(names[0])["original_ppl"])
     rows = [{"ratio": ratio, "tokens": tokens, "file": d["benchmark"] + ".json", "minutes": r["healing"]["train_seconds"] / 60 if tokens else None,
              "cells": [(x[t], 1 - (x[t] - 1) / (y[t] - 1) if tokens else None) for t in texts]}  # the multiple and the excess removed
             for ratio in sorted(points, reverse=True) for tokens, (r, d) in sorted(points[ratio].items())
             for x, y in [(r["ppl_over_original"], points[ratio][0][0]["ppl_over_original"])]]
-    return {"texts": texts, "rows": rows, "lr_files": sorted(p.name for p in RESULTS.glob("heal_lr_latent*.json")), "run": load(names[0]),
+    return {"texts": texts, "rows": rows, "lr_files": sorted(p.name for p in results_dir(RESULTS, "heal_").glob("heal_lr_latent*.json")), "run": load(names[0]),
             "config": next(r["healing"]["config"] for p in points.values() for r, _ in p.values() if r.get("healing"))}
 
 

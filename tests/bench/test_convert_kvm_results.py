@@ -7,9 +7,11 @@ import json
 
 import pytest
 
+from slimkv.common.results import results_dir
 from tests.helpers import BENCHMARKS, load_benchmark
 
 NAME = "convert_kvm_smollm2"
+RESULTS = results_dir(BENCHMARKS / "results", NAME)
 
 
 @pytest.fixture(scope="module")
@@ -18,13 +20,13 @@ def script():
 
 
 def test_the_markdown_is_what_the_json_renders(script):
-    data = script.read_results(BENCHMARKS / "results" / f"{NAME}.json")
-    committed = (BENCHMARKS / "results" / f"{NAME}.md").read_text()
+    data = script.read_results(RESULTS / f"{NAME}.json")
+    committed = (RESULTS / f"{NAME}.md").read_text()
     assert committed == script.format_markdown(data["settings"], data["rows"]), f"run benchmarks/convert_kvm.py to regenerate {NAME}.md"
 
 
 def test_the_ratios_follow_from_the_perplexities():
-    data = json.loads((BENCHMARKS / "results" / f"{NAME}.json").read_text())
+    data = json.loads((RESULTS / f"{NAME}.json").read_text())
     original = next(row for row in data["rows"] if row["label"] == "original")
     for row in data["rows"]:
         for text, result in row["texts"].items():
@@ -40,7 +42,7 @@ def test_a_run_names_its_cache_ratio_after_an_at_sign(script):
 
 def test_the_committed_runs_read_in_todays_words(script):
     """The file was written before the renames: its methods read as today's, the old kvm defaults written out."""
-    data = script.read_results(BENCHMARKS / "results" / f"{NAME}.json")
+    data = script.read_results(RESULTS / f"{NAME}.json")
     methods = {row["label"]: row["method"] for row in data["rows"]}
     assert methods["kvm"] == f"kvm:{script.KVM_RECIPE}" and methods["mla75-kvm"] == f"mla-kvm:{script.KVM_RECIPE},min_rows=192@0.75"
     assert data["settings"]["runs"]["kvm-rows1024"] == f"kvm:{script.KVM_RECIPE},min_rows=1024"

@@ -11,7 +11,7 @@ import pytest
 from slimkv.common.files import read_json
 from slimkv.retrieval.comparison import aggregate, comparison, generations_row, render_markdown, slimkv_row, winners
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "niah"
 
 
 def fake_report(scores: dict[tuple[str, int], list[float]], ratio: float | None) -> dict:
