@@ -40,6 +40,12 @@ class AttentionCache:
         """An empty buffer for per-token rows (batch, heads, time, dim), held as ``self.storage`` says."""
         return self.storage.buffer(self.batch_size, heads, dim, dtype=self.dtype, device=self.device)
 
+    def reads_codes(self, new_tokens: int, backend: str) -> bool:
+        """Whether a call of ``new_tokens`` should read this cache's rows as stored (int8 / int4 codes
+        in place: ``slimkv.ops.attention.stored_decode_attention``) rather than dequantized: a
+        decode step (one new token) on quantized storage, the fused backend, no autograd."""
+        return new_tokens == 1 and self.storage.bits is not None and backend != "reference" and not torch.is_grad_enabled()
+
     def tensors(self) -> Iterator[GrowableBuffer | QuantizedBuffer | torch.Tensor]:
         """The objects that hold live state (for ``nbytes``)."""
         return iter(())

@@ -17,7 +17,7 @@ from slimkv.attention.mha import MultiHeadAttention
 from slimkv.attention.streaming import StreamingCache, kept_tokens, streaming_attention, streaming_attention_reference
 from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import check_int
-from slimkv.ops.attention import attend
+from slimkv.ops.attention import attend, buffer_segments, stored_decode_attention
 from slimkv.ops.quantize import FULL, KVStorage
 
 
@@ -74,15 +74,24 @@ class HybridAttention(MultiHeadAttention):
         out = q.new_empty(b, self.n_heads, t, self.head_dim)
         if self.full_heads:
             kf, vf = k[:, self.full_heads], v[:, self.full_heads]
-            if cache is not None:
-                kf, vf = cache.full_k.append(kf.detach()), cache.full_v.append(vf.detach())
-            out[:, self._full_queries] = attend(q[:, self._full_queries], kf, vf, backend=self.backend)
+            if cache is not None and cache.reads_codes(t, self.backend):
+                cache.full_k.store(kf)
+                cache.full_v.store(vf)
+                out[:, self._full_queries] = stored_decode_attention(q[:, self._full_queries], buffer_segments(cache.full_k, cache.full_v))
+            else:
+                if cache is not None:
+                    kf, vf = cache.full_k.append(kf.detach()), cache.full_v.append(vf.detach())
+                out[:, self._full_queries] = attend(q[:, self._full_queries], kf, vf, backend=self.backend)
         if self.streaming_heads:
-            q_pos = torch.arange(start, start + t, device=x.device)
             ks, vs = k[:, self.streaming_heads], v[:, self.streaming_heads]
-            keys, values, k_pos = (ks, vs, q_pos) if cache is None else cache.extend(ks, vs, q_pos)
-            run = streaming_attention_reference if self.backend == "reference" else streaming_attention
-            out[:, self._streaming_queries] = run(q[:, self._streaming_queries], keys, values, q_pos, k_pos, self.sink_len, self.window)
+            if cache is not None and cache.reads_codes(t, self.backend):
+                out[:, self._streaming_queries] = stored_decode_attention(q[:, self._streaming_queries], [*cache.stored_segments(), (ks, vs)])
+                cache.add(ks, vs)
+            else:
+                q_pos = torch.arange(start, start + t, device=x.device)
+                keys, values, k_pos = (ks, vs, q_pos) if cache is None else cache.extend(ks, vs, q_pos)
+                run = streaming_attention_reference if self.backend == "reference" else streaming_attention
+                out[:, self._streaming_queries] = run(q[:, self._streaming_queries], keys, values, q_pos, k_pos, self.sink_len, self.window)
         elif cache is not None:
             cache.seq_len += t  # no streaming head: only the full heads' buffers hold tokens
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

@@ -14,7 +14,7 @@ from slimkv.attention.base import Attention, LayerShape, Presets, register_atten
 from slimkv.attention.cache import AttentionCache
 from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import check_int
-from slimkv.ops.attention import attend
+from slimkv.ops.attention import attend, buffer_segments, stored_decode_attention
 from slimkv.ops.quantize import FULL, KVStorage
 
 
@@ -43,6 +43,13 @@ class KVCache(AttentionCache):
             keys, values = self.k.append(k), self.v.append(v)
         self.seq_len += k.shape[2]
         return keys, values
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append new keys/values without returning the history (a decode step that reads the
+        buffers as stored: ``stored_decode_attention``)."""
+        self.k.store(k.detach())
+        self.v.store(v.detach())
+        self.seq_len += k.shape[2]
 
     def trim(self) -> None:
         """Forget what no future query can see (sliding windows)."""
@@ -105,9 +112,13 @@ class MultiHeadAttention(Attention):
     def _forward(self, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         start = cache.seq_len if cache is not None else 0
         q, k, v = self.project_qkv(x, start)
-        if cache is not None:
-            k, v = cache.extend(k, v)
-        out = attend(q, k, v, window=self.window, backend=self.backend)
+        if cache is not None and self.window is None and cache.reads_codes(x.shape[1], self.backend):
+            cache.store(k, v)
+            out = stored_decode_attention(q, buffer_segments(cache.k, cache.v))
+        else:
+            if cache is not None:
+                k, v = cache.extend(k, v)
+            out = attend(q, k, v, window=self.window, backend=self.backend)
         if cache is not None:
             cache.trim()
         b, t = x.shape[:2]

@@ -18,7 +18,8 @@ from slimkv.attention.cache import AttentionCache
 from slimkv.attention.mha import MultiHeadAttention
 from slimkv.common.buffer import GrowableBuffer, dtype_bytes
 from slimkv.common.checks import check_int
-from slimkv.ops.attention import attend, masked_attention, query_block
+from slimkv.ops.attention import attend, buffer_segments, masked_attention, query_block, stored_decode_attention
+from slimkv.ops.native import StoredRows
 from slimkv.ops.norm import compute_dtype
 from slimkv.ops.quantize import FULL, KVStorage
 
@@ -78,6 +79,12 @@ class StreamingCache(AttentionCache):
         sinks, recent = len(self.sink_k), len(self.recent_k)
         return torch.cat((torch.arange(sinks), torch.arange(self.seq_len - recent, self.seq_len))).to(self.device)
 
+    def stored_segments(self) -> list[tuple[StoredRows, StoredRows]]:
+        """The cached (keys, values) as stored, sinks first, every one visible to the next token's
+        query (a decode step reads them all: ``stored_decode_attention``; store the new token with
+        ``add`` after reading, which may move what these segments point to)."""
+        return [*buffer_segments(self.sink_k, self.sink_v), *buffer_segments(self.recent_k, self.recent_v)]
+
     def extend(self, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys, values, positions) a call reads: the cached sinks and window, then the new tokens
         k/v (batch, kv_heads, n, d) at ``q_pos``; the new tokens are then stored (``add``)."""
@@ -129,10 +136,14 @@ class StreamingAttention(MultiHeadAttention):
         start = cache.seq_len if cache is not None else 0
         q, k, v = self.project_qkv(x, start)
         b, t = x.shape[:2]
-        q_pos = torch.arange(start, start + t, device=x.device)
-        keys, values, k_pos = (k, v, q_pos) if cache is None else cache.extend(k, v, q_pos)
-        run = streaming_attention_reference if self.backend == "reference" else streaming_attention
-        out = run(q, keys, values, q_pos, k_pos, self.sink_len, self.window)
+        if cache is not None and cache.reads_codes(t, self.backend):
+            out = stored_decode_attention(q, [*cache.stored_segments(), (k, v)])
+            cache.add(k, v)
+        else:
+            q_pos = torch.arange(start, start + t, device=x.device)
+            keys, values, k_pos = (k, v, q_pos) if cache is None else cache.extend(k, v, q_pos)
+            run = streaming_attention_reference if self.backend == "reference" else streaming_attention
+            out = run(q, keys, values, q_pos, k_pos, self.sink_len, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
     def extra_repr(self) -> str:

@@ -48,6 +48,14 @@ class GrowableBuffer:
         self._end += n
         return self.view()
 
+    def store(self, x: torch.Tensor) -> None:
+        """``append`` without returning the view (the interface ``QuantizedBuffer`` shares)."""
+        self.append(x)
+
+    def segments(self) -> list[torch.Tensor]:
+        """The live part as one segment (the interface ``QuantizedBuffer`` shares), none when empty."""
+        return [self.view()] if len(self) else []
+
     def keep_last(self, n: int) -> None:
         """Drop all but the newest ``n`` entries (pointer move; storage is reused on the next compaction)."""
         if len(self) > n:

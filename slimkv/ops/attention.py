@@ -22,8 +22,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-from slimkv.ops.native import kernel_for, native_decode_attention
+from slimkv.common.buffer import GrowableBuffer
+from slimkv.ops.native import (
+    StoredRows,
+    decode_kernel,
+    kernel_for,
+    native_decode_attention,
+    native_stored_attention,
+    supports_stored,
+)
 from slimkv.ops.norm import compute_dtype
+from slimkv.ops.quantize import QuantizedBuffer, QuantizedRows
 
 BACKENDS = ("sdpa", "reference")
 SCORE_BLOCK_ELEMENTS = 1 << 22  # masked calls with more scores (batch x q_heads x q_len x k_len) run in query blocks
@@ -179,6 +188,28 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     if library is not None:
         return native_decode_attention([q], [(k, v)], scale, library)
     return matmul_decode_attention(q, k, v, scale=scale)
+
+
+def buffer_segments(keys: GrowableBuffer | QuantizedBuffer, values: GrowableBuffer | QuantizedBuffer) -> list[tuple[StoredRows, StoredRows]]:
+    """The (keys, values) segments of two buffers appended in step, as a cache appends them."""
+    return list(zip(keys.segments(), values.segments()))
+
+
+def stored_decode_attention(q: torch.Tensor, segments: list[tuple[StoredRows, StoredRows]], *, scale: float | None = None) -> torch.Tensor:
+    """A decode step over a cache's (keys, values) segments as stored, read one after the other
+    under one softmax: plain rows, or int8 / int4 codes (``QuantizedRows``) that the native
+    kernel's quantized entry reads in place (``slimkv.ops.native.native_stored_attention``) when it
+    takes the call; otherwise (no kernel, autograd, no codes) ``decode_attention`` over the
+    segments' rows, codes dequantized in the query's dtype. q (batch, q_heads, 1, dim) ->
+    (batch, q_heads, 1, v_dim)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if any(isinstance(k, QuantizedRows) for k, _ in segments) and supports_stored(q, segments):
+        library = decode_kernel(q.dtype)
+        if library is not None:
+            return native_stored_attention(q, segments, scale, library)
+    rows = [[part.dequantize(q.dtype) if isinstance(part, QuantizedRows) else part for part in pair] for pair in segments]
+    keys, values = (torch.cat(side, dim=2) if len(side) > 1 else side[0] for side in zip(*rows))
+    return decode_attention(q, keys, values, scale=scale)
 
 
 def matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:

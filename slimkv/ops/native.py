@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from slimkv.common.paths import cache_dir
+from slimkv.ops.quantize import QuantizedRows
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"  # includes the headers beside it (decode_avx2.h, decode_avx512.h)
 FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
@@ -54,6 +55,8 @@ ENV_SWITCH = "SLIMKV_NATIVE"
 SWITCH_VALUES = {"1": True, "0": False}  # SLIMKV_NATIVE: 1 (default) uses the kernel where it can, 0 the torch path
 ENTRIES = {torch.float32: ((), "slimkv_decode_attention_f32"), torch.bfloat16: (("-DSLIMKV_BF16",), "slimkv_decode_attention_bf16")}
 """Cache element type -> (the build's extra flags, its entry point)."""
+QUANTIZED_ENTRIES = {torch.float32: "slimkv_decode_quantized_f32", torch.bfloat16: "slimkv_decode_quantized_bf16"}
+"""Cache element type -> the entry point that reads int8 / int4 codes in place (csrc/decode_quantized.h)."""
 
 
 def compiler() -> str | None:
@@ -130,6 +133,8 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer, ctypes.c_int, pointer, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     function.restype = ctypes.c_int
+    quantized = getattr(library, QUANTIZED_ENTRIES[dtype])
+    quantized.argtypes, quantized.restype = function.argtypes, ctypes.c_int
     library.slimkv_kernel_isa.argtypes = []
     library.slimkv_kernel_isa.restype = ctypes.c_char_p
     return library
@@ -270,3 +275,78 @@ def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[
     if status != 0:
         raise RuntimeError(f"native decode attention failed (status {status}: {'out of memory or threads' if status == 1 else 'bad arguments'})")
     return out.to(queries[0].dtype)
+
+
+StoredRows = torch.Tensor | QuantizedRows
+"""One segment of one side (keys or values) of a cache: plain rows (batch, heads, n, dim) in the
+cache dtype, or int8 / int4 codes with their scales and minima (``QuantizedRows``)."""
+
+
+def supports_stored(query: torch.Tensor, segments: Sequence[tuple[StoredRows, StoredRows]]) -> bool:
+    """Whether ``native_stored_attention`` takes this call: ``supports``' conditions for the
+    plain rows and the query, at least one quantized segment, every quantized segment of the same
+    bits and group with scales and minima in the cache dtype and codes rows contiguous, keys and
+    values of a segment both plain or both codes of the same length."""
+    if not 1 <= len(segments) <= MAX_SEGMENTS or torch._C._len_torch_dispatch_stack() > 0 or query.dtype not in QUANTIZED_ENTRIES:
+        return False
+    if torch.is_grad_enabled() and query.requires_grad:
+        return False
+    batch, q_heads, q_len, _ = query.shape
+    settings = {(part.bits, part.group) for pair in segments for part in pair if isinstance(part, QuantizedRows)}
+    if len(settings) != 1 or q_len != 1 or query.device.type != "cpu":
+        return False
+    kv_heads = None
+    for k, v in segments:
+        if isinstance(k, QuantizedRows) != isinstance(v, QuantizedRows) or len(k) != len(v):
+            return False
+        for part in (k, v):
+            tensors = part.tensors() if isinstance(part, QuantizedRows) else (part,)
+            for x in tensors:
+                if x.dim() != 4 or x.device.type != "cpu" or x.stride(-1) != 1 or (torch.is_grad_enabled() and x.requires_grad) \
+                        or x.shape[:2] != tensors[0].shape[:2]:
+                    return False
+            cache_dtypes = part.float_tensors() if isinstance(part, QuantizedRows) else (part,)
+            if any(x.dtype != query.dtype for x in cache_dtypes):
+                return False
+            heads = part.heads if isinstance(part, QuantizedRows) else part.shape[1]
+            kv_heads = heads if kv_heads is None else kv_heads
+            if heads != kv_heads or tensors[0].shape[0] != batch:
+                return False
+        if (k.dim if isinstance(k, QuantizedRows) else k.shape[-1]) != query.shape[-1]:
+            return False
+    v_dims = {(v.dim if isinstance(v, QuantizedRows) else v.shape[-1]) for _, v in segments}
+    return len(v_dims) == 1 and q_heads % kv_heads == 0
+
+
+def native_stored_attention(query: torch.Tensor, segments: Sequence[tuple[StoredRows, StoredRows]], scale: float,
+                            library: ctypes.CDLL) -> torch.Tensor:
+    """One query per head over every (keys, values) segment under one softmax, quantized segments
+    read as codes in place (csrc/decode_quantized.h): query (batch, q_heads, 1, dim) -> (batch,
+    q_heads, 1, v_dim) in the query's dtype. Call ``supports_stored`` first, and pass the library
+    ``decode_kernel`` gave for the cache dtype."""
+    batch, q_heads, _, dim = query.shape
+    first_key = segments[0][0]
+    kv_heads = first_key.heads if isinstance(first_key, QuantizedRows) else first_key.shape[1]
+    last_value = segments[0][1]
+    v_dim = last_value.dim if isinstance(last_value, QuantizedRows) else last_value.shape[-1]
+    q = query.to(torch.float32).contiguous()
+    out = torch.empty(batch, q_heads, 1, v_dim, dtype=torch.float32)
+    fields = []  # per segment, the C struct QSegment's order
+    step_bytes = 0
+    for k, v in segments:
+        if isinstance(k, QuantizedRows):
+            fields += (q.data_ptr(), k.bits, k.group, len(k), k.codes.data_ptr(), v.codes.data_ptr(),
+                       k.scale.data_ptr(), k.low.data_ptr(), v.scale.data_ptr(), v.low.data_ptr())
+            strides = (k.codes, v.codes, k.scale, k.low, v.scale, v.low)
+        else:
+            fields += (q.data_ptr(), 0, 0, k.shape[2], k.data_ptr(), v.data_ptr(), 0, 0, 0, 0)
+            strides = (k, v, k, k, k, k)
+        for x in strides:
+            fields += x.stride()[:3]
+        step_bytes += sum(part.nbytes() if isinstance(part, QuantizedRows) else part.numel() * part.element_size() for part in (k, v))
+    threads = torch.get_num_threads() if step_bytes >= PARALLEL_MIN_BYTES else 1
+    status = getattr(library, QUANTIZED_ENTRIES[query.dtype])((ctypes.c_int64 * len(fields))(*fields), len(segments), out.data_ptr(), batch,
+                                                               kv_heads, q_heads // kv_heads, dim, v_dim, scale, threads)
+    if status != 0:
+        raise RuntimeError(f"native quantized decode attention failed (status {status}: {'out of memory or threads' if status == 1 else 'bad arguments'})")
+    return out.to(query.dtype)

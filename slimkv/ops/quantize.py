@@ -5,8 +5,10 @@
 each group stored as unsigned codes with its own scale and minimum in the cache dtype; the newest
 ``residual`` tokens stay in full precision and are quantized once they leave that window).
 ``QuantizedBuffer`` has ``GrowableBuffer``'s interface, so any cache that stores rows in growable
-buffers composes with it. What it returns for attention is the dequantized history (the codes are
-what it holds; ``nbytes`` counts codes, scales, minima and the residual window).
+buffers composes with it: ``append``/``view`` return the dequantized history (the codes are what it
+holds; ``nbytes`` counts codes, scales, minima and the residual window), and ``segments`` returns
+what it holds as it is (``QuantizedRows`` codes, then the residual rows), which
+``slimkv.ops.attention.stored_decode_attention`` reads in place with the native kernel.
 
 ``quantize_groups`` / ``dequantize_groups`` are the plain reference the buffer is tested against.
 """
@@ -128,6 +130,41 @@ def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tenso
     return values.flatten(-2)[..., :dim].to(dtype)
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Rows held as codes: ``codes`` (batch, heads, n, padded dim * bits / 8) uint8 and ``scale`` /
+    ``low`` (batch, heads, n, groups) in the cache dtype, as ``quantize_groups`` makes them, for
+    rows of ``dim`` channels."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor
+    bits: int
+    group: int
+    dim: int
+
+    def __len__(self) -> int:
+        return self.codes.shape[2]
+
+    @property
+    def heads(self) -> int:
+        return self.codes.shape[1]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, self.low
+
+    def float_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors in the cache dtype (the scales and minima)."""
+        return self.scale, self.low
+
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.tensors())
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The rows (batch, heads, n, dim) in ``dtype`` (``dequantize_groups``)."""
+        return dequantize_groups(self.codes, self.scale, self.low, self.bits, self.dim, dtype)
+
+
 class QuantizedBuffer:
     """A ``GrowableBuffer`` look-alike whose rows older than the newest ``storage.residual`` are
     held as int8 / int4 codes. ``append`` and ``view`` return the whole history in the buffer's
@@ -155,6 +192,17 @@ class QuantizedBuffer:
         """Rows held as codes (the rest are the full-precision residual window)."""
         return len(self.codes)
 
+    def segments(self) -> list[QuantizedRows | torch.Tensor]:
+        """What the buffer holds, oldest first, without dequantizing: the rows held as codes
+        (``QuantizedRows``), then the residual window's rows (batch, heads, n, dim), each only when
+        it has rows."""
+        parts: list[QuantizedRows | torch.Tensor] = []
+        if len(self.codes):
+            parts.append(QuantizedRows(self.codes.view(), self.scale.view(), self.low.view(), self.storage.bits, self.storage.group, self.shape[2]))
+        if len(self.recent):
+            parts.append(self.recent.view())
+        return parts
+
     def view(self) -> torch.Tensor:
         """Every live row, (batch, heads, len, dim) in the buffer's dtype (a fresh tensor)."""
         if not len(self.codes):
@@ -163,8 +211,13 @@ class QuantizedBuffer:
         return torch.cat((old, self.recent.view()), dim=2) if len(self.recent) else old
 
     def append(self, x: torch.Tensor) -> torch.Tensor:
-        """Append (batch, heads, n, dim) rows; rows that leave the residual window are quantized.
-        Returns ``view()``."""
+        """Append (batch, heads, n, dim) rows (``store``) and return ``view()``."""
+        self.store(x)
+        return self.view()
+
+    def store(self, x: torch.Tensor) -> None:
+        """Append (batch, heads, n, dim) rows without returning the history; rows that leave the
+        residual window are quantized."""
         self.recent.append(x)
         overflow = len(self.recent) - self.storage.residual
         if overflow > 0:
@@ -173,7 +226,6 @@ class QuantizedBuffer:
             self.scale.append(scale)
             self.low.append(low)
             self.recent.keep_last(self.storage.residual)
-        return self.view()
 
     def keep_last(self, n: int) -> None:
         """Drop all but the newest ``n`` rows."""

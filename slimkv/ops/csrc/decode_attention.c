@@ -38,6 +38,9 @@
  * - "portable": attend_item below, plain C written for the compiler to vectorize (any CPU).
  *
  * Threads: the (batch, kv_head) pairs are split over ``threads`` POSIX threads (1: the caller's).
+ *
+ * Quantized caches (int8 / int4 codes with per-group scales and minima, slimkv/ops/quantize.py)
+ * have their own entry point, QUANTIZED_ENTRY (decode_quantized.h), which reads the codes in place.
  */
 #include <math.h>
 #include <pthread.h>
@@ -63,6 +66,7 @@
 #ifdef SLIMKV_BF16
 typedef uint16_t elem_t;
 #define ENTRY slimkv_decode_attention_bf16
+#define QUANTIZED_ENTRY slimkv_decode_quantized_bf16
 static inline float to_float(elem_t x) {
     const uint32_t bits = (uint32_t)x << 16;
     float f;
@@ -72,6 +76,7 @@ static inline float to_float(elem_t x) {
 #else
 typedef float elem_t;
 #define ENTRY slimkv_decode_attention_f32
+#define QUANTIZED_ENTRY slimkv_decode_quantized_f32
 static inline float to_float(elem_t x) { return x; }
 #endif
 
@@ -284,6 +289,8 @@ done:
     job->status = 0;
     return NULL;
 }
+
+#include "decode_quantized.h"
 
 /* ``fields`` holds FIELDS integers per segment: the query, key and value pointers, the key count,
  * the keys' batch, head and row strides and the values' batch, head and row strides (in elements).

@@ -1,0 +1,374 @@
+/* Decode attention that reads int8 / int4 cache codes in place (included by decode_attention.c,
+ * after elem_t, to_float and exp_nonpositive): the fast path of a quantized cache
+ * (slimkv/ops/quantize.py), which otherwise dequantizes its whole history every step.
+ *
+ * Storage (slimkv.ops.quantize.quantize_groups): each cached row of ``dim`` channels is cut into
+ * groups of ``group`` channels (the last padded); a group holds unsigned codes, int8 one per byte,
+ * int4 two per byte (channel 2j in the low nibble of byte j, 2j + 1 in the high one), and a scale
+ * and a minimum in the cache's element type: value = code * scale + minimum. A call's segments are
+ * read one after the other under one softmax; each is either codes (``bits`` 4 or 8, with scales
+ * and minima) or plain rows (``bits`` 0: the full-precision residual window), so the history and
+ * the newest rows need no concatenation. Every quantized segment of a call has the same bits and
+ * group.
+ *
+ * Per work item (a batch row's key/value head) and block of QBLOCK keys, the block's keys and
+ * values are dequantized once into float32 scratch that stays in the L1 cache, and every query row
+ * of the head (GQA: the query heads sharing it) is served from it with an online softmax, so each
+ * code is read from memory once per step. int4 rows are unpacked in "split" order (a group's low
+ * nibbles, then its high nibbles: contiguous loads and stores, which the compiler vectorizes); the
+ * query rows are permuted into that order once per segment and the output back once per item,
+ * which changes no sum's terms, only their order. Plain C written for the compiler to vectorize on
+ * the build's target (-march=native), so every instruction-set path has it.
+ *
+ * Dequantized values are what the cache's own dequantization gives (in bfloat16 builds, rounded
+ * to bfloat16: as_stored), so the plain reference is slimkv.ops.attention.reference_attention over
+ * the buffer's rows (slimkv.ops.quantize.dequantize_groups); tests/ops/test_native_quantized.py
+ * compares them on every instruction-set path. */
+
+#define QBLOCK 32 /* keys per block: 32 rows of keys and values of 64 float32 channels are 16 KB of scratch */
+#define QFIELDS 28 /* integers per segment in the quantized entry point's ``fields`` */
+
+typedef struct {
+    const float *q;
+    int64_t bits, group, keys;
+    const void *k, *v;                   /* codes (uint8) when bits > 0, else rows of elem_t */
+    const elem_t *ks, *kl, *vs, *vl;     /* per-group scales and minima of the key and value rows (bits > 0) */
+    int64_t k_st[3], v_st[3];            /* batch, head, row strides: bytes for codes, elements for rows */
+    int64_t ks_st[3], kl_st[3], vs_st[3], vl_st[3]; /* batch, head, row strides of the scales and minima, in elements */
+} QSegment;
+
+typedef struct {
+    float *out;
+    const QSegment *segments;
+    int n_segments;
+    int64_t kv_heads, groups, dim, v_dim, bits, group, first, last;
+    float scale;
+    int status;
+} QJob;
+
+/* A dequantized value as the cache's element type holds it: bfloat16 builds round to the nearest
+ * bfloat16 (ties to even), as the cache's own dequantization (quantize.dequantize_groups) does. */
+static inline float as_stored(float x) {
+#ifdef SLIMKV_BF16
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&x, &bits, sizeof x);
+#endif
+    return x;
+}
+
+/* Position of channel c in split order (int4: within a group, the even channels then the odd ones). */
+static inline int64_t split_position(int64_t c, int64_t bits, int64_t group) {
+    if (bits != 4) return c;
+    const int64_t base = c / group * group, j = c - base;
+    return base + (j & 1 ? group / 2 + j / 2 : j / 2);
+}
+
+/* Rows t0 .. t0 + n of one side (keys or values) of a segment as float32 in split order, ``pad``
+ * floats apart (``width`` real channels; quantized rows fill every padded channel, plain rows
+ * leave the padding zero). */
+static inline __attribute__((always_inline)) void load_rows(const QSegment *seg, int side, int64_t b, int64_t h, int64_t t0, int64_t n,
+                                                             int64_t width, int64_t pad, int64_t bits, int64_t group, const int32_t *position,
+                                                             float *restrict dst) {
+    const int64_t *st = side ? seg->v_st : seg->k_st;
+    if (seg->bits == 0) {
+        const elem_t *rows = (const elem_t *)(side ? seg->v : seg->k) + b * st[0] + h * st[1] + t0 * st[2];
+        for (int64_t t = 0; t < n; t++) {
+            const elem_t *row = rows + t * st[2];
+            float *restrict d = dst + t * pad;
+            if (pad > width) /* the padding's places in split order are not the row's tail */
+                for (int64_t p = 0; p < pad; p++) d[p] = 0.0f;
+            for (int64_t c = 0; c < width; c++) d[position[c]] = to_float(row[c]);
+        }
+        return;
+    }
+    const int64_t *sst = side ? seg->vs_st : seg->ks_st, *lst = side ? seg->vl_st : seg->kl_st;
+    const uint8_t *codes = (const uint8_t *)(side ? seg->v : seg->k) + b * st[0] + h * st[1] + t0 * st[2];
+    const elem_t *scales = (side ? seg->vs : seg->ks) + b * sst[0] + h * sst[1] + t0 * sst[2];
+    const elem_t *lows = (side ? seg->vl : seg->kl) + b * lst[0] + h * lst[1] + t0 * lst[2];
+    const int64_t n_groups = pad / group, half = group / 2;
+    for (int64_t t = 0; t < n; t++) {
+        const uint8_t *restrict c = codes + t * st[2];
+        float *restrict d = dst + t * pad;
+        for (int64_t g = 0; g < n_groups; g++) {
+            const float s = to_float(scales[t * sst[2] + g]), m = to_float(lows[t * lst[2] + g]);
+            float *restrict dg = d + g * group;
+            if (bits == 4) {
+                const uint8_t *restrict cg = c + g * half;
+#pragma omp simd
+                for (int64_t j = 0; j < half; j++) {
+                    dg[j] = as_stored((float)(cg[j] & 15) * s + m);
+                    dg[half + j] = as_stored((float)(cg[j] >> 4) * s + m);
+                }
+            } else {
+                const uint8_t *restrict cg = c + g * group;
+#pragma omp simd
+                for (int64_t j = 0; j < group; j++) dg[j] = as_stored((float)cg[j] * s + m);
+            }
+        }
+    }
+}
+
+/* One (batch, kv_head) item: ``groups`` query rows against every segment. The widths are
+ * compile-time constants where the dispatcher below inlines this for common shapes. */
+static inline __attribute__((always_inline)) void attend_item_quantized(const QJob *job, int64_t item, int64_t dim, int64_t v_dim,
+                                                                         int64_t bits, int64_t group, const int32_t *position,
+                                                                         float *restrict scratch) {
+    const int64_t groups = job->groups, b = item / job->kv_heads, h = item % job->kv_heads;
+    const int64_t d_pad = (dim + group - 1) / group * group, v_pad = (v_dim + group - 1) / group * group;
+    float *restrict acc = scratch, *restrict qs = acc + groups * v_pad, *restrict kbuf = qs + groups * d_pad;
+    float *restrict vbuf = kbuf + QBLOCK * d_pad, *restrict run_max = vbuf + QBLOCK * v_pad, *restrict run_sum = run_max + groups;
+    float logits[QBLOCK];
+    for (int64_t g = 0; g < groups; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+        for (int64_t p = 0; p < v_pad; p++) acc[g * v_pad + p] = 0.0f;
+    }
+    for (int s = 0; s < job->n_segments; s++) {
+        const QSegment *seg = job->segments + s;
+        const float *q = seg->q + item * groups * dim;
+        for (int64_t g = 0; g < groups; g++) {
+            for (int64_t p = 0; p < d_pad; p++) qs[g * d_pad + p] = 0.0f;
+            for (int64_t c = 0; c < dim; c++) qs[g * d_pad + position[c]] = q[g * dim + c] * job->scale;
+        }
+        for (int64_t t0 = 0; t0 < seg->keys; t0 += QBLOCK) {
+            const int64_t n = seg->keys - t0 < QBLOCK ? seg->keys - t0 : QBLOCK;
+            load_rows(seg, 0, b, h, t0, n, dim, d_pad, bits, group, position, kbuf);
+            load_rows(seg, 1, b, h, t0, n, v_dim, v_pad, bits, group, position, vbuf);
+            for (int64_t g = 0; g < groups; g++) {
+                const float *restrict qg = qs + g * d_pad;
+                float block_max = -INFINITY;
+                for (int64_t t = 0; t < n; t++) {
+                    const float *restrict kt = kbuf + t * d_pad;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t p = 0; p < d_pad; p++) dot += qg[p] * kt[p];
+                    logits[t] = dot;
+                    block_max = dot > block_max ? dot : block_max;
+                }
+                float *restrict ag = acc + g * v_pad;
+                if (block_max > run_max[g]) {
+                    const float correction = exp_nonpositive(run_max[g] - block_max);
+                    run_sum[g] *= correction;
+#pragma omp simd
+                    for (int64_t p = 0; p < v_pad; p++) ag[p] *= correction;
+                    run_max[g] = block_max;
+                }
+                const float m = run_max[g];
+                float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+                for (int64_t t = 0; t < n; t++) {
+                    logits[t] = exp_nonpositive(logits[t] - m);
+                    block_sum += logits[t];
+                }
+                run_sum[g] += block_sum;
+#pragma omp simd
+                for (int64_t p = 0; p < v_pad; p++) { /* each channel's sum over the block's keys stays in a register */
+                    float a = ag[p];
+                    for (int64_t t = 0; t < n; t++) a += logits[t] * vbuf[t * v_pad + p];
+                    ag[p] = a;
+                }
+            }
+        }
+    }
+    float *out = job->out + item * groups * v_dim;
+    for (int64_t g = 0; g < groups; g++) {
+        const float inv = 1.0f / run_sum[g];
+        for (int64_t c = 0; c < v_dim; c++) out[g * v_dim + c] = acc[g * v_pad + position[c]] * inv;
+    }
+}
+
+
+#if defined(SLIMKV_PATH_AVX512)
+/* The AVX-512 path for rows of 32, 64 or 128 channels in groups of 32 or 64: each block of
+ * BLOCK_KEYS keys and values is dequantized in natural channel order (int4 nibbles interleaved
+ * back in registers) into scratch rows of the cache's element type, then served by the plain
+ * kernel's register tiles (block_rows_avx512), so the arithmetic after dequantization is the
+ * plain kernel's; residual rows are read in place. bfloat16 builds round each dequantized value
+ * to bfloat16 (as_stored, in registers). */
+static inline void store16_dequantized(elem_t *dst, __m512 x) {
+#ifdef SLIMKV_BF16
+    __m512i bits = _mm512_castps_si512(x);
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1))));
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+#else
+    _mm512_storeu_ps(dst, x);
+#endif
+}
+
+/* Rows t0 .. t0 + n of one side of a quantized segment, dequantized into ``dst`` (rows of ``dim``). */
+static inline __attribute__((always_inline)) void dequantize_block_avx512(const QSegment *seg, int side, int64_t b, int64_t h, int64_t t0, int n,
+                                                                           const int64_t dim, const int64_t bits, const int64_t group,
+                                                                           elem_t *restrict dst) {
+    const int64_t *st = side ? seg->v_st : seg->k_st, *sst = side ? seg->vs_st : seg->ks_st, *lst = side ? seg->vl_st : seg->kl_st;
+    const uint8_t *codes = (const uint8_t *)(side ? seg->v : seg->k) + b * st[0] + h * st[1] + t0 * st[2];
+    const elem_t *scales = (side ? seg->vs : seg->ks) + b * sst[0] + h * sst[1] + t0 * sst[2];
+    const elem_t *lows = (side ? seg->vl : seg->kl) + b * lst[0] + h * lst[1] + t0 * lst[2];
+    const __m128i nibble = _mm_set1_epi8(15);
+    for (int t = 0; t < n; t++) {
+        const uint8_t *c = codes + t * st[2];
+        elem_t *d = dst + t * dim;
+        if (PREFETCH_BLOCKS > 0) _mm_prefetch((const char *)(c + PREFETCH_BLOCKS * BLOCK_KEYS * st[2]), _MM_HINT_T0);
+        for (int64_t chunk = 0; chunk < dim / 16; chunk++) { /* 16 channels at a time; a group is 2 or 4 chunks */
+            const int64_t g = chunk * 16 / group;
+            const __m512 s = _mm512_set1_ps(to_float(scales[t * sst[2] + g])), m = _mm512_set1_ps(to_float(lows[t * lst[2] + g]));
+            __m128i bytes;
+            if (bits == 4) {
+                const __m128i x = _mm_loadu_si128((const __m128i *)(c + chunk / 2 * 16)); /* 32 channels: channel 2j in byte j's low nibble */
+                const __m128i lo = _mm_and_si128(x, nibble), hi = _mm_and_si128(_mm_srli_epi16(x, 4), nibble);
+                bytes = chunk % 2 ? _mm_unpackhi_epi8(lo, hi) : _mm_unpacklo_epi8(lo, hi);
+            } else {
+                bytes = _mm_loadu_si128((const __m128i *)(c + chunk * 16));
+            }
+            store16_dequantized(d + chunk * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), s, m));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_item_quantized_avx512(const QJob *job, int64_t item, const int ND, const int64_t bits,
+                                                                                const int64_t group, elem_t *restrict kbuf, elem_t *restrict vbuf,
+                                                                                float *restrict acc, float *restrict run_max, float *restrict run_sum) {
+    const int64_t groups = job->groups, b = item / job->kv_heads, h = item % job->kv_heads, dim = 16 * ND;
+    const int tile = ND > 4 ? 2 : 4;
+    for (int64_t g = 0; g < groups; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+        for (int64_t e = 0; e < dim; e++) acc[g * dim + e] = 0.0f;
+    }
+    const __m512 scale16 = _mm512_set1_ps(job->scale);
+    for (int s = 0; s < job->n_segments; s++) {
+        const QSegment *seg = job->segments + s;
+        const float *restrict q = seg->q + item * groups * dim;
+        for (int64_t t0 = 0; t0 < seg->keys; t0 += BLOCK_KEYS) {
+            const int n = (int)(seg->keys - t0 < BLOCK_KEYS ? seg->keys - t0 : BLOCK_KEYS);
+            const elem_t *kb = kbuf, *vb = vbuf;
+            int64_t k_row = dim, v_row = dim;
+            if (seg->bits) {
+                dequantize_block_avx512(seg, 0, b, h, t0, n, dim, bits, group, kbuf);
+                dequantize_block_avx512(seg, 1, b, h, t0, n, dim, bits, group, vbuf);
+            } else {
+                kb = (const elem_t *)seg->k + b * seg->k_st[0] + h * seg->k_st[1] + t0 * seg->k_st[2];
+                vb = (const elem_t *)seg->v + b * seg->v_st[0] + h * seg->v_st[1] + t0 * seg->v_st[2];
+                k_row = seg->k_st[2];
+                v_row = seg->v_st[2];
+            }
+            int64_t g = 0;
+            for (; tile == 4 && g + 4 <= groups; g += 4)
+                block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, 4, ND, ND, scale16, acc + g * dim, run_max + g, run_sum + g);
+            for (; g + 2 <= groups; g += 2)
+                block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, 2, ND, ND, scale16, acc + g * dim, run_max + g, run_sum + g);
+            for (; g < groups; g++)
+                block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, 1, ND, ND, scale16, acc + g * dim, run_max + g, run_sum + g);
+        }
+    }
+    float *out = job->out + item * groups * dim;
+    for (int64_t g = 0; g < groups; g++) {
+        const float inv = 1.0f / run_sum[g];
+        for (int64_t e = 0; e < dim; e++) out[g * dim + e] = acc[g * dim + e] * inv;
+    }
+}
+
+#define DISPATCH_QUANTIZED_AVX512(ND, BITS, G)                                                                            \
+    if (job->dim == 16 * (ND) && job->v_dim == 16 * (ND) && job->bits == (BITS) && job->group == (G)) {                  \
+        for (int64_t i = job->first; i < job->last; i++)                                                                  \
+            attend_item_quantized_avx512(job, i, (ND), (BITS), (G), tiles, tiles + BLOCK_KEYS * 16 * (ND), scratch,        \
+                                         scratch + job->groups * job->v_dim, scratch + job->groups * job->v_dim + job->groups); \
+        goto done;                                                                                                        \
+    }
+#endif
+
+#define DISPATCH_QUANTIZED(D, DV, BITS, G)                                                                            \
+    if (job->dim == (D) && job->v_dim == (DV) && job->bits == (BITS) && job->group == (G)) {                          \
+        for (int64_t i = job->first; i < job->last; i++) attend_item_quantized(job, i, (D), (DV), (BITS), (G), position, scratch); \
+        goto done;                                                                                                    \
+    }
+
+static void *run_quantized_job(void *arg) {
+    QJob *job = (QJob *)arg;
+    const int64_t d_pad = (job->dim + job->group - 1) / job->group * job->group, v_pad = (job->v_dim + job->group - 1) / job->group * job->group;
+    const int64_t width = job->dim > job->v_dim ? job->dim : job->v_dim;
+    float *scratch = malloc(sizeof(float) * (size_t)(job->groups * (v_pad + d_pad + 2) + QBLOCK * (d_pad + v_pad)) + sizeof(int32_t) * (size_t)width);
+    if (!scratch) {
+        job->status = 1;
+        return NULL;
+    }
+    int32_t *position = (int32_t *)(scratch + job->groups * (v_pad + d_pad + 2) + QBLOCK * (d_pad + v_pad)); /* channel -> its place in split order */
+    for (int64_t c = 0; c < width; c++) position[c] = (int32_t)split_position(c, job->bits, job->group);
+#if defined(SLIMKV_PATH_AVX512)
+    elem_t tiles[2 * BLOCK_KEYS * 128] __attribute__((aligned(64))); /* a block's dequantized keys and values, rows of up to 128 */
+    DISPATCH_QUANTIZED_AVX512(4, 4, 32)
+    DISPATCH_QUANTIZED_AVX512(4, 8, 32)
+    DISPATCH_QUANTIZED_AVX512(8, 4, 32)
+    DISPATCH_QUANTIZED_AVX512(8, 8, 32)
+    DISPATCH_QUANTIZED_AVX512(2, 4, 32)
+    DISPATCH_QUANTIZED_AVX512(2, 8, 32)
+    DISPATCH_QUANTIZED_AVX512(4, 4, 64)
+    DISPATCH_QUANTIZED_AVX512(8, 4, 64)
+#endif
+    DISPATCH_QUANTIZED(64, 64, 4, 32)
+    DISPATCH_QUANTIZED(64, 64, 8, 32)
+    DISPATCH_QUANTIZED(128, 128, 4, 32)
+    DISPATCH_QUANTIZED(128, 128, 8, 32)
+    DISPATCH_QUANTIZED(64, 64, 4, 64)
+    DISPATCH_QUANTIZED(128, 128, 4, 64)
+    for (int64_t i = job->first; i < job->last; i++) attend_item_quantized(job, i, job->dim, job->v_dim, job->bits, job->group, position, scratch);
+done:
+    free(scratch);
+    job->status = 0;
+    return NULL;
+}
+
+/* ``fields`` holds QFIELDS integers per segment: the query pointer, bits (0, 4 or 8), group, key
+ * count, the key and value pointers (codes or rows), the key scale, key minimum, value scale and
+ * value minimum pointers, then batch/head/row strides of keys, values, key scales, key minima,
+ * value scales and value minima. Returns 0 on success, 1 when memory or a thread could not be
+ * had, 2 on bad arguments. */
+int QUANTIZED_ENTRY(const int64_t *fields, int n_segments, float *out, int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim,
+                    int64_t v_dim, float scale, int threads) {
+    if (n_segments < 1 || n_segments > MAX_SEGMENTS || batch < 1 || kv_heads < 1 || groups < 1 || dim < 1 || v_dim < 1) return 2;
+    QSegment segments[MAX_SEGMENTS];
+    int64_t total_keys = 0, bits = 0, group = 0;
+    for (int s = 0; s < n_segments; s++) {
+        const int64_t *f = fields + QFIELDS * s;
+        QSegment *seg = segments + s;
+        *seg = (QSegment){(const float *)(intptr_t)f[0], f[1], f[2], f[3], (const void *)(intptr_t)f[4], (const void *)(intptr_t)f[5],
+                          (const elem_t *)(intptr_t)f[6], (const elem_t *)(intptr_t)f[7], (const elem_t *)(intptr_t)f[8],
+                          (const elem_t *)(intptr_t)f[9], {f[10], f[11], f[12]}, {f[13], f[14], f[15]}, {f[16], f[17], f[18]},
+                          {f[19], f[20], f[21]}, {f[22], f[23], f[24]}, {f[25], f[26], f[27]}};
+        if (seg->keys < 0 || (seg->bits != 0 && seg->bits != 4 && seg->bits != 8)) return 2;
+        if (seg->bits) {
+            if (seg->group < 2 || (seg->bits == 4 && seg->group % 2) || (bits && (seg->bits != bits || seg->group != group))) return 2;
+            bits = seg->bits;
+            group = seg->group;
+        }
+        total_keys += seg->keys;
+    }
+    if (total_keys < 1) return 2;
+    if (!bits) { /* plain rows only: one group as wide as the rows, so nothing is padded or permuted */
+        bits = 8;
+        group = dim > v_dim ? dim : v_dim;
+    }
+    if (threads < 1) threads = 1;
+    if (threads > 64) threads = 64;
+    const int64_t items = batch * kv_heads;
+    if (threads > items) threads = (int)items;
+    QJob jobs[64];
+    pthread_t ids[64];
+    for (int t = 0; t < threads; t++)
+        jobs[t] = (QJob){out, segments, n_segments, kv_heads, groups, dim, v_dim, bits, group, items * t / threads, items * (t + 1) / threads, scale, 1};
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&ids[t], NULL, run_quantized_job, &jobs[t]) != 0) break;
+        started = t;
+    }
+    for (int t = started + 1; t < threads; t++) run_quantized_job(&jobs[t]);
+    run_quantized_job(&jobs[0]);
+    int status = jobs[0].status;
+    for (int t = 1; t <= started; t++) {
+        pthread_join(ids[t], NULL);
+        status |= jobs[t].status;
+    }
+    for (int t = started + 1; t < threads; t++) status |= jobs[t].status;
+    return status;
+}
