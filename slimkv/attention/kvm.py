@@ -36,6 +36,7 @@ from slimkv.ops.kvm import (
     kvm_step_reference,
 )
 from slimkv.ops.kvm.state import step
+from slimkv.ops.linear import Linear
 from slimkv.ops.rope import ROPE_MODES, rotary_dim
 
 LN_S_EPS = 1e-5
@@ -104,7 +105,7 @@ class KVMRegions:
     def _add_kvm_parameters(self, key_width: int, d_model: int, n_heads: int, n_kv_heads: int, *, merge_gate: bool, use_temperatures: bool) -> None:
         """LN_s over a state key (``key_width``), a gate per KV head, temperatures per query head."""
         self.ln_s = nn.LayerNorm(key_width, eps=LN_S_EPS)
-        self.gate_proj = nn.Linear(d_model, n_kv_heads, bias=False) if merge_gate else None
+        self.gate_proj = Linear(d_model, n_kv_heads, bias=False) if merge_gate else None
         if use_temperatures:
             self.tau_state = nn.Parameter(torch.ones(n_heads))
             self.tau_window = nn.Parameter(torch.ones(n_heads))

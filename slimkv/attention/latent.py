@@ -29,13 +29,13 @@ Two exact paths, picked by the runtime option ``decode_path``:
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from slimkv.attention.base import Attention, LayerShape, Presets, register_attention
 from slimkv.attention.mla import LatentCache
 from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import Checked, check_choice, check_int
 from slimkv.ops.attention import attend
+from slimkv.ops.linear import Linear
 
 DECODE_PATHS = ("auto", "absorbed", "expanded")
 
@@ -58,11 +58,11 @@ class RebuiltLatentAttention(Attention):
         self.kv_rank, self.n_kv_heads = kv_rank, n_kv_heads
         self.decode_path = decode_path
         hd, bias = self.head_dim, self.use_bias
-        self.q_proj = nn.Linear(d_model, n_heads * hd, bias=bias)
-        self.kv_down = nn.Linear(d_model, kv_rank, bias=bias)
-        self.k_up = nn.Linear(kv_rank, n_kv_heads * hd, bias=False)  # a constant key shift is kv_down's bias times k_up
-        self.v_up = nn.Linear(kv_rank, n_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(n_heads * hd, d_model, bias=bias)
+        self.q_proj = Linear(d_model, n_heads * hd, bias=bias)
+        self.kv_down = Linear(d_model, kv_rank, bias=bias)
+        self.k_up = Linear(kv_rank, n_kv_heads * hd, bias=False)  # a constant key shift is kv_down's bias times k_up
+        self.v_up = Linear(kv_rank, n_kv_heads * hd, bias=False)
+        self.o_proj = Linear(n_heads * hd, d_model, bias=bias)
         self._make_qk_norms(hd, hd)
 
     def cache_spec(self) -> tuple:

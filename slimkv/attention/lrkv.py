@@ -31,6 +31,7 @@ from slimkv.attention.lrkv_decode import LRKVCachedPaths
 from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import Checked, check_choice, check_float, check_int
 from slimkv.ops.attention import attend
+from slimkv.ops.linear import Linear
 from slimkv.ops.norm import compute_dtype
 from slimkv.ops.rope import Rotary
 
@@ -113,15 +114,15 @@ class LowRankKVAttention(LRKVCachedPaths, Attention):
         self.key_residual_start = self.rotary.rot_dim if self.rope_placement == "decoupled" else 0
         self._warn_if_larger_than_mha()
 
-        self.q_proj = nn.Linear(d_model, n_heads * hd, bias=bias)
-        self.k_shared = nn.Linear(d_model, hd, bias=bias)
-        self.v_shared = nn.Linear(d_model, hd, bias=bias)
+        self.q_proj = Linear(d_model, n_heads * hd, bias=bias)
+        self.k_shared = Linear(d_model, hd, bias=bias)
+        self.v_shared = Linear(d_model, hd, bias=bias)
         # U^K_g for all groups as one (d -> G r_k) map, and B^K_g stacked as (G, channels written, r_k).
-        self.k_latent = nn.Linear(d_model, groups * rank_k, bias=bias) if rank_k else None
+        self.k_latent = Linear(d_model, groups * rank_k, bias=bias) if rank_k else None
         self.k_up = nn.Parameter(torch.empty(groups, hd - self.key_residual_start, rank_k)) if rank_k else None
-        self.v_latent = nn.Linear(d_model, groups * rank_v, bias=bias) if rank_v else None
+        self.v_latent = Linear(d_model, groups * rank_v, bias=bias) if rank_v else None
         self.v_up = nn.Parameter(torch.empty(groups, hd, rank_v)) if rank_v else None
-        self.o_proj = nn.Linear(n_heads * hd, d_model, bias=bias)
+        self.o_proj = Linear(n_heads * hd, d_model, bias=bias)
         self._make_qk_norms(hd, hd)
         self._init_residual_factors()
         self.decode_path = decode_path

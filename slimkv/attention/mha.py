@@ -8,13 +8,13 @@ layout (batch, kv_heads, time, head_dim), in growable buffers.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from slimkv.attention.base import Attention, LayerShape, Presets, register_attention
 from slimkv.attention.cache import AttentionCache
 from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import check_int
 from slimkv.ops.attention import attend, buffer_segments, stored_decode_attention
+from slimkv.ops.linear import Linear
 from slimkv.ops.quantize import FULL, KVStorage
 
 
@@ -75,10 +75,10 @@ class MultiHeadAttention(Attention):
         super().__init__(d_model, n_heads, head_dim, **common)
         self.n_kv_heads, self.window = n_kv_heads, window
         hd, bias = self.head_dim, self.use_bias
-        self.q_proj = nn.Linear(d_model, n_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(n_heads * hd, d_model, bias=bias)
+        self.q_proj = Linear(d_model, n_heads * hd, bias=bias)
+        self.k_proj = Linear(d_model, n_kv_heads * hd, bias=bias)
+        self.v_proj = Linear(d_model, n_kv_heads * hd, bias=bias)
+        self.o_proj = Linear(n_heads * hd, d_model, bias=bias)
         self._make_qk_norms(hd, hd)
 
     def cache_spec(self) -> tuple:

@@ -64,6 +64,7 @@ from slimkv.attention.cache import AttentionCache
 from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import Checked, check_bool, check_choice, check_int
 from slimkv.ops.attention import attend
+from slimkv.ops.linear import Linear
 from slimkv.ops.norm import RMSNorm
 from slimkv.ops.quantize import FULL, KVStorage
 from slimkv.ops.rope import Rotary, check_rope_frequencies, rotary_dim
@@ -167,16 +168,16 @@ class MultiHeadLatentAttention(Attention):
 
         h, bias = n_heads, self.use_bias
         if q_rank is None:
-            self.q_proj = nn.Linear(d_model, h * self.qk_dim, bias=bias)
+            self.q_proj = Linear(d_model, h * self.qk_dim, bias=bias)
         else:
-            self.q_down = nn.Linear(d_model, q_rank, bias=bias)
+            self.q_down = Linear(d_model, q_rank, bias=bias)
             self.q_latent_norm = RMSNorm(q_rank)
-            self.q_up = nn.Linear(q_rank, h * self.qk_dim, bias=bias)
-        self.kv_down = nn.Linear(d_model, rope_dim + kv_rank, bias=bias)
+            self.q_up = Linear(q_rank, h * self.qk_dim, bias=bias)
+        self.kv_down = Linear(d_model, rope_dim + kv_rank, bias=bias)
         self.kv_norm = RMSNorm(kv_rank) if latent_norm else nn.Identity()
-        self.k_up = nn.Linear(kv_rank, h * self.head_dim, bias=False)
-        self.v_up = nn.Linear(kv_rank, h * self.v_head_dim, bias=False)
-        self.o_proj = nn.Linear(h * self.v_head_dim, d_model, bias=bias)
+        self.k_up = Linear(kv_rank, h * self.head_dim, bias=False)
+        self.v_up = Linear(kv_rank, h * self.v_head_dim, bias=False)
+        self.o_proj = Linear(h * self.v_head_dim, d_model, bias=bias)
         self.q_norm = RMSNorm(self.qk_dim) if self.use_qk_norm else nn.Identity()
         self.k_norm = RMSNorm(rope_dim) if self.use_qk_norm and rope_dim else nn.Identity()
 

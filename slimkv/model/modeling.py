@@ -23,6 +23,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from slimkv.attention import Attention, AttentionCache, build_attention
 from slimkv.common.quiet import quiet_transformers
 from slimkv.model.config import ModelConfig
+from slimkv.ops.linear import Linear
 from slimkv.ops.norm import RMSNorm
 from slimkv.ops.quantize import DEFAULT_GROUP, DEFAULT_RESIDUAL, KVStorage, parse_storage
 
@@ -68,9 +69,9 @@ class MLP(nn.Module):
     def __init__(self, d_model: int, d_ff: int, kind: str) -> None:
         super().__init__()
         self.kind = kind
-        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
-        self.gate_proj = nn.Linear(d_model, d_ff, bias=False) if kind == "swiglu" else None
-        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+        self.up_proj = Linear(d_model, d_ff, bias=False)
+        self.gate_proj = Linear(d_model, d_ff, bias=False) if kind == "swiglu" else None
+        self.down_proj = Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
@@ -178,7 +179,7 @@ class SlimKVForCausalLM(SlimKVPreTrainedModel, GenerationMixin):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.model = SlimKVModel(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

@@ -57,6 +57,8 @@ ENTRIES = {torch.float32: ((), "slimkv_decode_attention_f32"), torch.bfloat16: (
 """Cache element type -> (the build's extra flags, its entry point)."""
 QUANTIZED_ENTRIES = {torch.float32: "slimkv_decode_quantized_f32", torch.bfloat16: "slimkv_decode_quantized_bf16"}
 """Cache element type -> the entry point that reads int8 / int4 codes in place (csrc/decode_quantized.h)."""
+LINEAR_ENTRIES = {torch.float32: "slimkv_decode_linear_f32", torch.bfloat16: "slimkv_decode_linear_bf16"}
+"""Weight element type -> the entry point for one row through a linear layer (csrc/decode_linear.h)."""
 
 
 def compiler() -> str | None:
@@ -135,6 +137,8 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     function.restype = ctypes.c_int
     quantized = getattr(library, QUANTIZED_ENTRIES[dtype])
     quantized.argtypes, quantized.restype = function.argtypes, ctypes.c_int
+    linear = getattr(library, LINEAR_ENTRIES[dtype])
+    linear.argtypes, linear.restype = [pointer, pointer, pointer, pointer, i64, i64, ctypes.c_int], ctypes.c_int
     library.slimkv_kernel_isa.argtypes = []
     library.slimkv_kernel_isa.restype = ctypes.c_char_p
     return library
@@ -350,3 +354,36 @@ def native_stored_attention(query: torch.Tensor, segments: Sequence[tuple[Stored
     if status != 0:
         raise RuntimeError(f"native quantized decode attention failed (status {status}: {'out of memory or threads' if status == 1 else 'bad arguments'})")
     return out.to(query.dtype)
+
+
+def supports_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``native_linear`` takes this call: one row (x's elements are one input row), float32
+    or bfloat16 weights (and bias) with x of the same dtype on the CPU, weight rows contiguous, no
+    autograd, no torch dispatch mode (a FLOP counter must see the call), and either one torch
+    thread or weights of at least ``PARALLEL_MIN_BYTES`` (below that torch's thread pool, which
+    needs no thread start per call, is the better use of several threads)."""
+    if weight.dtype not in LINEAR_ENTRIES or x.dtype != weight.dtype or x.device.type != "cpu" or weight.device.type != "cpu":
+        return False
+    if weight.dim() != 2 or x.numel() != weight.shape[1] or x.shape[-1] != weight.shape[1] or not weight.is_contiguous():
+        return False
+    if bias is not None and (bias.dtype != weight.dtype or bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return torch.get_num_threads() == 1 or weight.numel() * weight.element_size() >= PARALLEL_MIN_BYTES
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, library: ctypes.CDLL) -> torch.Tensor:
+    """x (..., in_features) holding one row -> (..., out_features) = x W^T + bias, in x's dtype (float32
+    sums, rounded once). Call ``supports_linear`` first, and pass the library ``decode_kernel`` gave
+    for the weights' dtype."""
+    row = x.reshape(-1).to(torch.float32).contiguous()
+    out = torch.empty(weight.shape[0], dtype=torch.float32)
+    threads = torch.get_num_threads() if weight.numel() * weight.element_size() >= PARALLEL_MIN_BYTES else 1
+    status = getattr(library, LINEAR_ENTRIES[weight.dtype])(weight.data_ptr(), row.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                                            out.data_ptr(), weight.shape[0], weight.shape[1], threads)
+    if status != 0:
+        raise RuntimeError(f"native linear failed (status {status}: bad arguments)")
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])

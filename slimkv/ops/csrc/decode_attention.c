@@ -40,7 +40,8 @@
  * Threads: the (batch, kv_head) pairs are split over ``threads`` POSIX threads (1: the caller's).
  *
  * Quantized caches (int8 / int4 codes with per-group scales and minima, slimkv/ops/quantize.py)
- * have their own entry point, QUANTIZED_ENTRY (decode_quantized.h), which reads the codes in place.
+ * have their own entry point, QUANTIZED_ENTRY (decode_quantized.h), which reads the codes in place;
+ * LINEAR_ENTRY (decode_linear.h) is a decode step's projections: one row through a linear layer.
  */
 #include <math.h>
 #include <pthread.h>
@@ -67,6 +68,7 @@
 typedef uint16_t elem_t;
 #define ENTRY slimkv_decode_attention_bf16
 #define QUANTIZED_ENTRY slimkv_decode_quantized_bf16
+#define LINEAR_ENTRY slimkv_decode_linear_bf16
 static inline float to_float(elem_t x) {
     const uint32_t bits = (uint32_t)x << 16;
     float f;
@@ -77,6 +79,7 @@ static inline float to_float(elem_t x) {
 typedef float elem_t;
 #define ENTRY slimkv_decode_attention_f32
 #define QUANTIZED_ENTRY slimkv_decode_quantized_f32
+#define LINEAR_ENTRY slimkv_decode_linear_f32
 static inline float to_float(elem_t x) { return x; }
 #endif
 
@@ -291,6 +294,7 @@ done:
 }
 
 #include "decode_quantized.h"
+#include "decode_linear.h"
 
 /* ``fields`` holds FIELDS integers per segment: the query, key and value pointers, the key count,
  * the keys' batch, head and row strides and the values' batch, head and row strides (in elements).
