@@ -1,0 +1,33 @@
+"""benchmarks/decode_quantized.py: its variants check themselves against their references, and the
+committed results render to the committed table."""
+
+import json
+
+import pytest
+
+from slimkv.ops import native
+from tests.helpers import load_benchmark
+
+bench = load_benchmark("decode_quantized.py")
+
+
+@pytest.mark.skipif(native.decode_kernel() is None, reason="no C compiler on this machine, so no native kernel to benchmark")
+def test_a_tiny_run_checks_and_reports_every_variant():
+    import torch
+
+    attention = bench.attention_rows(torch.float32, 300, 2, rounds=1)
+    assert [r["variant"] for r in attention] == ["int4 codes in place", "int4 dequantized (torch path)", "int8 codes in place",
+                                                  "int8 dequantized (torch path)", "full rows (plain kernel)"]
+    assert all(r["ms"] > 0 and r["bytes_read"] > 0 for r in attention)
+    assert attention[0]["bytes_read"] < attention[2]["bytes_read"] < attention[4]["bytes_read"]  # int4 < int8 < float32 rows
+    bench.LINEAR_SHAPES = [(12, 8)]
+    rows = bench.linear_rows(torch.float32, rounds=1, copies=2)
+    assert rows[0]["shape"] == "12 x 8" and rows[0]["torch_over_native"] > 0
+
+
+def test_the_committed_table_is_what_its_json_renders():
+    path = bench.RESULTS / "decode_quantized_1thread.json"
+    if not path.is_file():
+        pytest.skip("decode_quantized_1thread.json is not committed yet (run the benchmark on a quiet machine)")
+    payload = json.loads(path.read_text())
+    assert (bench.RESULTS / "decode_quantized_1thread.md").read_text() == bench.render(payload)
