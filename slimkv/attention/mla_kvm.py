@@ -109,7 +109,7 @@ register_attention(
         {"kv_rank": 6, "chunk_size": 4, "min_rows": 6},
         {"kv_rank": 5, "chunk_size": 3, "window_chunks": 3, "schedule": "sqrt", "sqrt_coef": 2.0, "min_rows": 1,
          "q_rank": 10, "v_head_dim": 6},
-        # a converted layer's shape (convert --to mla+kvm)
+        # a converted layer's shape (convert --to mla-kvm)
         {"kv_rank": 5, "latent_norm": False, "rope_frequencies": [0.9, 0.05], "chunk_size": 4, "min_rows": 5, "sink_len": 2},
     ],
     description="KVM over an MLA latent cache: exact latent window + bounded state of latent means",

@@ -99,11 +99,11 @@ class StreamingCache(AttentionCache):
         k, v = k.detach(), v.detach()
         to_sinks = max(0, min(self.sink_len - self.seq_len, k.shape[2]))
         if to_sinks:
-            self.sink_k.append(k[:, :, :to_sinks])
-            self.sink_v.append(v[:, :, :to_sinks])
+            self.sink_k.store(k[:, :, :to_sinks])
+            self.sink_v.store(v[:, :, :to_sinks])
         if to_sinks < k.shape[2]:
-            self.recent_k.append(k[:, :, to_sinks:])
-            self.recent_v.append(v[:, :, to_sinks:])
+            self.recent_k.store(k[:, :, to_sinks:])
+            self.recent_v.store(v[:, :, to_sinks:])
             self.recent_k.keep_last(self.window - 1)
             self.recent_v.keep_last(self.window - 1)
         self.seq_len += k.shape[2]
