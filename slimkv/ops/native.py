@@ -59,6 +59,8 @@ QUANTIZED_ENTRIES = {torch.float32: "slimkv_decode_quantized_f32", torch.bfloat1
 """Cache element type -> the entry point that reads int8 / int4 codes in place (csrc/decode_quantized.h)."""
 LINEAR_ENTRIES = {torch.float32: "slimkv_decode_linear_f32", torch.bfloat16: "slimkv_decode_linear_bf16"}
 """Weight element type -> the entry point for one row through a linear layer (csrc/decode_linear.h)."""
+QUANTIZE_ENTRIES = {torch.float32: "slimkv_quantize_rows_f32", torch.bfloat16: "slimkv_quantize_rows_bf16"}
+"""Cache element type -> the entry point that quantizes rows into codes (csrc/quantize_rows.h)."""
 
 
 def compiler() -> str | None:
@@ -139,6 +141,8 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     quantized.argtypes, quantized.restype = function.argtypes, ctypes.c_int
     linear = getattr(library, LINEAR_ENTRIES[dtype])
     linear.argtypes, linear.restype = [pointer, pointer, pointer, pointer, i64, i64, ctypes.c_int], ctypes.c_int
+    quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
+    quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
     library.slimkv_kernel_isa.argtypes = []
     library.slimkv_kernel_isa.restype = ctypes.c_char_p
     return library
@@ -387,3 +391,22 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if status != 0:
         raise RuntimeError(f"native linear failed (status {status}: bad arguments)")
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def native_quantize_groups(x: torch.Tensor, bits: int, group: int, library: ctypes.CDLL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``slimkv.ops.quantize.quantize_groups(x, bits, group, x.dtype)`` in C (csrc/quantize_rows.h):
+    the same codes, scales and minima (equal values: a zero minimum may carry the other sign). x (..., dim) float32 or bfloat16 on the CPU with
+    contiguous rows, no autograd (the caller checks; ``quantize_groups`` takes everything else)."""
+    dim = x.shape[-1]
+    groups = -(-dim // group)
+    rows = x.reshape(-1, dim)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    codes = torch.empty(rows.shape[0], groups * group * bits // 8, dtype=torch.uint8)
+    scale, low = (torch.empty(rows.shape[0], groups, dtype=x.dtype) for _ in range(2))
+    status = getattr(library, QUANTIZE_ENTRIES[x.dtype])(rows.data_ptr(), rows.shape[0], dim, rows.stride(0) if rows.shape[0] > 1 else dim, bits,
+                                                          group, codes.data_ptr(), scale.data_ptr(), low.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"native quantization failed (status {status}: bad arguments)")
+    lead = x.shape[:-1]
+    return codes.view(*lead, -1), scale.view(*lead, groups), low.view(*lead, groups)

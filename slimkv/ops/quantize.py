@@ -112,6 +112,19 @@ def quantize_groups(x: torch.Tensor, bits: int, group: int, scale_dtype: torch.d
     return codes, scale, low
 
 
+def quantize_rows(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_groups(x, bits, group, x.dtype)``, through the native kernel's quantizer where it
+    takes the call (float32 or bfloat16 on the CPU, no autograd: the same codes, scales and minima;
+    a cache calls this every decode step), else ``quantize_groups`` itself."""
+    from slimkv.ops import native  # native imports this module (QuantizedRows): imported here, not at the top
+
+    if x.dtype in native.QUANTIZE_ENTRIES and x.device.type == "cpu" and not x.requires_grad and torch._C._len_torch_dispatch_stack() == 0:
+        library = native.decode_kernel(x.dtype)
+        if library is not None:
+            return native.native_quantize_groups(x, bits, group, library)
+    return quantize_groups(x, bits, group, x.dtype)
+
+
 def _round_toward(x: torch.Tensor, dtype: torch.dtype, direction: int) -> torch.Tensor:
     """``x`` (float32) in ``dtype``, rounded down (direction -1) or up (+1) where the cast is inexact."""
     y = x.to(dtype)
@@ -221,7 +234,7 @@ class QuantizedBuffer:
         self.recent.append(x)
         overflow = len(self.recent) - self.storage.residual
         if overflow > 0:
-            codes, scale, low = quantize_groups(self.recent.view()[:, :, :overflow], self.storage.bits, self.storage.group, self.dtype)
+            codes, scale, low = quantize_rows(self.recent.view()[:, :, :overflow], self.storage.bits, self.storage.group)
             self.codes.append(codes)
             self.scale.append(scale)
             self.low.append(low)

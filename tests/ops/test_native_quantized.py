@@ -162,3 +162,25 @@ def test_decode_through_the_codes_matches_the_dequantizing_path(kind, dtype, mon
     in_place, dequantized = run(True), run(False)
     assert calls or LIBRARY is None
     torch.testing.assert_close(in_place, dequantized, **({"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.02}))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group,dim", [(32, 64), (32, 130), (64, 5), (8, 48), (2, 3)])
+def test_the_native_quantizer_gives_quantize_groups_codes(isa, dtype, bits, group, dim):
+    """Ordinary, constant, one-signed, huge and subnormal rows, padded last groups: the codes are
+    ``quantize_groups``' exactly, the scales and minima equal in value."""
+    from slimkv.ops.quantize import quantize_groups
+
+    dtype = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(bits * 1000 + group + dim)
+    base = torch.randn(2, 3, 5, dim, generator=gen)
+    for x in (base, base * 0 + 1.5, base.abs() + 1e-3, -base.abs(), base * 1e30, base * 1e-40):
+        x = x.to(dtype)
+        expected = quantize_groups(x, bits, group, dtype)
+        got = native.native_quantize_groups(x, bits, group, native.isa_kernel(dtype, isa))
+        assert torch.equal(got[0], expected[0])
+        for g, e in zip(got[1:], expected[1:]):
+            assert g.dtype == e.dtype and torch.equal(g, e)

@@ -41,7 +41,8 @@
  *
  * Quantized caches (int8 / int4 codes with per-group scales and minima, slimkv/ops/quantize.py)
  * have their own entry point, QUANTIZED_ENTRY (decode_quantized.h), which reads the codes in place;
- * LINEAR_ENTRY (decode_linear.h) is a decode step's projections: one row through a linear layer.
+ * LINEAR_ENTRY (decode_linear.h) is a decode step's projections: one row through a linear layer;
+ * QUANTIZE_ENTRY (quantize_rows.h) turns the rows leaving a quantized cache's residual window into codes.
  */
 #include <math.h>
 #include <pthread.h>
@@ -69,6 +70,7 @@ typedef uint16_t elem_t;
 #define ENTRY slimkv_decode_attention_bf16
 #define QUANTIZED_ENTRY slimkv_decode_quantized_bf16
 #define LINEAR_ENTRY slimkv_decode_linear_bf16
+#define QUANTIZE_ENTRY slimkv_quantize_rows_bf16
 static inline float to_float(elem_t x) {
     const uint32_t bits = (uint32_t)x << 16;
     float f;
@@ -80,6 +82,7 @@ typedef float elem_t;
 #define ENTRY slimkv_decode_attention_f32
 #define QUANTIZED_ENTRY slimkv_decode_quantized_f32
 #define LINEAR_ENTRY slimkv_decode_linear_f32
+#define QUANTIZE_ENTRY slimkv_quantize_rows_f32
 static inline float to_float(elem_t x) { return x; }
 #endif
 
@@ -295,6 +298,7 @@ done:
 
 #include "decode_quantized.h"
 #include "decode_linear.h"
+#include "quantize_rows.h"
 
 /* ``fields`` holds FIELDS integers per segment: the query, key and value pointers, the key count,
  * the keys' batch, head and row strides and the values' batch, head and row strides (in elements).
