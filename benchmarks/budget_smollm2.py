@@ -29,7 +29,8 @@ from slimkv.common.files import save_figure, write_text
 from slimkv.common.markdown import markdown_table
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import write_results
-from slimkv.convert.pipeline import ConvertOptions, convert_pretrained, finished_conversion
+from slimkv.convert.manifest import finished_conversion
+from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
 from slimkv.eval.ppl import perplexity_report
 from slimkv.pretrained import SMOLLM2, fetch_smollm2
 

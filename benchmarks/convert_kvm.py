@@ -38,7 +38,8 @@ from slimkv.common.plotting import new_figure
 from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
 from slimkv.common.vocabulary import in_todays_words
-from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained, finished_conversion
+from slimkv.convert.manifest import finished_conversion
+from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained
 from slimkv.data.texts import evaluation_text, tokenize
 from slimkv.eval.models import load_language_model
 from slimkv.eval.positions import bucket_means, position_nll

@@ -34,7 +34,8 @@ from slimkv.common.plotting import new_figure
 from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
 from slimkv.convert.heal import PARAMETER_SETS, HealConfig
-from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained, finished_conversion
+from slimkv.convert.manifest import finished_conversion
+from slimkv.convert.pipeline import ConvertOptions, check_before_work, convert_pretrained
 from slimkv.data.texts import evaluation_text
 from slimkv.eval.cache import cache_report
 from slimkv.eval.models import load_language_model

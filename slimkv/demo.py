@@ -33,7 +33,8 @@ from slimkv.bench.entries import parse_entries
 from slimkv.common.files import check_folder_target, write_json
 from slimkv.common.workers import check_workers
 from slimkv.compress import demo_compression
-from slimkv.convert.pipeline import ConvertOptions, convert_pretrained, finished_conversion
+from slimkv.convert.manifest import finished_conversion
+from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
 from slimkv.data import prepare_shakespeare
 from slimkv.eval.cache import cache_report
 from slimkv.eval.cache import format_report as format_cache

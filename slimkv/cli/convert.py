@@ -10,6 +10,7 @@ import torch
 
 from slimkv.common.checks import check_int
 from slimkv.convert.heal import HEAL_DIR, PARAMETER_SETS, HealConfig, check_resumable
+from slimkv.convert.manifest import read_manifest, same_method, stored_options
 from slimkv.convert.methods import CONVERSIONS
 from slimkv.convert.pipeline import (
     EXPORTS,
@@ -18,10 +19,7 @@ from slimkv.convert.pipeline import (
     conversion_fingerprint,
     convert_pretrained,
     heal_converted,
-    read_manifest,
     read_shape,
-    same_method,
-    stored_options,
 )
 from slimkv.eval.models import conversion_method
 

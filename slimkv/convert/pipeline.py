@@ -30,15 +30,16 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from slimkv.common.checks import check_choice, check_float, check_int
-from slimkv.common.files import OutputFolder, read_json, write_json
+from slimkv.common.files import OutputFolder, write_json
 from slimkv.common.quiet import quiet_transformers
 from slimkv.common.version import VERSION
-from slimkv.common.vocabulary import VOCABULARY, current_method, is_legacy
+from slimkv.common.vocabulary import VOCABULARY
 from slimkv.convert import hybrid, sensitivity
 from slimkv.convert.budget import BudgetPlan, plan_budget
 from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfig, check_heal_text, check_resumable, heal
+from slimkv.convert.manifest import read_manifest
 from slimkv.convert.methods import Conversion, LayerContext, parse_method
 from slimkv.convert.roles import SCORES as ROLE_SCORES
 from slimkv.convert.roles import plot_head_roles
@@ -362,53 +363,6 @@ def _convert_and_heal(model: str, options: ConvertOptions, out_dir: str | Path |
         manifest = heal_converted(out_dir, heal_cfg, progress=progress)
         converted = load_model_folder(out_dir)
     return converted, manifest
-
-
-def read_manifest(out_dir: str | Path) -> dict[str, Any]:
-    """The manifest of the conversion in ``out_dir``; ValueError when the folder is not one."""
-    out_dir = Path(out_dir).expanduser()
-    if not (out_dir / CONVERTED_MANIFEST).is_file():
-        raise ValueError(f"--out {out_dir} holds no conversion ({CONVERTED_MANIFEST} is missing); convert a model there first")
-    return read_json(out_dir / CONVERTED_MANIFEST, expect=dict)
-
-
-def finished_conversion(out_dir: str | Path, options: ConvertOptions) -> dict[str, Any] | None:
-    """The manifest of ``out_dir`` when it holds a finished conversion made with exactly
-    ``options``, else None: what the benchmarks and the demo reuse instead of converting again
-    (the manifest's ``healing`` says whether and how it was healed since)."""
-    path = Path(out_dir).expanduser() / CONVERTED_MANIFEST
-    if not path.is_file():
-        return None
-    manifest = read_json(path, expect=dict)
-    return manifest if same_options(stored_options(manifest), asdict(options)) else None
-
-
-def stored_options(manifest: dict[str, Any]) -> dict[str, Any]:
-    """A manifest's ``options`` with its ``--to`` text spelled as today (``slimkv.common.vocabulary``):
-    a folder converted before the renames (``mla+kvm``, ``kvm:rows``, ``lrkv:rope``, the old kvm defaults) reads as it was made."""
-    options = dict(manifest.get("options") or {})
-    if isinstance(options.get("method"), str):
-        options["method"] = current_method(options["method"], legacy=is_legacy(manifest))
-    return options
-
-
-def same_options(stored: dict[str, Any], wanted: dict[str, Any]) -> bool:
-    """Whether two ``ConvertOptions`` (as dicts) make the same conversion: every field equal, the
-    ``--to`` texts by the method and settings they parse to (``kvm:a=1,b=2`` is ``kvm:b=2,a=1``)."""
-    if {k: v for k, v in stored.items() if k != "method"} != {k: v for k, v in wanted.items() if k != "method"}:
-        return False
-    return same_method(stored.get("method"), wanted.get("method"))
-
-
-def same_method(a: Any, b: Any) -> bool:
-    """Whether two ``--to`` texts name the same method with the same settings (defaults filled in)."""
-    if a == b:
-        return True
-    try:
-        (method_a, settings_a), (method_b, settings_b) = parse_method(str(a)), parse_method(str(b))
-    except ValueError:
-        return False
-    return method_a.name == method_b.name and settings_a == settings_b
 
 
 def conversion_fingerprint(out_dir: Path, manifest: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from slimkv.common.buffer import GrowableBuffer
+from slimkv.ops.codes import QuantizedRows
 from slimkv.ops.native import (
     StoredRows,
     decode_kernel,
@@ -32,7 +33,7 @@ from slimkv.ops.native import (
     supports_stored,
 )
 from slimkv.ops.norm import compute_dtype
-from slimkv.ops.quantize import QuantizedBuffer, QuantizedRows
+from slimkv.ops.quantize import QuantizedBuffer
 
 BACKENDS = ("sdpa", "reference")
 SCORE_BLOCK_ELEMENTS = 1 << 22  # masked calls with more scores (batch x q_heads x q_len x k_len) run in query blocks

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from slimkv.common.paths import cache_dir
-from slimkv.ops.quantize import QuantizedRows
+from slimkv.ops.codes import QuantizedRows
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"  # includes the headers beside it (decode_avx2.h, decode_avx512.h)
 FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
@@ -394,7 +394,7 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def native_quantize_groups(x: torch.Tensor, bits: int, group: int, library: ctypes.CDLL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``slimkv.ops.quantize.quantize_groups(x, bits, group, x.dtype)`` in C (csrc/quantize_rows.h):
+    """``slimkv.ops.codes.quantize_groups(x, bits, group, x.dtype)`` in C (csrc/quantize_rows.h):
     the same codes, scales and minima (equal values: a zero minimum may carry the other sign). x (..., dim) float32 or bfloat16 on the CPU with
     contiguous rows, no autograd (the caller checks; ``quantize_groups`` takes everything else)."""
     dim = x.shape[-1]

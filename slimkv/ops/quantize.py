@@ -10,7 +10,7 @@ holds; ``nbytes`` counts codes, scales, minima and the residual window), and ``s
 what it holds as it is (``QuantizedRows`` codes, then the residual rows), which
 ``slimkv.ops.attention.stored_decode_attention`` reads in place with the native kernel.
 
-``quantize_groups`` / ``dequantize_groups`` are the plain reference the buffer is tested against.
+``quantize_groups`` / ``dequantize_groups`` (``slimkv.ops.codes``) are the plain reference the buffer is tested against.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import torch
 
 from slimkv.common.buffer import GrowableBuffer, dtype_bytes
 from slimkv.common.spec import parse_item, split_items
+from slimkv.ops import native
+from slimkv.ops.codes import QuantizedRows, dequantize_groups, quantize_groups
 
 STORAGE_KINDS = {"full": None, "int8": 8, "int4": 4}
 DEFAULT_GROUP = 32
@@ -90,92 +92,15 @@ def parse_storage(text: str | KVStorage | None, option: str = "storage") -> KVSt
         raise ValueError(f"{option} {text!r}: {err}") from None
 
 
-def quantize_groups(x: torch.Tensor, bits: int, group: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric quantization of (..., dim) rows in groups of ``group`` channels (the last group
-    padded by repeating the row's last channel). Returns (codes uint8 (..., padded dim * bits / 8),
-    scale and minimum (..., groups) in ``scale_dtype``); codes are computed with the stored (rounded)
-    scale and minimum, so ``dequantize_groups`` sees exactly what they encode."""
-    dim = x.shape[-1]
-    groups = math.ceil(dim / group)
-    if groups * group != dim:
-        x = torch.cat((x, x[..., -1:].expand(*x.shape[:-1], groups * group - dim)), dim=-1)
-    g = x.float().unflatten(-1, (groups, group))
-    low, high = g.amin(-1), g.amax(-1)
-    levels = 2**bits - 1
-    stored_low = _round_toward(low, scale_dtype, -1)  # the stored range still covers the group
-    scale = _round_toward((high - stored_low.float()) / levels, scale_dtype, 1)
-    low = stored_low
-    step = scale.float().clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    codes = ((g - low.float().unsqueeze(-1)) / step).round_().clamp_(0, levels).to(torch.uint8).flatten(-2)
-    if bits == 4:
-        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return codes, scale, low
-
-
 def quantize_rows(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_groups(x, bits, group, x.dtype)``, through the native kernel's quantizer where it
     takes the call (float32 or bfloat16 on the CPU, no autograd: the same codes, scales and minima;
     a cache calls this every decode step), else ``quantize_groups`` itself."""
-    from slimkv.ops import native  # native imports this module (QuantizedRows): imported here, not at the top
-
     if x.dtype in native.QUANTIZE_ENTRIES and x.device.type == "cpu" and not x.requires_grad and torch._C._len_torch_dispatch_stack() == 0:
         library = native.decode_kernel(x.dtype)
         if library is not None:
             return native.native_quantize_groups(x, bits, group, library)
     return quantize_groups(x, bits, group, x.dtype)
-
-
-def _round_toward(x: torch.Tensor, dtype: torch.dtype, direction: int) -> torch.Tensor:
-    """``x`` (float32) in ``dtype``, rounded down (direction -1) or up (+1) where the cast is inexact."""
-    y = x.to(dtype)
-    off = (y.float() > x) if direction < 0 else (y.float() < x)
-    if off.any():
-        y = torch.where(off, torch.nextafter(y, torch.full_like(y, direction * torch.inf)), y)
-    return y
-
-
-def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows (..., dim) in ``dtype`` from ``quantize_groups``' codes, scales and minima."""
-    if bits == 4:
-        codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
-    groups = scale.shape[-1]
-    values = codes.unflatten(-1, (groups, -1)).float() * scale.float().unsqueeze(-1) + low.float().unsqueeze(-1)
-    return values.flatten(-2)[..., :dim].to(dtype)
-
-
-@dataclass(frozen=True)
-class QuantizedRows:
-    """Rows held as codes: ``codes`` (batch, heads, n, padded dim * bits / 8) uint8 and ``scale`` /
-    ``low`` (batch, heads, n, groups) in the cache dtype, as ``quantize_groups`` makes them, for
-    rows of ``dim`` channels."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    low: torch.Tensor
-    bits: int
-    group: int
-    dim: int
-
-    def __len__(self) -> int:
-        return self.codes.shape[2]
-
-    @property
-    def heads(self) -> int:
-        return self.codes.shape[1]
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.codes, self.scale, self.low
-
-    def float_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tensors in the cache dtype (the scales and minima)."""
-        return self.scale, self.low
-
-    def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in self.tensors())
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The rows (batch, heads, n, dim) in ``dtype`` (``dequantize_groups``)."""
-        return dequantize_groups(self.codes, self.scale, self.low, self.bits, self.dim, dtype)
 
 
 class QuantizedBuffer:

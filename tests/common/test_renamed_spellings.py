@@ -9,8 +9,9 @@ import pytest
 
 from slimkv.common.files import write_json
 from slimkv.common.vocabulary import VOCABULARY, current_method, is_legacy
+from slimkv.convert.manifest import finished_conversion, same_method
 from slimkv.convert.methods import parse_method
-from slimkv.convert.pipeline import ConvertOptions, finished_conversion, same_method
+from slimkv.convert.pipeline import ConvertOptions
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
 
 

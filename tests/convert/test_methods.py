@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM
 from slimkv.convert import gqa, latent, lowrank, mla, pairs
 from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.context import layer_budget
+from slimkv.convert.manifest import finished_conversion
 from slimkv.convert.methods import CONVERSIONS, LayerContext, get_conversion, parse_method
-from slimkv.convert.pipeline import build_converted, convert_pretrained, finished_conversion
+from slimkv.convert.pipeline import build_converted, convert_pretrained
 from slimkv.convert.source import Source
 from slimkv.eval.cache import cache_report
 from slimkv.eval.models import load_language_model

@@ -11,7 +11,8 @@ from slimkv.attention import build_attention
 from slimkv.ops import attention as attention_ops
 from slimkv.ops import native
 from slimkv.ops.attention import buffer_segments, reference_attention, stored_decode_attention
-from slimkv.ops.quantize import QuantizedRows, parse_storage
+from slimkv.ops.codes import QuantizedRows
+from slimkv.ops.quantize import parse_storage
 
 LIBRARY = native.decode_kernel()
 needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no C compiler on this machine, so there is no native kernel to test: decode takes the "
@@ -172,7 +173,7 @@ def test_decode_through_the_codes_matches_the_dequantizing_path(kind, dtype, mon
 def test_the_native_quantizer_gives_quantize_groups_codes(isa, dtype, bits, group, dim):
     """Ordinary, constant, one-signed, huge and subnormal rows, padded last groups: the codes are
     ``quantize_groups``' exactly, the scales and minima equal in value."""
-    from slimkv.ops.quantize import quantize_groups
+    from slimkv.ops.codes import quantize_groups
 
     dtype = DTYPES[dtype]
     gen = torch.Generator().manual_seed(bits * 1000 + group + dim)

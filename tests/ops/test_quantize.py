@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimkv.ops.quantize import FULL, KVStorage, QuantizedBuffer, dequantize_groups, parse_storage, quantize_groups
+from slimkv.ops.codes import dequantize_groups, quantize_groups
+from slimkv.ops.quantize import FULL, KVStorage, QuantizedBuffer, parse_storage
 
 
 @pytest.mark.parametrize("bits", [8, 4])
