@@ -3,7 +3,8 @@
 ``run`` converts SmolLM2-135M with ``slimkv convert --cache-budget B`` for each budget (a folder
 per budget under ``--runs``, reused when finished), then scores each conversion and the original on
 4K windows of the held-out plays and of Austen with ``slimkv eval ppl`` (a quantized cache is
-scored through itself, ``slimkv.eval.ppl.cache_chunk``). ``report`` renders the JSON as markdown.
+scored through itself, ``slimkv.eval.ppl.cache_chunk``) into ``results/budget/budget_smollm2.json``.
+``report`` renders the JSON as markdown (``budget_smollm2.md`` beside it).
 
 Retrieval of the same folders runs through RULER into ``results/ruler/smollm2-budget<B>/<length>/``
 (``slimkv eval ruler --model DIR --out ...``, docs/ruler.md); ``report`` then also renders
@@ -28,6 +29,7 @@ import torch
 from slimkv.common.files import save_figure, write_text
 from slimkv.common.markdown import markdown_table
 from slimkv.common.plotting import new_figure
+from slimkv.common.results import results_dir, results_path
 from slimkv.common.timing import write_results
 from slimkv.convert.manifest import finished_conversion
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
@@ -61,7 +63,7 @@ def run(budgets: list[float], runs: Path) -> Path:
     payload = {"model": SMOLLM2, "seq_len": SEQ_LEN, "max_tokens": MAX_TOKENS,
                "protocol": f"slimkv convert --cache-budget B; slimkv eval ppl --seq-len {SEQ_LEN} --max-tokens {MAX_TOKENS} on {', '.join(TEXTS)}",
                "rows": rows}
-    return write_results(NAME, payload, RESULTS)
+    return write_results(NAME, payload, results_dir(RESULTS, NAME))
 
 
 def render(payload: dict) -> str:
@@ -149,13 +151,13 @@ def main() -> None:
         if args.threads:
             torch.set_num_threads(args.threads)
         run([float(b) for b in args.budgets.split(",")], args.runs)
-    payload = json.loads((RESULTS / f"{NAME}.json").read_text())
-    write_text(RESULTS / f"{NAME}.md", render(payload))
+    payload = json.loads(results_path(RESULTS, f"{NAME}.json").read_text())
+    write_text(results_path(RESULTS, f"{NAME}.md"), render(payload))
     print(render(payload))
     rows = ruler_rows()
     if rows:
-        write_text(RESULTS / "ruler" / "budget_comparison.md", render_ruler(rows))
-        save_figure(plot_ruler(rows), RESULTS / "ruler" / "budget_comparison.png")
+        write_text(results_path(RESULTS, "budget_comparison.md"), render_ruler(rows))
+        save_figure(plot_ruler(rows), results_path(RESULTS, "budget_comparison.png"))
 
 
 if __name__ == "__main__":

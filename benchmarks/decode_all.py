@@ -17,7 +17,7 @@ an entry fall back to their registered example options, and the output says so).
     .venv/bin/python benchmarks/decode_all.py --heads 32 --head-dim 128 --contexts 1024,8192
     .venv/bin/python benchmarks/decode_all.py --kinds mha,mla --kind-options '{"mla": {"kv_rank": 128, "rope_dim": 32}}'
 
-Writes benchmarks/results/<name>[_<dtype>]_<threads>thread.json (machine, settings, raw samples,
+Writes benchmarks/results/decode/<name>[_<dtype>]_<threads>thread.json (machine, settings, raw samples,
 roofline, targets) and .png per dtype (float32 unnamed) and thread count. Targets
 (docs/evaluation.md, "Speed benchmarks"): at 32K the read-bound kinds stream their cache at >= 0.8 x copy bandwidth, MLA/LRKV within 1.2x of their bytes ratio x
 MHA's time, KVM fixed >= 30x and sqrt >= 8x MHA's speed; at the demo width no kind is slower than
@@ -35,6 +35,7 @@ from decode_targets import all_targets  # benchmarks/decode_targets.py, beside t
 
 from slimkv.attention import ATTENTION_KINDS
 from slimkv.bench.decode import matched_width_variants, run_decode_benchmark
+from slimkv.common.results import results_dir
 
 RESULTS = Path(__file__).resolve().parent / "results"  # where this repository keeps benchmark results
 
@@ -85,7 +86,7 @@ def parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--kind-options", type=json.loads, default=None, help='JSON {kind: options} replacing the matched-width options')
     p.add_argument("--quick", action="store_true", help=f"smoke run: contexts {QUICK_CONTEXTS}, 1 round of 3 calls")
     p.add_argument("--name", default="decode_all", help="results file name (default decode_all)")
-    p.add_argument("--out-dir", default=str(RESULTS), help="results folder (default benchmarks/results)")
+    p.add_argument("--out-dir", default=None, help="results folder (default: the name's experiment folder, benchmarks/results/decode)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace, kinds: list[str]) -> list[dict]:
         torch.set_num_threads(threads)
         name = f"{args.name}{'_demo_width' if args.width == 'demo' else ''}{'' if dtype == 'float32' else '_' + dtype}_{threads}thread"
         payloads.append(run_decode_benchmark(
-            name, variants, contexts, out_dir=args.out_dir, targets=lambda payload, bandwidth: all_targets(payload, bandwidth, check_overhead=args.width == "demo"),
+            name, variants, contexts, out_dir=args.out_dir or results_dir(RESULTS, name), targets=lambda payload, bandwidth: all_targets(payload, bandwidth, check_overhead=args.width == "demo"),
             d_model=args.d_model or heads * head_dim, n_heads=heads, head_dim=head_dim,
             batch=args.batch, dtype=DTYPES[dtype], device=args.device,
             warmup=warmup, repeats=repeats, rounds=rounds, seed=args.seed,

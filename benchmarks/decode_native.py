@@ -10,7 +10,7 @@ native / torch. The kernel's output is checked against the torch path's before t
     .venv/bin/python benchmarks/decode_native.py --threads 1
     .venv/bin/python benchmarks/decode_native.py --threads 1,2 --contexts 4096,32768
 
-Writes benchmarks/results/decode_native_<threads>thread.json and .png. Run it on a quiet machine.
+Writes benchmarks/results/decode/decode_native_<threads>thread.json and .png. Run it on a quiet machine.
 
 With ``--layers``, the kernel's instruction-set paths side by side instead (docs/evaluation.md,
 "Roofline and kernel paths"): one layer of every kind at matched width (decode_all.py's variants,
@@ -25,7 +25,7 @@ each dtype) and its time against the generic path's.
 
     .venv/bin/python benchmarks/decode_native.py --layers --contexts 32768 --dtypes float32,bfloat16 --rounds 5
 
-writes benchmarks/results/decode_roofline_layer.json (``--name``) and the markdown table beside it
+writes benchmarks/results/decode/decode_roofline_layer.json (``--name``) and the markdown table beside it
 (``.md``; ``--render FILE.json`` writes it again from a results file, measuring nothing).
 """
 
@@ -47,6 +47,7 @@ from slimkv.attention import ATTENTION_KINDS, build_attention
 from slimkv.bench.decode import fill_cache, matched_width_variants, step_flops
 from slimkv.bench.roofline import add_bounds, bound_context, machine_rates, merge_rates, rates_line
 from slimkv.common.plotting import new_figure
+from slimkv.common.results import results_dir
 from slimkv.common.timing import time_fn, write_results
 from slimkv.ops import attention as attention_ops
 from slimkv.ops import native
@@ -264,7 +265,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--threads", type=int_list, default=[1])
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
-    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--out-dir", default=None, help="results folder (default: the experiment folder of the results' name, benchmarks/results/decode)")
     p.add_argument("--layers", action="store_true", help="every kind's layer on each instruction-set path instead (see above)")
     p.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"], help="with --layers: comma-separated dtypes")
     p.add_argument("--kinds", default=None, help="with --layers: comma-separated kinds (default every registered kind)")
@@ -276,6 +277,7 @@ def main() -> None:
         source.with_suffix(".md").write_text(render_layers(json.loads(source.read_text())), encoding="utf-8")
         print(f"wrote {source.with_suffix('.md')}")
         return
+    args.out_dir = args.out_dir or str(results_dir(RESULTS, args.name if args.layers else "decode_native_"))
     if args.layers:
         torch.set_num_threads(args.threads[0])
         kinds = [k.strip() for k in args.kinds.split(",")] if args.kinds else None

@@ -18,7 +18,7 @@ CPU model, the kernel's path, threads and load (``roofline``'s context and rates
 
     .venv/bin/python benchmarks/decode_quantized.py --threads 1
 
-Writes benchmarks/results/decode_quantized_<threads>thread.json and .md. Run it on a quiet machine.
+Writes benchmarks/results/decode/decode_quantized_<threads>thread.json and .md. Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from slimkv.bench.roofline import bound_context, machine_rates
 from slimkv.common.files import write_text
 from slimkv.common.markdown import markdown_table
+from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
 from slimkv.ops import native
 from slimkv.ops.attention import buffer_segments, decode_attention, stored_decode_attention
@@ -52,7 +53,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median of each variant's per-round best")
     p.add_argument("--copies", type=int, default=0, help="distinct weight matrices per linear shape (default: enough for 256 MB)")
-    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--out-dir", default=None, help="results folder (default: the experiment folder of the results' name, benchmarks/results/decode)")
     return p.parse_args()
 
 
@@ -152,9 +153,10 @@ def main() -> None:
                "roofline": {"context": context, "rates": rates, "load_after": bound_context()["load_average"]},
                "attention": attention, "linear": linear_results}
     name = f"decode_quantized_{args.threads}thread"
-    path = write_results(name, payload, args.out_dir)
+    out_dir = Path(args.out_dir) if args.out_dir else results_dir(RESULTS, name)
+    path = write_results(name, payload, out_dir)
     payload["benchmark"] = name
-    write_text(Path(args.out_dir) / f"{name}.md", render(payload))
+    write_text(out_dir / f"{name}.md", render(payload))
     print(render(payload))
     print(f"wrote {path}")
 

@@ -23,7 +23,7 @@ the kernel's instruction-set path per dtype, the threads and the load.
 With ``--dtypes float32,bfloat16`` every model runs in both (weights and caches in that dtype;
 transformers' own bfloat16 run is the baseline of the bfloat16 rows), interleaved in one run.
 
-Writes benchmarks/results/<name>.json and .png.
+Writes benchmarks/results/decode/<name>.json and .png (the name's experiment folder).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from slimkv.bench.roofline import add_bounds, bound_context, machine_rates, merge_rates, rates_line
 from slimkv.common.plotting import new_figure
+from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
 from slimkv.convert.source import Source, exact_copy
 from slimkv.data.texts import evaluation_text, tokenize
@@ -63,7 +64,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--quick", action="store_true", help="contexts 256,1024; 1 round of 3 steps")
     p.add_argument("--name", default=None, help="results file name (default decode_smollm2_<threads>thread)")
-    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--out-dir", default=None, help="results folder (default: the name's experiment folder, benchmarks/results/decode)")
     return p.parse_args()
 
 
@@ -181,7 +182,8 @@ def main() -> None:
     ax.set_title(f"SmolLM2-135M decode, {args.threads} thread(s), {', '.join(dtypes)}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    path = write_results(args.name or f"decode_smollm2_{args.threads}thread", payload, args.out_dir, figure=fig)
+    name = args.name or f"decode_smollm2_{args.threads}thread"
+    path = write_results(name, payload, args.out_dir or results_dir(RESULTS, name), figure=fig)
     print(f"wrote {path}")
 
 

@@ -162,11 +162,13 @@ def test_every_retrieval_comparison_is_what_its_json_renders(name):
 
 def test_each_experiment_folder_has_the_manifest_of_its_files():
     """benchmarks/results/ holds one folder per experiment, each file in the folder its name calls for,
-    and each folder's manifest.json lists exactly its files with their writer (``results_manifest.py``)."""
+    and each folder's manifest.json lists exactly its files with their writer, and a folder of runs
+    (ruler/) its runs with theirs (``results_manifest.py``)."""
     spec = importlib.util.spec_from_file_location("results_manifest_under_test", BENCHMARKS / "results_manifest.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.problems() == [], "run .venv/bin/python benchmarks/results_manifest.py"
     for folder in module.folders():
-        recorded = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-        assert [f["written_by"] for f in recorded["files"]] == [f["written_by"] for f in module.manifest(folder, history=False)["files"]]
+        recorded, regenerated = json.loads((folder / "manifest.json").read_text(encoding="utf-8")), module.manifest(folder, history=False)
+        assert [f["written_by"] for f in recorded["files"]] == [f["written_by"] for f in regenerated["files"]]
+        assert [r["written_by"] for r in recorded.get("runs", [])] == [r["written_by"] for r in regenerated.get("runs", [])]

@@ -3,9 +3,12 @@ what the files' names begin with, each with a ``manifest.json`` (``benchmarks/re
 writes it: which script or command made each file, with what command line, when, at which commit).
 
 ``experiment_folder(name)`` is the folder of a results file (``convert_kvm_smollm2.json`` ->
-``convert``), None for the files that stay at the top (``claims.md``; the decode and budget files,
-whose writers keep their own paths; ``ruler/`` is a folder of its own). Writers pass
+``convert``), None for the one file that stays at the top (``claims.md``). Writers pass
 ``results_dir(ROOT, name)`` to ``write_results``; readers open ``results_path(ROOT, name)``.
+
+``ruler/`` also holds runs, a folder each (``ruler/smollm2/2048/``: ``slimkv eval ruler``'s runner
+writes its ``ruler.json``, pages and ``cells/`` there); ``RUNS`` names, per experiment folder that
+has them, the file that marks a run's folder and what writes it.
 """
 
 from __future__ import annotations
@@ -28,8 +31,25 @@ EXPERIMENTS: tuple[tuple[str, str, str], ...] = (
     ("recall", "lm_frontier", "slimkv compare --config configs/frontier.yaml (its report copied here)"),
     ("train", "train_", "benchmarks/train_throughput.py"),
     ("demo", "demo_timings", "slimkv demo (demo_runs/demo_timings.json, copied here)"),
+    ("decode", "decode_all_", "benchmarks/decode_all.py"),
+    ("decode", "decode_torch_path_", "benchmarks/decode_all.py --name decode_torch_path (SLIMKV_NATIVE=0)"),
+    ("decode", "decode_roofline_layer", "benchmarks/decode_native.py --layers"),
+    ("decode", "decode_roofline_", "benchmarks/decode_all.py --name decode_roofline"),
+    ("decode", "decode_native_", "benchmarks/decode_native.py"),
+    ("decode", "decode_quantized_", "benchmarks/decode_quantized.py"),
+    ("decode", "decode_smollm2_", "benchmarks/decode_smollm2.py"),
+    *(("decode", f"decode_{variant}_smollm2_", f"benchmarks/decode_smollm2.py --name decode_{variant}_smollm2_<threads>thread")
+      for variant in ("budget", "kvm", "latent", "mla_kvm")),
+    ("decode", "decode_", "benchmarks/decode_all.py, decode_native.py, decode_quantized.py or decode_smollm2.py under --name"),
+    ("budget", "budget_smollm2", "benchmarks/budget_smollm2.py"),
+    ("ruler", "budget_comparison", "benchmarks/budget_smollm2.py report"),
 )
+# experiment folder -> (the file that marks a run's folder under it, what writes the runs)
+RUNS: dict[str, tuple[str, str]] = {
+    "ruler": ("ruler.json", "slimkv eval ruler's runner (slimkv.eval.ruler: benchmarks/ruler_smollm2.py, slimkv eval ruler --out)"),
+}
 MANIFEST = "manifest.json"
+README = "README.md"  # a folder's own page, written by hand: listed in its manifest, no results file
 
 
 def experiment_folder(name: str) -> str | None:

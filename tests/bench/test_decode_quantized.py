@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from slimkv.common.results import results_path
 from slimkv.ops import native
 from tests.helpers import load_benchmark
 
@@ -26,8 +27,8 @@ def test_a_tiny_run_checks_and_reports_every_variant():
 
 
 def test_the_committed_table_is_what_its_json_renders():
-    path = bench.RESULTS / "decode_quantized_1thread.json"
+    path = results_path(bench.RESULTS, "decode_quantized_1thread.json")
     if not path.is_file():
         pytest.skip("decode_quantized_1thread.json is not committed yet (run the benchmark on a quiet machine)")
     payload = json.loads(path.read_text())
-    assert (bench.RESULTS / "decode_quantized_1thread.md").read_text() == bench.render(payload)
+    assert results_path(bench.RESULTS, "decode_quantized_1thread.md").read_text() == bench.render(payload)
