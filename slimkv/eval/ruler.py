@@ -237,11 +237,16 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
         path = out_dir / "cells" / key / CELL_FILE
         if path.is_file():
             previous = read_json(path, expect=dict)
-            differ = sorted(k for k in set(cell["settings"]) | set(previous["settings"]) if k not in ("model", "identity")
-                            and cell["settings"].get(k) != previous["settings"].get(k))
+            differ = settings_differ(cell["settings"], previous["settings"])
             if differ:
                 raise ValueError(f"{path} holds cell {key} of other settings (they differ in: {', '.join(differ)}); give another --out, or move it away to run it again")
             finished[key] = previous
+    earlier, other = folder_cells(out_dir, base, exclude=set(cells))  # cells of earlier runs with other grids: the report keeps them
+    if earlier:
+        say(f"{len(earlier)} finished cell(s) of earlier runs into {out_dir} (other tasks, lengths or caches) stay in its report")
+    if other:
+        say(f"{len(other)} finished cell(s) in {out_dir} were run with other settings (model, dtype, --limit, --seed or lm-eval) "
+            f"and are left out of its report: {', '.join(other[:4])}{' ...' if len(other) > 4 else ''}")
     pending = [key for key in cells if key not in finished]
     # the probes hold for these weights, dtype and threads only: probes of another model or run in --out are measured again
     measured_on = {"weights": base["weights"], "dtype": base["dtype"], "threads": torch.get_num_threads()}
@@ -291,9 +296,11 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
         say(f"  run   {cell['id']}: " + (f"~{cell['estimate_s'] / 60:.1f} min" if cell["timed"] else "not timed (a press is timed for --budget-minutes or --plan-only)"))
     for cell in skipped:
         say(f"  skip  {cell['id']}: ~{cell['estimate_s'] / 60:.1f} min, past the budget")
-    report = {"settings": {**base, "tasks": tasks, "lengths": lengths, "caches": caches, "max_gen_toks": gen, "budget_minutes": budget_minutes}, "cells": {},
+    report = {"settings": {**base, "run": {"tasks": tasks, "lengths": lengths, "caches": caches, "budget_minutes": budget_minutes}}, "cells": {},
               "not_run": [c["id"] for c in skipped], "probes": probes}
-    report["cells"] = {k: v["summary"] for k, v in finished.items()}
+    previous_order = list(read_json(out_dir / f"{RESULT_NAME}.json", expect=dict).get("cells", {})) if (out_dir / f"{RESULT_NAME}.json").is_file() else []
+    report["cells"] = in_report_order({**{k: v["summary"] for k, v in earlier.items()}, **{k: v["summary"] for k, v in finished.items()}}, caches, previous_order)
+    report["settings"].update(grid_of(report["cells"]))
     if plan_only:
         return report
     bar = tqdm(total=len(cells), initial=len(finished), desc=f"ruler {Path(model).name}", unit="cell", disable=not progress)
@@ -331,13 +338,59 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
             machine["press_runner"] = {"python": reply["runner_python"], "packages": reply["runner_versions"], "threads": reply["threads"]}
         write_json(cell_dir / CELL_FILE, {"settings": cell["settings"], "summary": summary, "probe": measured, "machine": machine})
         report["cells"][cell["id"]] = summary
-        report["cells"] = {k: report["cells"][k] for k in cells if k in report["cells"]}  # grid order, resumed cells included
+        report["cells"] = in_report_order(report["cells"], caches, previous_order)
+        report["settings"].update(grid_of(report["cells"]))
         write_summary(report, out_dir)
         bar.update()
         bar.set_postfix_str(f"{cell['id']} {summary['score']:.2f}")
     bar.close()
     write_summary(report, out_dir)
     return report
+
+
+def settings_differ(wanted: dict[str, Any], stored: dict[str, Any], keys: set[str] | None = None) -> list[str]:
+    """The settings (all, or only ``keys``) in which a stored cell differs from what a run wants; the model's path and identity
+    may differ (a moved folder with the same weights is the same model)."""
+    keys = set(wanted) | set(stored) if keys is None else keys
+    return sorted(k for k in keys if k not in ("model", "identity") and wanted.get(k) != stored.get(k))
+
+
+def folder_cells(out_dir: Path, base: dict[str, Any], exclude: set[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The finished cells in ``out_dir`` outside ``exclude`` (this run's grid) that were run on this run's model with its
+    ``base`` settings (weights, dtype, limit, seed, lm-eval): what an earlier run with another grid left there; and the
+    keys of the other finished cells (other settings: not this run's to report)."""
+    found, other = {}, []
+    for path in sorted((out_dir / "cells").glob(f"**/{CELL_FILE}")) if (out_dir / "cells").is_dir() else []:
+        key = path.parent.relative_to(out_dir / "cells").as_posix()
+        if key in exclude:
+            continue
+        stored = read_json(path, expect=dict)
+        if settings_differ(base, stored.get("settings", {}), set(base)):
+            other.append(key)
+        else:
+            found[key] = stored
+    return found, other
+
+
+def in_report_order(cells: dict[str, dict[str, Any]], caches: list[str], previous_order: list[str]) -> dict[str, dict[str, Any]]:
+    """Cells by length, then task (``OFFLINE_TASKS``' order), then cache option: ``none`` first, then as the folder's
+    report listed them before, then this run's ``caches`` order, then by name."""
+    tasks = list(OFFLINE_TASKS)
+
+    def key(item: tuple[str, dict[str, Any]]) -> tuple:
+        k, c = item
+        before = previous_order.index(k) if k in previous_order else len(previous_order)
+        run = caches.index(c["option"]) if c["option"] in caches else len(caches)
+        return (c["length"], tasks.index(c["task"]) if c["task"] in tasks else len(tasks), c["option"] != "none", before, run, c["option"])
+
+    return dict(sorted(cells.items(), key=key))
+
+
+def grid_of(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The tasks, lengths, cache options and ``max_gen_toks`` per task of the cells a report holds."""
+    rows = list(cells.values())
+    return {"tasks": list(dict.fromkeys(r["task"] for r in rows)), "lengths": sorted({r["length"] for r in rows}),
+            "caches": list(dict.fromkeys(r["option"] for r in rows)), "max_gen_toks": {r["task"]: r["max_gen_toks"] for r in rows}}
 
 
 def write_summary(report: dict[str, Any], out_dir: Path) -> None:

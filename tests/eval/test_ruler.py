@@ -201,6 +201,31 @@ def test_resume_skips_finished_cells_and_refuses_other_settings(tiny_folder, tmp
         ruler.evaluate(str(tiny_folder), **{**options, "limit": 4})
 
 
+def test_a_run_with_another_grid_keeps_the_folders_earlier_cells_in_its_report(tiny_folder, tmp_path, monkeypatch):
+    """A second run into one --out with other tasks and caches (how a comparison grows) reports every finished cell
+    of the folder, not only its own grid: its report once dropped the first run's cells, and every page read from it."""
+    monkeypatch.setattr(ruler, "check_lm_eval", lambda: None)
+    calls: list = []
+    monkeypatch.setattr(ruler, "run_cell", fake_run_cell(calls))
+    out = tmp_path / "out"
+    common = {"lengths": [1024], "limit": 2, "out_dir": out, "progress": False, "say": lambda _: None}
+    ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], caches=["none", "bfloat16"], **common)
+    report = ruler.evaluate(str(tiny_folder), tasks=["ruler_vt"], caches=["none"], **common)
+    assert calls[-1] == ("none", "ruler_vt", 1024) and len(calls) == 3
+    assert list(report["cells"]) == ["none/niah_single_1/1024", "bfloat16/niah_single_1/1024", "none/ruler_vt/1024"]
+    saved = json.loads((out / "ruler.json").read_text())
+    assert list(saved["cells"]) == list(report["cells"])
+    assert saved["settings"]["tasks"] == ["niah_single_1", "ruler_vt"] and saved["settings"]["caches"] == ["none", "bfloat16"]
+    assert saved["settings"]["run"]["tasks"] == ["ruler_vt"] and saved["settings"]["max_gen_toks"] == {"niah_single_1": 16, "ruler_vt": 30}
+    assert "| bfloat16 | niah_single_1 | 1024 |" in (out / "ruler.md").read_text()
+    report = ruler.evaluate(str(tiny_folder), tasks=["ruler_vt"], caches=["none"], **{**common, "limit": 3, "out_dir": tmp_path / "other"})
+    assert list(report["cells"]) == ["none/ruler_vt/1024"]  # another folder: nothing of the first one
+    (out / "cells" / "none" / "ruler_vt" / "1024" / ruler.CELL_FILE).unlink()
+    calls.clear()
+    report = ruler.evaluate(str(tiny_folder), tasks=["ruler_vt"], caches=["none"], **{**common, "limit": 3})
+    assert list(report["cells"]) == ["none/ruler_vt/1024"]  # cells of another --limit are not this run's model settings: left out
+
+
 def test_a_slimkv_model_folder_runs_with_its_own_cache_measured_by_nbytes(tmp_path, monkeypatch):
     monkeypatch.setattr(ruler, "check_lm_eval", lambda: None)
     calls: list = []
