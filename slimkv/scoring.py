@@ -129,3 +129,15 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mean_interval(values: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean of per-prompt scores in [0, 1] (partial credit,
+    where ``wilson`` of the fully answered prompts says little); seeded, so a report regenerates
+    byte for byte. (0, 1) for no values."""
+    if not values:
+        return 0.0, 1.0
+    scores = np.asarray(values, dtype=np.float64)
+    picks = np.random.default_rng(seed).integers(0, len(scores), size=(resamples, len(scores)))
+    means = scores[picks].mean(axis=1)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))

@@ -31,7 +31,7 @@ from slimkv.eval import ruler_cache, ruler_press
 from slimkv.eval.models import load_language_model, load_original, original_of
 from slimkv.pretrained import LoadedModel, resolve_model_path
 from slimkv.pretrained.loading import position_limit, weights_record
-from slimkv.scoring import wilson
+from slimkv.scoring import mean_interval, wilson
 
 RESULT_NAME, TABLE_FILE, PROBES_FILE, CELL_FILE = "ruler", "ruler.md", "probes.json", "cell.json"
 MIN_LENGTH = 1024
@@ -98,7 +98,8 @@ def summarize_cell(results: dict[str, Any], samples: list[dict[str, Any]], task:
     """lm-eval's score of ``task`` at ``length`` (its metric named by the length) from its results
     JSON, the per-sample values lm-eval recorded in its samples (``samples``), the prompts fully
     answered among them and the 95% Wilson interval of that proportion (for the binary tasks, the
-    niah ones, the score's own interval)."""
+    niah ones, the score's own interval), and ``score95``, a bootstrap interval of the mean score
+    (for partial-credit tasks, vt, cwe, fwe, the interval to compare scores by)."""
     metric = f"{length},none"
     score = results["results"][task][metric]
     values = [float(s[str(length)]) for s in samples]
@@ -108,7 +109,20 @@ def summarize_cell(results: dict[str, Any], samples: list[dict[str, Any]], task:
         raise ValueError(f"lm-eval's results count {effective} samples of {task}, its samples file {n}")
     full = sum(v == 1.0 for v in values)
     low, high = wilson(full, n)
-    return {"score": score, "n": n, "full": full, "binary": all(v in (0.0, 1.0) for v in values), "wilson95": [low, high]}
+    binary = all(v in (0.0, 1.0) for v in values)
+    return {"score": score, "n": n, "full": full, "binary": binary, "wilson95": [low, high],
+            "score95": [low, high] if binary else list(mean_interval(values))}
+
+
+def score_interval(summary: dict[str, Any], out_dir: str | Path) -> list[float]:
+    """A cell's ``score95``; for a cell summarised before it was recorded, computed as
+    ``summarize_cell`` does from lm-eval's samples file in ``out_dir`` (the folder its summary names it in)."""
+    if "score95" in summary:
+        return summary["score95"]
+    if summary.get("binary"):
+        return summary["wilson95"]
+    values = [float(s[str(summary["length"])]) for s in read_samples(Path(out_dir) / summary["lm_eval_samples"])]
+    return list(mean_interval(values))
 
 
 def plan(pending: list[dict[str, Any]], budget_s: float | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -299,7 +313,10 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     report = {"settings": {**base, "run": {"tasks": tasks, "lengths": lengths, "caches": caches, "budget_minutes": budget_minutes}}, "cells": {},
               "not_run": [c["id"] for c in skipped], "probes": probes}
     previous_order = list(read_json(out_dir / f"{RESULT_NAME}.json", expect=dict).get("cells", {})) if (out_dir / f"{RESULT_NAME}.json").is_file() else []
-    report["cells"] = in_report_order({**{k: v["summary"] for k, v in earlier.items()}, **{k: v["summary"] for k, v in finished.items()}}, caches, previous_order)
+    kept_cells = {k: v["summary"] for k, v in {**earlier, **finished}.items()}
+    for summary in kept_cells.values():  # cells summarised before score95 was recorded: from lm-eval's own samples
+        summary.setdefault("score95", score_interval(summary, out_dir))
+    report["cells"] = in_report_order(kept_cells, caches, previous_order)
     report["settings"].update(grid_of(report["cells"]))
     if plan_only:
         return report
@@ -414,10 +431,14 @@ def format_markdown(report: dict[str, Any]) -> str:
              "Score: lm-eval's metric. Cache bytes per token: the live cache after a prefill of the length; ratio to the bfloat16 original's "
              "(a kvpress press: measured after each prompt, its question tail included, counting the entries attention still sees; "
              "`live` is what its tensors hold where kvpress only masks).", "",
-             "| cache | task | length | score | full / n (95% CI) | bytes/token | ratio to bf16 | s/sample (generate) | load (start) |",
+             "Score interval: the 95% Wilson interval for the niah tasks (each prompt 0 or 1), a 95% bootstrap interval of the mean "
+             "for the partial-credit tasks (vt, cwe, fwe); `full / n`: the prompts lm-eval scored 1.", "",
+             "| cache | task | length | score (95% CI) | full / n (95% CI) | bytes/token | ratio to bf16 | s/sample (generate) | load (start) |",
              "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in report["cells"].values():
-        lines.append(f"| {r['option']} | {r['task']} | {r['length']} | {r['score']:.3f} | {r['full']}/{r['n']} ({r['wilson95'][0]:.2f}-{r['wilson95'][1]:.2f}) | "
+        low, high = r.get("score95", r["wilson95"])
+        lines.append(f"| {r['option']} | {r['task']} | {r['length']} | {r['score']:.3f} ({low:.2f}-{high:.2f}) | "
+                     f"{r['full']}/{r['n']} ({r['wilson95'][0]:.2f}-{r['wilson95'][1]:.2f}) | "
                      f"{r['bytes_per_token']:,.0f} | {ratio_text(r)} | {r['seconds_per_sample']:.1f} ({r['generate_s_per_sample']:.1f}) | {r['load_average_start'][0]:.2f} |")
     if report.get("not_run"):
         lines += ["", "Not run (past --budget-minutes): " + ", ".join(report["not_run"])]

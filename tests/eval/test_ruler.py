@@ -123,6 +123,10 @@ def test_summary_takes_lm_evals_score_and_counts_full_answers():
     results, samples = lm_eval_shaped("ruler_cwe", 1024, [1.0, 0.5, 0.9])
     row = ruler.summarize_cell(results, samples, "ruler_cwe", 1024)
     assert row["score"] == pytest.approx(0.8) and row["full"] == 1 and not row["binary"]
+    assert row["score95"] == ruler.summarize_cell(results, samples, "ruler_cwe", 1024)["score95"]  # seeded: a report regenerates
+    assert 0.5 <= row["score95"][0] < 0.8 < row["score95"][1] <= 1.0  # the mean's interval, not the Wilson one of 1 full answer in 3
+    wide = ruler.summarize_cell(*lm_eval_shaped("ruler_cwe", 1024, [0.2, 0.3] * 20), "ruler_cwe", 1024)["score95"]
+    assert 0.2 < wide[0] < 0.25 < wide[1] < 0.3  # 40 prompts: a narrow interval around the mean
     results["n-samples"]["ruler_cwe"]["effective"] = 5
     with pytest.raises(ValueError, match="count 5 samples"):
         ruler.summarize_cell(results, samples, "ruler_cwe", 1024)
