@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo lint clean bench-kvpress-env bench-kvpress ruler-env
+.PHONY: setup test demo lint clean bench-kvpress-env bench-kvpress ruler-env ruler-quick
 
 setup: $(STAMP)
 
@@ -69,6 +69,17 @@ $(RULER_STAMP): pyproject.toml requirements.lock benchmarks/ruler/requirements.t
 	$(RULER_PY) -m pip install -q -r requirements.lock -r benchmarks/ruler/requirements.txt
 	$(RULER_PY) -m pip install -q --no-deps -e .
 	touch $(RULER_STAMP)
+
+# The 10-minute RULER subset: niah_single_1 at 2K, 10 prompts per cell, for the original's own cache,
+# transformers' int4 quantized cache and the planner's --cache-budget 0.25 conversion (each run resumes).
+RULER_QUICK := runs/ruler-quick
+ruler-quick: $(RULER_STAMP)
+	$(RULER_VENV)/bin/slimkv eval ruler --model smollm2 --out $(RULER_QUICK)/original --tasks niah_single_1 --lengths 2k \
+		--caches none,quanto-int4 --limit 10 --threads 2
+	test -f $(RULER_QUICK)/budget0.25/slimkv_conversion.json || \
+		$(RULER_VENV)/bin/slimkv convert --model smollm2 --cache-budget 0.25 --out $(RULER_QUICK)/budget0.25 --threads 2
+	$(RULER_VENV)/bin/slimkv eval ruler --model $(RULER_QUICK)/budget0.25 --out $(RULER_QUICK)/budget0.25-ruler --tasks niah_single_1 \
+		--lengths 2k --limit 10 --threads 2
 
 clean:
 	rm -rf $(VENV) $(KVPRESS_VENV) $(RULER_VENV) .pytest_cache .ruff_cache
