@@ -22,6 +22,7 @@ plain reference beside it is ``reference_attention``, and tests/ops/test_native.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -232,27 +233,33 @@ def supports(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Ten
     each row of keys and values contiguous (rows may be any distance apart: values that are a slice
     of the key rows, as MLA's latent rows, are read in place), at most ``MAX_SEGMENTS`` segments, and no torch dispatch
     mode active (the kernel bypasses torch's dispatcher, so a FLOP counter or a fake-tensor trace
-    would not see it: those calls take the torch path)."""
+    would not see it: those calls take the torch path). Checked on every decode step, so written to
+    cost a few microseconds (``is_cpu``, one shape tuple per tensor)."""
     if not 1 <= len(segments) <= MAX_SEGMENTS or len(queries) != len(segments) or torch._C._len_torch_dispatch_stack() > 0:
         return False
     grad = torch.is_grad_enabled()
-    batch, q_heads, _, dim = queries[0].shape
+    q_shape = queries[0].shape
+    if len(q_shape) != 4:
+        return False
+    batch, q_heads, _, dim = q_shape
     dtype = queries[0].dtype
     if dtype not in ENTRIES:
         return False
-    kv_heads, v_dim = segments[0][0].shape[1], segments[0][1].shape[-1]
+    k_shape, v_shape = segments[0][0].shape, segments[0][1].shape
+    if len(k_shape) != 4 or len(v_shape) != 4:
+        return False
+    kv_heads, v_dim = k_shape[1], v_shape[3]
     if kv_heads < 1 or q_heads % kv_heads:
         return False
     for q in queries:
-        if q.dtype != dtype or q.device.type != "cpu" or q.shape != (batch, q_heads, 1, dim) or (grad and q.requires_grad):
+        if q.dtype != dtype or not q.is_cpu or q.shape != (batch, q_heads, 1, dim) or (grad and q.requires_grad):
             return False
     for k, v in segments:
-        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or k.shape[:2] != (batch, kv_heads) or k.shape[3] != dim or v.shape[3] != v_dim:
+        ks, vs = k.shape, v.shape
+        if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3] or ks[0] != batch or ks[1] != kv_heads or ks[3] != dim or vs[3] != v_dim:
             return False
-        for x in (k, v):
-            if x.dtype != dtype or x.device.type != "cpu" or (grad and x.requires_grad):
-                return False
-            if x.stride(-1) != 1 and x.shape[-1] > 1:
+        for x, last in ((k, dim), (v, v_dim)):
+            if x.dtype != dtype or not x.is_cpu or (grad and x.requires_grad) or (last > 1 and x.stride(3) != 1):
                 return False
     return True
 
@@ -264,25 +271,36 @@ def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[
 
     each query (batch, q_heads, 1, dim); each k (batch, kv_heads, keys_i, dim), v (batch, kv_heads,
     keys_i, v_dim) -> (batch, q_heads, 1, v_dim), in the queries' dtype (the kernel works in
-    float32: bfloat16 queries are widened first and the output rounded once at the end). Values
-    every head shares (value head stride 0 in every segment, as the latent kind passes them) are
-    read once per step for all heads. Call ``supports`` first, and pass the library
-    ``decode_kernel`` gave for the cache's dtype."""
+    float32: bfloat16 queries are widened first, once per distinct query tensor, and the output
+    rounded once at the end). Values every head shares (value head stride 0 in every segment, as
+    the latent kind passes them) are read once per step for all heads. Call ``supports`` first,
+    and pass the library ``decode_kernel`` gave for the cache's dtype. The Python around the call
+    is kept to a few microseconds: a decode step of a small cache (KVM's regions) takes tens."""
     batch, q_heads, _, dim = queries[0].shape
-    kv_heads, v_dim = segments[0][0].shape[1], segments[0][1].shape[-1]
-    dtype = segments[0][0].dtype
-    rows = [q.to(torch.float32).contiguous() for q in queries]
-    out = torch.empty(batch, q_heads, 1, v_dim, dtype=torch.float32)
+    k0, v0 = segments[0]
+    kv_heads, v_dim, dtype = k0.shape[1], v0.shape[3], k0.dtype
+    rows: dict[int, torch.Tensor] = {}  # float32 query rows by the query tensor's id (KVM may pass one tensor for several segments)
     fields = []  # per segment, the C struct Segment's order: q, k, v, keys, k strides (batch, head, row), v strides
-    for q, (k, v) in zip(rows, segments):
-        fields += (q.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], *k.stride()[:3], *v.stride()[:3])
-    step_bytes = segments[0][0].element_size() * batch * kv_heads * sum(k.shape[2] * (dim + v_dim) for k, _ in segments)
-    threads = torch.get_num_threads() if step_bytes >= PARALLEL_MIN_BYTES else 1
-    status = getattr(library, ENTRIES[dtype][1])((ctypes.c_int64 * len(fields))(*fields), len(segments), out.data_ptr(), batch, kv_heads,
-                                                 q_heads // kv_heads, dim, v_dim, scale, threads)
+    keys = 0
+    for q, (k, v) in zip(queries, segments):
+        row = rows.get(id(q))
+        if row is None:
+            row = rows[id(q)] = q if q.dtype == torch.float32 and q.is_contiguous() else q.to(torch.float32).contiguous()
+        ks, vs = k.stride(), v.stride()
+        n = k.shape[2]
+        keys += n
+        fields += (row.data_ptr(), k.data_ptr(), v.data_ptr(), n, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+    out = torch.empty(batch, q_heads, 1, v_dim, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    if threads > 1 and k0.element_size() * batch * kv_heads * keys * (dim + v_dim) < PARALLEL_MIN_BYTES:
+        threads = 1
+    packed = array.array("q", fields)
+    status = getattr(library, ENTRIES[dtype][1])(packed.buffer_info()[0], len(segments), out.data_ptr(), batch, kv_heads, q_heads // kv_heads,
+                                                 dim, v_dim, scale, threads)
     if status != 0:
         raise RuntimeError(f"native decode attention failed (status {status}: {'out of memory or threads' if status == 1 else 'bad arguments'})")
-    return out.to(queries[0].dtype)
+    out_dtype = queries[0].dtype
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 StoredRows = torch.Tensor | QuantizedRows

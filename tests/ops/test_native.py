@@ -150,6 +150,25 @@ def test_every_isa_path_matches_the_reference(isa, dtype, layout, keys):
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["mla288", "lrkv192", "latent-shared", "gqa64", "mla-odd"])
+def test_every_isa_path_matches_the_reference_on_segments_long_enough_to_prefetch(isa, dtype, layout):
+    """Segments of over 1 MiB per work item with rows of over 256 bytes per key take the tiled
+    paths' prefetch of the next block (``Ahead`` in csrc/decode_attention.c: the block's key and
+    value rows as byte ranges, a share per unit of work): 2700 keys (42 blocks and a partial one),
+    MLA's rows with the values inside, LRKV's [k | v] rows, the latent kind's 8 key heads per row
+    over shared values, GQA's 64-wide rows, odd widths. Prefetching never changes a result; these
+    make sure the addresses it walks and the shares it counts stay in the rows (a prefetch never
+    faults, so the reference comparison plus a clean run is the check)."""
+    dtype = DTYPES[dtype]
+    q, k, v = _isa_cache(layout, 2700, dtype, seed=11)
+    assert native.supports([q], [(k, v)])
+    out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(q.shape[-1]), native.isa_kernel(dtype, isa))
+    torch.testing.assert_close(out.float(), reference_attention(q.float(), k.float(), v.float()), **_tolerance(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim,groups", [(64, 1), (64, 4), (128, 2), (288, 8)])
 def test_every_isa_path_attends_kvm_segments_under_one_softmax(isa, dtype, dim, groups):
     """KVM's regions: up to four segments, each with its own (temperature-scaled) queries."""
@@ -262,6 +281,23 @@ def test_segments_are_one_softmax_with_a_query_each():
     logits = torch.cat((q1 @ rep(k1).transpose(-1, -2), q2 @ rep(k2).transpose(-1, -2)), dim=-1) * 0.125
     expected = logits.softmax(-1) @ torch.cat((rep(v1), rep(v2)), dim=2)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_query_tensor_for_several_segments_and_strided_queries(dtype):
+    """The wrapper widens each distinct query tensor once (a tensor passed for several segments is
+    read from one float32 copy), takes float32 queries as they are when contiguous and copies
+    strided ones, and returns float32 outputs without another copy."""
+    dtype = DTYPES[dtype]
+    (k1, v1), (k2, v2) = (tuple(x.to(dtype) for x in _cache(1, 2, n, 40, 24, seed=n)) for n in (70, 130))
+    q = torch.randn(1, 6, 1, 80).to(dtype)[..., ::2]  # every other channel: rows not contiguous
+    assert not q.is_contiguous() and native.supports([q, q], [(k1, v1), (k2, v2)])
+    out = native.native_decode_attention([q, q], [(k1, v1), (k2, v2)], 0.2, native.decode_kernel(dtype))
+    keys, values = torch.cat((k1, k2), dim=2).float(), torch.cat((v1, v2), dim=2).float()
+    expected = reference_attention(q.float(), keys.repeat_interleave(3, dim=1), values.repeat_interleave(3, dim=1), scale=0.2)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **_tolerance(dtype))
 
 
 @needs_kernel

@@ -25,7 +25,10 @@
  *   whole rows (block_rows_avx512); any other widths and group counts (MLA's latent rows, LRKV's
  *   rows, 9 query heads per key head) and values shared by every head (the latent kind) take
  *   tiles over 16-float chunks (attend_item_wide: keys in lanes for a head of one query row).
- *   "avx512-bf16" is that path for bfloat16 rows with the logits by AVX512-BF16 dot products.
+ *   bfloat16 rows are widened 32 at a time into "pair order" (even and odd elements, one
+ *   instruction per 16 floats; queries and accumulators kept in that order, outputs put back).
+ *   "avx512-bf16" is that path for bfloat16 rows with the logits by AVX512-BF16 dot products
+ *   (in both tile kinds: the 32/64/128-wide rows too).
  *
  * Heads: a work item is one (batch, kv_head) pair, or, when every segment's values are shared by
  * all heads (value head stride 0), all heads of a batch row (or a share of them per thread), so
@@ -36,6 +39,14 @@
  *   rows always (one query row per head: keys-in-lanes tiles); float32 heads of one query row
  *   (MHA) take attend_item, which measured faster there (nothing shares a key chunk).
  * - "portable": attend_item below, plain C written for the compiler to vectorize (any CPU).
+ *
+ * Prefetch: the chunk tiles (attend_item_wide, attend_item_avx2) read a block's rows several times
+ * (once per row tile and chunk tile, in strips), which the hardware prefetcher does not follow
+ * well; they prefetch the next block's rows in memory order, a share with every tile step, so the
+ * memory is read evenly while the current block is computed (Ahead, below; segments of rows over
+ * 256 bytes per key and over 1 MiB). The 32/64/128-wide row tiles read each row once, front to
+ * back, and prefetch a fixed distance ahead (PREFETCH_BLOCKS), and so do the AVX2 tiles for
+ * narrower rows (NEAR_PREFETCH: without it an Intel Xeon's one-core read rate dropped 30% there).
  *
  * Threads: the (batch, kv_head) pairs are split over ``threads`` POSIX threads (1: the caller's).
  *
@@ -54,10 +65,16 @@
 #define BLOCK_KEYS 64
 #endif
 #ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 2 /* software prefetch of the keys and values at most this many blocks ahead (0: none) */
+#define PREFETCH_BLOCKS 2 /* software prefetch of the keys and values this many blocks ahead in the 32/64/128-wide row tiles (0: no software prefetch anywhere) */
 #endif
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES (64 << 10) /* ... and at most this many bytes of an item's rows ahead (wide rows: fewer keys ahead) */
+#ifndef AHEAD_BLOCKS
+#define AHEAD_BLOCKS 1 /* the chunk tiles (attend_item_wide, attend_item_avx2) prefetch the block this many blocks on (Ahead) */
+#endif
+#ifndef AHEAD_HINT
+#define AHEAD_HINT 2 /* ... with this locality hint (__builtin_prefetch: 2 is prefetcht1, which measured better here than t0 for rows 2 KiB apart) */
+#endif
+#ifndef NEAR_PREFETCH
+#define NEAR_PREFETCH 1 /* the AVX2 tiles prefetch rows Ahead leaves alone (narrow rows) PREFETCH_BLOCKS blocks ahead, key by key (0: not) */
 #endif
 #define MAX_SEGMENTS 4
 #define FIELDS 10 /* integers per segment in the entry point's ``fields`` */
@@ -188,13 +205,59 @@ static inline __attribute__((always_inline)) void attend_item(int64_t item, floa
     }
 }
 
-/* How many keys ahead the tiled paths prefetch an item's rows: PREFETCH_BLOCKS blocks, or fewer
- * when that would be more than PREFETCH_BYTES (``heads`` key rows of ``dim`` and one value row of
- * ``v_dim`` elements per key; v_dim 0 when the values lie in the key rows), at least 16 keys. */
-static inline int64_t prefetch_keys(int64_t heads, int64_t dim, int64_t v_dim) {
-    const int64_t per_key = (int64_t)sizeof(elem_t) * (heads * dim + v_dim), most = PREFETCH_BLOCKS * BLOCK_KEYS;
-    const int64_t keys = PREFETCH_BYTES / per_key;
-    return keys > most ? most : keys < 16 ? 16 : keys;
+/* The next block's rows, prefetched over the current block's work so that memory is read while the
+ * current block is computed, not in bursts, and in the order it lies in memory: the block's key
+ * rows as one range of bytes (every key head an item reads, ``k_head`` elements apart, and the
+ * values too when they lie in the key rows, as MLA's and LRKV's [k | v] rows), then its value rows
+ * as another. A tile doing w units of work per key calls ahead_step(a, w * a->per_unit) per key;
+ * per_unit spreads the block's lines over its work (``units`` per key, ``keys`` keys), in 1/65536
+ * of a line (integers: no vector register is taken from the tiles). Layouts whose rows hold much
+ * that is not read take no prefetch (n 0). */
+typedef struct {
+    const char *k, *v;
+    int64_t k_lines, total, pos; /* lines of the key range, of both, prefetched so far */
+    int64_t per_unit, credit;
+} Ahead;
+
+static inline Ahead ahead_rows(const elem_t *k, const elem_t *v, int64_t n, int64_t k_row, int64_t v_row, int64_t k_head, int64_t heads,
+                               int64_t dim, int64_t v_dim, int64_t units, int64_t keys) {
+    Ahead a = {(const char *)k, (const char *)v, 0, 0, 0, 0, 0};
+    if (n <= 0) return a;
+    const int64_t e = (int64_t)sizeof(elem_t);
+    const uintptr_t kp = (uintptr_t)k, vp = (uintptr_t)v;
+    const int v_in_rows = v_row == k_row && vp >= kp && vp + (uintptr_t)(e * v_dim) <= kp + (uintptr_t)(e * k_row); /* values in the key rows' stride */
+    const int64_t k_read = heads * dim + (v_in_rows ? v_dim : 0), k_span = (heads - 1) * k_head + dim;
+    if (k_read * 4 < k_row * 3 || k_span > k_row || (!v_in_rows && v_dim * 4 < v_row * 3)) return a; /* rows mostly not read: no prefetch */
+    a.k_lines = (e * ((n - 1) * k_row + (v_in_rows ? k_row : k_span)) + 63) / 64;
+    a.total = a.k_lines + (v_in_rows ? 0 : (e * ((n - 1) * v_row + v_dim) + 63) / 64);
+    a.per_unit = (a.total << 16) / (units * keys) + 1;
+    return a;
+}
+
+/* Whether the tiled paths prefetch a segment's rows (Ahead): rows of more than AHEAD_MIN_ROW bytes
+ * per key (narrower rows, e.g. 64-wide heads, are two plain streams the hardware prefetcher keeps
+ * up with, and there the prefetch instructions only cost time: measured here), in segments of at
+ * least AHEAD_MIN_BYTES (fewer stay in the caches from one step to the next). */
+#ifndef AHEAD_MIN_ROW
+#define AHEAD_MIN_ROW 256
+#endif
+#ifndef AHEAD_MIN_BYTES
+#define AHEAD_MIN_BYTES (1 << 20)
+#endif
+static inline int ahead_pays(int64_t keys, int64_t heads, int64_t dim, int64_t v_dim) {
+    const int64_t row = (int64_t)sizeof(elem_t) * (heads * dim + v_dim);
+    return PREFETCH_BLOCKS > 0 && row > AHEAD_MIN_ROW && keys * row >= AHEAD_MIN_BYTES;
+}
+
+static inline __attribute__((always_inline)) void ahead_step(Ahead *a, int64_t lines) {
+    if (a->pos >= a->total) return;
+    a->credit += lines;
+    while (a->credit >= 65536 && a->pos < a->total) {
+        const char *p = a->pos < a->k_lines ? a->k + 64 * a->pos : a->v + 64 * (a->pos - a->k_lines);
+        __builtin_prefetch(p, 0, AHEAD_HINT);
+        a->credit -= 65536;
+        a->pos++;
+    }
 }
 
 /* Whether each value row lies inside its key row (MLA's latent rows): prefetching the key rows fetches the values too. */
@@ -257,7 +320,7 @@ const char *slimkv_kernel_isa(void) { return SLIMKV_ISA; }
 
 static void *run_job(void *arg) {
     Job *job = (Job *)arg;
-    const int64_t d_pad = (job->dim + 15) / 16 * 16, v_pad = (job->v_dim + 15) / 16 * 16; /* widths rounded up to 16-float chunks */
+    const int64_t d_pad = (job->dim + 31) / 32 * 32, v_pad = (job->v_dim + 31) / 32 * 32; /* widths rounded up to 32-element chunks */
     const int64_t rows = (job->kv_heads + job->parts - 1) / job->parts * job->groups; /* query rows of the largest item */
     float *acc = malloc(sizeof(float) * (size_t)(rows * (v_pad + d_pad + BLOCK_KEYS + 2)));
     if (!acc) {

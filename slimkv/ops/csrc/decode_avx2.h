@@ -7,8 +7,13 @@
  * keys: tiles of ROWS_TILE rows x KEYS_TILE keys, each key chunk loaded once for the rows, each
  * query chunk once for the keys, one horizontal sum per logit paid once per row, not per chunk),
  * the online-softmax update on 8 lanes, then the values (tiles of ROWS_TILE rows x CHUNKS_TILE
- * chunks). bfloat16 rows are widened as they are read (a zero-extension to 32 bits and a 16-bit
- * shift); every product and sum is float32 (AVX2 has no bfloat16 arithmetic). */
+ * chunks), with the next block's rows prefetched a share per tile step (Ahead in
+ * decode_attention.c). Vectors used by several products (a key or value chunk for the tile's
+ * rows) are pinned in registers (IN_REGISTER8): otherwise the compiler folds them back into each
+ * product as a memory operand and the tiles become load-bound. bfloat16 rows are widened as they
+ * are read (a zero-extension to 32 bits and a 16-bit shift; the AVX-512 path's pair order, one
+ * instruction per 8, measured slower here with 16 registers); every product and sum is float32
+ * (AVX2 has no bfloat16 arithmetic). */
 #include <immintrin.h>
 
 #define ROWS_TILE 4
@@ -86,15 +91,23 @@ static inline __attribute__((always_inline)) void logits_tile8(const float *rest
     for (int i = 0; i < R; i++)
         for (int u = 0; u < KT; u++) dots[i][u] = _mm256_setzero_ps();
     const int64_t full = dim / 8;
-    for (int64_t j = 0; j < d_pad / 8; j++) {
+    for (int64_t j = 0; j < full; j++) {
         __m256 kv[KEYS_TILE];
-        if (j < full)
-            for (int u = 0; u < KT; u++) kv[u] = load8(kt + u * k_row + 8 * j);
-        else
-            for (int u = 0; u < KT; u++) kv[u] = load8_partial(kt + u * k_row + 8 * j, dim - 8 * j);
+        for (int u = 0; u < KT; u++) {
+            kv[u] = load8(kt + u * k_row + 8 * j);
+            IN_REGISTER8(kv[u]); /* loaded once for the R rows: not folded into each product as a memory operand */
+        }
         for (int i = 0; i < R; i++) {
             __m256 qv = _mm256_loadu_ps(qs + i * d_pad + 8 * j);
             IN_REGISTER8(qv);
+            for (int u = 0; u < KT; u++) dots[i][u] = _mm256_fmadd_ps(qv, kv[u], dots[i][u]);
+        }
+    }
+    if (8 * full < dim) { /* a partial last chunk: nothing read past the row */
+        __m256 kv[KEYS_TILE];
+        for (int u = 0; u < KT; u++) kv[u] = load8_partial(kt + u * k_row + 8 * full, dim - 8 * full);
+        for (int i = 0; i < R; i++) {
+            __m256 qv = _mm256_loadu_ps(qs + i * d_pad + 8 * full);
             for (int u = 0; u < KT; u++) dots[i][u] = _mm256_fmadd_ps(qv, kv[u], dots[i][u]);
         }
     }
@@ -137,16 +150,19 @@ static inline __attribute__((always_inline)) void logits_lanes8(const float *res
  * probabilities, BLOCK_KEYS apart; acc rows ``v_pad`` apart. */
 static inline __attribute__((always_inline)) void values_tile8(const float *restrict p, int n, const elem_t *restrict vb, int64_t v_row,
                                                                int64_t v_dim, int64_t c0, const int R, const int CV, float *restrict acc,
-                                                               int64_t v_pad) {
+                                                               int64_t v_pad, Ahead *ah) {
+    const int64_t step = R * CV * ah->per_unit;
     __m256 av[ROWS_TILE][CHUNKS_TILE];
     for (int i = 0; i < R; i++)
         for (int c = 0; c < CV; c++) av[i][c] = _mm256_loadu_ps(acc + i * v_pad + 8 * (c0 + c));
     const int64_t left = v_dim - 8 * (c0 + CV - 1); /* values in the tile's last chunk: fewer than 8 at the row's end */
     for (int t = 0; t < n; t++) {
         const elem_t *vt = vb + t * v_row + 8 * c0;
+        ahead_step(ah, step);
         __m256 vv[CHUNKS_TILE];
         for (int c = 0; c < CV - 1; c++) vv[c] = load8(vt + 8 * c);
         vv[CV - 1] = left >= 8 ? load8(vt + 8 * (CV - 1)) : load8_partial(vt + 8 * (CV - 1), left);
+        for (int c = 0; c < CV; c++) IN_REGISTER8(vv[c]); /* loaded once for the R rows */
         for (int i = 0; i < R; i++) {
             __m256 pi = _mm256_broadcast_ss(p + i * BLOCK_KEYS + t);
             IN_REGISTER8(pi);
@@ -189,7 +205,8 @@ static inline void softmax_block8(float *restrict lg, int n, float *restrict acc
     *run_sum += sum8(sum);
 }
 
-/* Software prefetch of the n rows of a block ``row`` elements apart, ``width`` elements each. */
+/* Software prefetch of the n rows of a block ``row`` elements apart, ``width`` elements each: the
+ * narrow rows' fixed-distance prefetch (segments Ahead leaves alone). */
 static inline void prefetch_rows(const elem_t *rows, int n, int64_t row, int64_t width) {
     for (int t = 0; t < n; t++)
         for (int64_t e = 0; e < width; e += 64 / (int64_t)sizeof(elem_t)) _mm_prefetch((const char *)(rows + t * row + e), _MM_HINT_T0);
@@ -221,42 +238,57 @@ static void attend_item_avx2(int64_t item, float *restrict out, const Segment *s
         const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
         const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
         const int v_in_k = heads == 1 && values_in_key_rows(kh, vh, dim, v_dim, k_row, v_row);
-        const int64_t ahead = prefetch_keys(heads, dim, v_in_k ? 0 : v_dim); /* rows prefetched this far ahead, with the logits */
+        const int64_t units = rows_all * (d_pad / 8 + v_chunks); /* a block's work per key, in tile units (see Ahead) */
+        const int fetch = ahead_pays(seg.keys, heads, dim, v_in_k ? 0 : v_dim);
+        const int64_t near = !fetch && PREFETCH_BLOCKS > 0 && NEAR_PREFETCH ? PREFETCH_BLOCKS * BLOCK_KEYS : 0; /* narrow rows: this many keys ahead */
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
             const elem_t *restrict vb = vh + t0 * v_row;
+            const int64_t next = seg.keys - t0 - AHEAD_BLOCKS * BLOCK_KEYS; /* keys of the block AHEAD_BLOCKS on (<= 0: none) */
+            Ahead ah = ahead_rows(kh + (t0 + AHEAD_BLOCKS * BLOCK_KEYS) * k_row, vh + (t0 + AHEAD_BLOCKS * BLOCK_KEYS) * v_row,
+                                  fetch && next > 0 ? (next < BLOCK_KEYS ? next : BLOCK_KEYS) : 0, k_row, v_row, seg.k_stride_h, heads,
+                                  dim, v_dim, units, n);
             for (int64_t hh = 0; hh < heads; hh++) {
                 const elem_t *restrict kb = kh + hh * seg.k_stride_h + t0 * k_row;
-                const int fetch_v = PREFETCH_BLOCKS > 0 && hh == 0 && !v_in_k;
                 if (groups == 1) {
                     const float *qr = qs + hh * d_pad;
                     float *lg = logits + hh * BLOCK_KEYS;
+                    const int64_t step = d_pad / 8 * ah.per_unit;
                     int t = 0;
                     for (; t + 8 <= n; t += 8) {
-                        if (PREFETCH_BLOCKS > 0 && t0 + t + ahead + 8 <= seg.keys) {
-                            prefetch_rows(kb + (t + ahead) * k_row, 8, k_row, dim);
-                            if (fetch_v) prefetch_rows(vb + (t + ahead) * v_row, 8, v_row, v_dim);
+                        ahead_step(&ah, 8 * step);
+                        if (near && t0 + t + near + 8 <= seg.keys) {
+                            prefetch_rows(kb + (t + near) * k_row, 8, k_row, dim);
+                            if (hh == 0 && !v_in_k) prefetch_rows(vb + (t + near) * v_row, 8, v_row, v_dim);
                         }
                         logits_lanes8(qr, kb + t * k_row, k_row, dim, lg + t);
                     }
-                    for (; t < n; t++) logits_tile8(qr, d_pad, kb + t * k_row, k_row, dim, 1, 1, lg, t);
+                    for (; t < n; t++) {
+                        ahead_step(&ah, step);
+                        logits_tile8(qr, d_pad, kb + t * k_row, k_row, dim, 1, 1, lg, t);
+                    }
                     continue;
                 }
                 for (int64_t g = 0; g < groups; g += ROWS_TILE) {
                     const int rows = groups - g < ROWS_TILE ? (int)(groups - g) : ROWS_TILE;
-                    const int fetch = PREFETCH_BLOCKS > 0 && g == 0;
                     const float *qg = qs + (hh * groups + g) * d_pad;
                     float *lg = logits + (hh * groups + g) * BLOCK_KEYS;
+                    const int64_t step = rows * (d_pad / 8) * ah.per_unit;
                     int t = 0;
 #define LOGITS_WIDE(R)                                                                                  \
     for (; t + KEYS_TILE <= n; t += KEYS_TILE) {                                                      \
-        if (fetch && t0 + t + ahead + KEYS_TILE <= seg.keys) {                                        \
-            prefetch_rows(kb + (t + ahead) * k_row, KEYS_TILE, k_row, dim);                           \
-            if (fetch_v) prefetch_rows(vb + (t + ahead) * v_row, KEYS_TILE, v_row, v_dim);            \
+        ahead_step(&ah, KEYS_TILE * step);                                                            \
+        if (near && g == 0 && t0 + t + near + KEYS_TILE <= seg.keys) {                                \
+            prefetch_rows(kb + (t + near) * k_row, KEYS_TILE, k_row, dim);                            \
+            if (hh == 0 && !v_in_k) prefetch_rows(vb + (t + near) * v_row, KEYS_TILE, v_row, v_dim);  \
         }                                                                                             \
         logits_tile8(qg, d_pad, kb + t * k_row, k_row, dim, R, KEYS_TILE, lg, t);                     \
     }
-#define LOGITS_ONE(R) for (; t < n; t++) logits_tile8(qg, d_pad, kb + t * k_row, k_row, dim, R, 1, lg, t)
+#define LOGITS_ONE(R)                                                                                   \
+    for (; t < n; t++) {                                                                              \
+        ahead_step(&ah, step);                                                                        \
+        logits_tile8(qg, d_pad, kb + t * k_row, k_row, dim, R, 1, lg, t);                             \
+    }
                     ROWS_SWITCH8(rows, LOGITS_WIDE)
                     ROWS_SWITCH8(rows, LOGITS_ONE)
 #undef LOGITS_WIDE
@@ -272,9 +304,9 @@ static void attend_item_avx2(int64_t item, float *restrict out, const Segment *s
                     float *ag = acc + g * v_pad;
 #define VALUES8(R)                                                                   \
     switch (chunks) {                                                                \
-    case 3: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 3, ag, v_pad); break;      \
-    case 2: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 2, ag, v_pad); break;      \
-    default: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 1, ag, v_pad); break;     \
+    case 3: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 3, ag, v_pad, &ah); break; \
+    case 2: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 2, ag, v_pad, &ah); break; \
+    default: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 1, ag, v_pad, &ah); break;\
     }
                     ROWS_SWITCH8(rows, VALUES8)
 #undef VALUES8

@@ -1,7 +1,15 @@
 /* slimkv's decode kernel, AVX-512 path (included by decode_attention.c when the build targets
  * AVX-512F, and AVX-512BW for bfloat16): register tiles holding whole rows of width 32/64/128
  * (block_rows_avx512: MHA, GQA, MQA, KVM regions), and tiles over 16-float chunks for any other
- * width and any number of query rows (attend_item_wide: MLA's latent rows, LRKV's rows). */
+ * width and any number of query rows (attend_item_wide: MLA's latent rows, LRKV's rows), which
+ * prefetch the next block's rows a share per tile step (Ahead in decode_attention.c).
+ *
+ * bfloat16 rows: widened 32 elements at a time into pair order (load32_pair: the even elements by
+ * a shift, the odd by a mask, one instruction per 16 floats where widening in row order takes
+ * two); the tiles' queries and accumulators are kept in that order and the output is put back in
+ * row order at the end (unpair_row). With AVX512-BF16 the logits are vdpbf16ps dot products of the
+ * bfloat16 queries and the keys as stored, in every tile; the values keep float32 products (the
+ * dot instruction would round the probabilities to bfloat16). */
 #include <immintrin.h>
 
 /* 16 cached elements as float32 lanes (masked: lanes off the mask are zero, nothing read there). */
@@ -52,30 +60,94 @@ static inline __attribute__((always_inline)) void horizontal_sums(const __m512 *
     for (int i = 0; i < R; i++) sums[i] = lanes[i];
 }
 
+#ifdef SLIMKV_BF16
+/* 32 bfloat16 as two float32 vectors, one instruction each: the even elements (0, 2, .., 30: the
+ * low halves of the 32-bit lanes, shifted up) and the odd ones (the high halves, masked). Tiles
+ * keep rows in this order, chunk by chunk of 32 (``pair order``); rows are put back at the end. */
+static inline void load32_pair(const elem_t *p, __m512 *even, __m512 *odd) {
+    const __m512i x = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+/* The first ``left`` (1..32) of 32 bfloat16 at p in pair order, zero past them; nothing read past them. */
+static inline void load32_pair_partial(const elem_t *p, int64_t left, __m512 *even, __m512 *odd) {
+    const __m512i x = _mm512_maskz_loadu_epi16((__mmask32)(left >= 32 ? 0xFFFFFFFFu : (1u << left) - 1u), p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+/* 32 floats (a: 0..15, b: 16..31) in pair order: the even ones, the odd ones. */
+static inline void pair_order(__m512 a, __m512 b, __m512 *even, __m512 *odd) {
+    const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    *even = _mm512_permutex2var_ps(a, ie, b);
+    *odd = _mm512_permutex2var_ps(a, io, b);
+}
+/* A row of ``width`` floats kept in pair order (chunks of 32, the last one padded), back in row order. */
+static inline void unpair_row(const float *restrict pairs, float *restrict row, int64_t width, float factor) {
+    for (int64_t e = 0; e < width; e++) {
+        const int64_t c = e / 32, m = e % 32;
+        row[e] = pairs[32 * c + (m % 2) * 16 + m / 2] * factor;
+    }
+}
+#endif
+
 /* R query rows (g0 .. g0 + R - 1 of one item) against one block of n keys, with AVX-512, for
  * dim = 16 * ND and v_dim = 16 * NV: each key and value vector is loaded once for the R rows, the
- * R accumulators stay in registers. Same arithmetic as attend_item. */
+ * R accumulators stay in registers. Same arithmetic as attend_item. bfloat16 rows are widened 32
+ * at a time into pair order (load32_pair; the accumulators hold their values in that order), and
+ * with AVX512-BF16 the logits are dot products of the bfloat16 query (exact: the queries of a
+ * bfloat16 cache come from bfloat16 tensors) and the keys as stored, the scale applied to the sums. */
 static inline __attribute__((always_inline)) void block_rows_avx512(const float *restrict q, const elem_t *restrict kb, const elem_t *restrict vb,
                                                                      int64_t k_row, int64_t v_row, int n, const int R, const int ND, const int NV, __m512 scale16,
                                                                      float *restrict acc, float *restrict run_max, float *restrict run_sum) {
     float logits[4][BLOCK_KEYS] __attribute__((aligned(64)));
+#if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
+    __m512i qv[4][4]; /* bfloat16 pairs: 32 channels per vector */
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < ND / 2; j++)
+            qv[i][j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + i * 16 * ND + 32 * j + 16), _mm512_loadu_ps(q + i * 16 * ND + 32 * j));
+#else
     __m512 qv[4][8];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < ND; j++) qv[i][j] = _mm512_mul_ps(_mm512_loadu_ps(q + i * 16 * ND + 16 * j), scale16);
+#ifdef SLIMKV_BF16
+    for (int i = 0; i < R; i++) /* pair order, as the keys are widened */
+        for (int j = 0; j < ND; j += 2) pair_order(qv[i][j], qv[i][j + 1], &qv[i][j], &qv[i][j + 1]);
+#endif
+#endif
     for (int t = 0; t < n; t++) {
         const elem_t *kt = kb + t * k_row;
         if (PREFETCH_BLOCKS > 0)
-            for (int j = 0; j < ND; j++) _mm_prefetch((const char *)(kt + PREFETCH_BLOCKS * BLOCK_KEYS * k_row + 16 * j), _MM_HINT_T0);
-        __m512 kv[8], dots[4];
+            for (int j = 0; j < ND * (int)sizeof(elem_t) / 4; j++) _mm_prefetch((const char *)(kt + PREFETCH_BLOCKS * BLOCK_KEYS * k_row) + 64 * j, _MM_HINT_T0);
+        __m512 dots[4];
+#if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
+        __m512i kr[4];
+        for (int j = 0; j < ND / 2; j++) kr[j] = _mm512_loadu_si512(kt + 32 * j);
+        for (int i = 0; i < R; i++) {
+            dots[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[i][0], (__m512bh)kr[0]);
+            for (int j = 1; j < ND / 2; j++) dots[i] = _mm512_dpbf16_ps(dots[i], (__m512bh)qv[i][j], (__m512bh)kr[j]);
+        }
+#else
+        __m512 kv[8];
+#ifdef SLIMKV_BF16
+        for (int j = 0; j < ND; j += 2) load32_pair(kt + 16 * j, &kv[j], &kv[j + 1]);
+#else
         for (int j = 0; j < ND; j++) kv[j] = load16(kt + 16 * j);
+#endif
         for (int i = 0; i < R; i++) {
             dots[i] = _mm512_mul_ps(qv[i][0], kv[0]);
             for (int j = 1; j < ND; j++) dots[i] = _mm512_fmadd_ps(qv[i][j], kv[j], dots[i]);
         }
+#endif
         float sums[4];
         horizontal_sums(dots, R, sums);
         for (int i = 0; i < R; i++) logits[i][t] = sums[i];
     }
+#if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
+    const float post = _mm512_cvtss_f32(scale16); /* the scale, on the sums */
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < n; t++) logits[i][t] *= post;
+#endif
     __m512 av[4][8];
     for (int i = 0; i < R; i++) {
         for (int t = n; t < BLOCK_KEYS; t++) logits[i][t] = -INFINITY;
@@ -101,9 +173,13 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
     for (int t = 0; t < n; t++) {
         const elem_t *vt = vb + t * v_row;
         if (PREFETCH_BLOCKS > 0)
-            for (int j = 0; j < NV; j++) _mm_prefetch((const char *)(vt + PREFETCH_BLOCKS * BLOCK_KEYS * v_row + 16 * j), _MM_HINT_T0);
+            for (int j = 0; j < NV * (int)sizeof(elem_t) / 4; j++) _mm_prefetch((const char *)(vt + PREFETCH_BLOCKS * BLOCK_KEYS * v_row) + 64 * j, _MM_HINT_T0);
         __m512 vv[8];
+#ifdef SLIMKV_BF16
+        for (int j = 0; j < NV; j += 2) load32_pair(vt + 16 * j, &vv[j], &vv[j + 1]);
+#else
         for (int j = 0; j < NV; j++) vv[j] = load16(vt + 16 * j);
+#endif
         for (int i = 0; i < R; i++) {
             const __m512 p = _mm512_set1_ps(logits[i][t]);
             for (int j = 0; j < NV; j++) av[i][j] = _mm512_fmadd_ps(p, vv[j], av[i][j]);
@@ -148,7 +224,11 @@ static inline __attribute__((always_inline)) void attend_item_avx512(int64_t ite
     }
     for (int64_t g = 0; g < groups; g++) {
         const float inv = 1.0f / run_sum[g];
+#ifdef SLIMKV_BF16
+        unpair_row(acc + g * v_dim, out + g * v_dim, v_dim, inv); /* the accumulators hold pair order */
+#else
         for (int64_t e = 0; e < v_dim; e++) out[g * v_dim + e] = acc[g * v_dim + e] * inv;
+#endif
     }
 }
 
@@ -165,8 +245,9 @@ static inline __mmask16 chunk_mask(int64_t width, int64_t j) {
 /* The logits' dot products over chunks of DOT_WIDTH channels. bfloat16 rows on a CPU with
  * AVX512-BF16 take vdpbf16ps (32 bfloat16 pairs of query and key per instruction, products and
  * sums in float32; the keys are used as stored, the queries, which come from bfloat16 tensors,
- * as bfloat16 too, and the scale is applied to the sum). Otherwise keys are widened to float32
- * (bfloat16 by a shift) and multiplied with the scaled float32 queries. */
+ * as bfloat16 too, and the scale is applied to the sum). Other bfloat16 rows are widened 32 at a
+ * time into pair order (load32_pair: one instruction per 16) and multiplied with the scaled
+ * float32 queries kept in the same order; float32 rows 16 at a time. */
 #if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
 #define SLIMKV_BF16_DOT 1
 #define DOT_WIDTH 32
@@ -178,6 +259,27 @@ static inline kvec_t k_load(const elem_t *p) { return _mm512_loadu_si512(p); }
 static inline kvec_t k_load_partial(const elem_t *p, int64_t left) { return _mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1ull), p); }
 static inline __m512 k_dot(__m512 acc, qvec_t q, kvec_t k) { return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)k); }
 #define IN_REGISTER_Q(x) __asm__("" : "+v"(x))
+#elif defined(SLIMKV_BF16)
+#define SLIMKV_BF16_PAIRS 1
+#define DOT_WIDTH 32
+typedef float qelem_t;
+typedef struct {
+    __m512 even, odd;
+} qvec_t;
+typedef qvec_t kvec_t;
+static inline qvec_t q_load(const qelem_t *p) { return (qvec_t){_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)}; }
+static inline kvec_t k_load(const elem_t *p) {
+    kvec_t k;
+    load32_pair(p, &k.even, &k.odd);
+    return k;
+}
+static inline kvec_t k_load_partial(const elem_t *p, int64_t left) {
+    kvec_t k;
+    load32_pair_partial(p, left, &k.even, &k.odd);
+    return k;
+}
+static inline __m512 k_dot(__m512 acc, qvec_t q, kvec_t k) { return _mm512_fmadd_ps(q.odd, k.odd, _mm512_fmadd_ps(q.even, k.even, acc)); }
+#define IN_REGISTER_Q(x) __asm__("" : "+v"((x).even), "+v"((x).odd))
 #else
 #define DOT_WIDTH 16
 typedef float qelem_t;
@@ -200,15 +302,23 @@ static inline __attribute__((always_inline)) void logits_tile(const qelem_t *res
     for (int i = 0; i < R; i++)
         for (int u = 0; u < KT; u++) dots[i][u] = _mm512_setzero_ps();
     const int64_t full = dim / DOT_WIDTH; /* whole chunks; a partial last one is loaded under a mask */
-    for (int64_t j = 0; j < d_pad / DOT_WIDTH; j++) {
+    for (int64_t j = 0; j < full; j++) {
         kvec_t kv[4];
-        if (j < full)
-            for (int u = 0; u < KT; u++) kv[u] = k_load(kt + u * k_row + DOT_WIDTH * j);
-        else
-            for (int u = 0; u < KT; u++) kv[u] = k_load_partial(kt + u * k_row + DOT_WIDTH * j, dim - DOT_WIDTH * j);
+        for (int u = 0; u < KT; u++) {
+            kv[u] = k_load(kt + u * k_row + DOT_WIDTH * j);
+            IN_REGISTER_Q(kv[u]);
+        }
         for (int i = 0; i < R; i++) {
             qvec_t qv = q_load(qs + i * d_pad + DOT_WIDTH * j);
             IN_REGISTER_Q(qv);
+            for (int u = 0; u < KT; u++) dots[i][u] = k_dot(dots[i][u], qv, kv[u]);
+        }
+    }
+    if (DOT_WIDTH * full < dim) {
+        kvec_t kv[4];
+        for (int u = 0; u < KT; u++) kv[u] = k_load_partial(kt + u * k_row + DOT_WIDTH * full, dim - DOT_WIDTH * full);
+        for (int i = 0; i < R; i++) {
+            qvec_t qv = q_load(qs + i * d_pad + DOT_WIDTH * full);
             for (int u = 0; u < KT; u++) dots[i][u] = k_dot(dots[i][u], qv, kv[u]);
         }
     }
@@ -253,19 +363,37 @@ static inline __attribute__((always_inline)) void logits_lanes16(const qelem_t *
 
 /* acc[R rows][chunks c0 .. c0 + CV - 1] += p . values of a block's n keys (each value chunk loaded
  * once for the R rows; R * CV <= 16). p: the rows' probabilities, BLOCK_KEYS apart; acc rows
- * ``v_pad`` apart. */
+ * ``v_pad`` apart. bfloat16 values are widened 32 at a time into pair order (c0 and CV even; the
+ * accumulators hold that order). */
 static inline __attribute__((always_inline)) void values_tile(const float *restrict p, int n, const elem_t *restrict vb, int64_t v_row,
                                                               int64_t v_dim, int64_t c0, const int R, const int CV, float *restrict acc,
-                                                              int64_t v_pad) {
+                                                              int64_t v_pad, Ahead *ah) {
+    const int64_t step = R * CV * ah->per_unit;
     __m512 av[8][4];
+#ifdef SLIMKV_BF16
+    int64_t left[2]; /* values in each pair of chunks: fewer than 32 at the row's end */
+    for (int c = 0; c < CV; c += 2) left[c / 2] = v_dim - 16 * (c0 + c);
+#else
     __mmask16 mask[4];
     for (int c = 0; c < CV; c++) mask[c] = chunk_mask(v_dim, c0 + c);
+#endif
     for (int i = 0; i < R; i++)
         for (int c = 0; c < CV; c++) av[i][c] = _mm512_loadu_ps(acc + i * v_pad + 16 * (c0 + c));
     for (int t = 0; t < n; t++) {
         const elem_t *vt = vb + t * v_row + 16 * c0;
+        ahead_step(ah, step);
         __m512 vv[4];
+#ifdef SLIMKV_BF16
+        for (int c = 0; c < CV; c += 2) {
+            if (left[c / 2] >= 32)
+                load32_pair(vt + 16 * c, &vv[c], &vv[c + 1]);
+            else
+                load32_pair_partial(vt + 16 * c, left[c / 2], &vv[c], &vv[c + 1]);
+        }
+#else
         for (int c = 0; c < CV; c++) vv[c] = mask[c] == (__mmask16)0xFFFF ? load16(vt + 16 * c) : load16_masked(mask[c], vt + 16 * c);
+#endif
+        for (int c = 0; c < CV; c++) IN_REGISTER(vv[c]);
         for (int i = 0; i < R; i++) {
             __m512 pi = _mm512_set1_ps(p[i * BLOCK_KEYS + t]);
             IN_REGISTER(pi);
@@ -284,12 +412,6 @@ static inline __attribute__((always_inline)) void values_tile(const float *restr
     default: CALL_R(1); break; \
     }
 
-/* Software prefetch of the n rows of a block ``row`` elements apart, ``width`` elements each. */
-static inline void prefetch_rows16(const elem_t *rows, int n, int64_t row, int64_t width) {
-    for (int t = 0; t < n; t++)
-        for (int64_t e = 0; e < width; e += 64 / (int64_t)sizeof(elem_t)) _mm_prefetch((const char *)(rows + t * row + e), _MM_HINT_T0);
-}
-
 /* One work item for any widths and any number of query rows: ``heads`` key heads from head h
  * (a segment's key head stride apart) with ``groups`` query rows each, all reading the same values
  * (heads > 1 only when the values are shared by every head: the latent kind's rows). Per block of
@@ -302,7 +424,12 @@ static inline void prefetch_rows16(const elem_t *rows, int n, int64_t row, int64
 static void attend_item_wide(int64_t item, float *restrict out, const Segment *segments, int n_segments, int64_t b, int64_t h, int64_t heads,
                              int64_t groups, int64_t dim, int64_t v_dim, float scale, float *restrict acc, float *restrict q_scratch,
                              float *restrict logits, float *restrict run_max, float *restrict run_sum) {
-    const int64_t d_pad = (dim + DOT_WIDTH - 1) / DOT_WIDTH * DOT_WIDTH, v_pad = (v_dim + 15) / 16 * 16, rows_all = heads * groups;
+    const int64_t d_pad = (dim + DOT_WIDTH - 1) / DOT_WIDTH * DOT_WIDTH, rows_all = heads * groups;
+#ifdef SLIMKV_BF16
+    const int64_t v_pad = (v_dim + 31) / 32 * 32; /* whole pairs of chunks (pair order) */
+#else
+    const int64_t v_pad = (v_dim + 15) / 16 * 16;
+#endif
     qelem_t *restrict qs = (qelem_t *)q_scratch;
     for (int64_t g = 0; g < rows_all; g++) {
         run_max[g] = -INFINITY;
@@ -325,6 +452,8 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
                 uint32_t bits;
                 memcpy(&bits, &x, sizeof bits);
                 qs[g * d_pad + d] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16); /* round to nearest even (exact for bfloat16 queries) */
+#elif defined(SLIMKV_BF16_PAIRS)
+                qs[g * d_pad + d / 32 * 32 + (d % 2) * 16 + d % 32 / 2] = q[g * dim + d] * scale; /* pair order, as the keys are widened */
 #else
                 qs[g * d_pad + d] = q[g * dim + d] * scale;
 #endif
@@ -333,42 +462,48 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
         const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
         const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
         const int v_in_k = heads == 1 && values_in_key_rows(kh, vh, dim, v_dim, k_row, v_row);
-        const int64_t ahead = prefetch_keys(heads, dim, v_in_k ? 0 : v_dim); /* rows prefetched this far ahead, with the logits */
+        const int64_t d_chunks = d_pad / DOT_WIDTH, v_chunks = v_pad / 16;
+        const int64_t units = rows_all * (d_chunks + v_chunks); /* a block's work per key, in tile units (see Ahead) */
+        const int fetch = ahead_pays(seg.keys, heads, dim, v_in_k ? 0 : v_dim);
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
             const elem_t *restrict vb = vh + t0 * v_row;
+            const int64_t next = seg.keys - t0 - AHEAD_BLOCKS * BLOCK_KEYS; /* keys of the block AHEAD_BLOCKS on (<= 0: none) */
+            Ahead ah = ahead_rows(kh + (t0 + AHEAD_BLOCKS * BLOCK_KEYS) * k_row, vh + (t0 + AHEAD_BLOCKS * BLOCK_KEYS) * v_row, fetch && next > 0 ? (next < BLOCK_KEYS ? next : BLOCK_KEYS) : 0,
+                                  k_row, v_row, seg.k_stride_h, heads, dim, v_dim, units, n);
             for (int64_t hh = 0; hh < heads; hh++) {
                 const elem_t *restrict kb = kh + hh * seg.k_stride_h + t0 * k_row;
-                const int fetch_v = PREFETCH_BLOCKS > 0 && hh == 0 && !v_in_k;
                 if (groups == 1) {
                     const qelem_t *qr = qs + hh * d_pad;
                     float *lg = logits + hh * BLOCK_KEYS;
+                    const int64_t step = d_chunks * ah.per_unit;
                     int t = 0;
                     for (; t + 16 <= n; t += 16) {
-                        if (PREFETCH_BLOCKS > 0 && t0 + t + ahead + 16 <= seg.keys) {
-                            prefetch_rows16(kb + (t + ahead) * k_row, 16, k_row, dim);
-                            if (fetch_v) prefetch_rows16(vb + (t + ahead) * v_row, 16, v_row, v_dim);
-                        }
+                        ahead_step(&ah, 16 * step);
                         logits_lanes16(qr, kb + t * k_row, k_row, dim, lg + t, post);
                     }
-                    for (; t < n; t++) logits_tile(qr, d_pad, kb + t * k_row, k_row, dim, 1, 1, lg, t, post);
+                    for (; t < n; t++) {
+                        ahead_step(&ah, step);
+                        logits_tile(qr, d_pad, kb + t * k_row, k_row, dim, 1, 1, lg, t, post);
+                    }
                     continue;
                 }
                 for (int64_t g = 0; g < groups; g += 4) {
                     const int rows = groups - g < 4 ? (int)(groups - g) : 4;
-                    const int fetch = PREFETCH_BLOCKS > 0 && g == 0;
                     const qelem_t *qg = qs + (hh * groups + g) * d_pad;
                     float *lg = logits + (hh * groups + g) * BLOCK_KEYS;
+                    const int64_t step = rows * d_chunks * ah.per_unit;
                     int t = 0;
 #define LOGITS4(R)                                                                                                \
     for (; t + 4 <= n; t += 4) {                                                                                  \
-        if (fetch && t0 + t + ahead + 4 <= seg.keys) {                                                            \
-            prefetch_rows16(kb + (t + ahead) * k_row, 4, k_row, dim);                                             \
-            if (fetch_v) prefetch_rows16(vb + (t + ahead) * v_row, 4, v_row, v_dim);                              \
-        }                                                                                                         \
+        ahead_step(&ah, 4 * step);                                                                                \
         logits_tile(qg, d_pad, kb + t * k_row, k_row, dim, R, 4, lg, t, post);                                    \
     }
-#define LOGITS1(R) for (; t < n; t++) logits_tile(qg, d_pad, kb + t * k_row, k_row, dim, R, 1, lg, t, post)
+#define LOGITS1(R)                                                                                                \
+    for (; t < n; t++) {                                                                                          \
+        ahead_step(&ah, step);                                                                                    \
+        logits_tile(qg, d_pad, kb + t * k_row, k_row, dim, R, 1, lg, t, post);                                    \
+    }
                     ROWS_SWITCH(rows, LOGITS4)
                     ROWS_SWITCH(rows, LOGITS1)
 #undef LOGITS4
@@ -401,9 +536,9 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
             for (; g8 + 8 <= rows_all; g8 += 8)
                 for (int64_t c0 = 0; c0 < v_pad / 16; c0 += 2) {
                     if (v_pad / 16 - c0 >= 2)
-                        values_tile(logits + g8 * BLOCK_KEYS, n, vb, v_row, v_dim, c0, 8, 2, acc + g8 * v_pad, v_pad);
+                        values_tile(logits + g8 * BLOCK_KEYS, n, vb, v_row, v_dim, c0, 8, 2, acc + g8 * v_pad, v_pad, &ah);
                     else
-                        values_tile(logits + g8 * BLOCK_KEYS, n, vb, v_row, v_dim, c0, 8, 1, acc + g8 * v_pad, v_pad);
+                        values_tile(logits + g8 * BLOCK_KEYS, n, vb, v_row, v_dim, c0, 8, 1, acc + g8 * v_pad, v_pad, &ah);
                 }
             for (int64_t c0 = 0; c0 < v_pad / 16 && g8 < rows_all; c0 += 4) {
                 const int chunks = v_pad / 16 - c0 < 4 ? (int)(v_pad / 16 - c0) : 4;
@@ -411,12 +546,12 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
                     const int rows = rows_all - g < 4 ? (int)(rows_all - g) : 4;
                     const float *pg = logits + g * BLOCK_KEYS;
                     float *ag = acc + g * v_pad;
-#define VALUES(R)                                                                 \
-    switch (chunks) {                                                             \
-    case 4: values_tile(pg, n, vb, v_row, v_dim, c0, R, 4, ag, v_pad); break;  \
-    case 3: values_tile(pg, n, vb, v_row, v_dim, c0, R, 3, ag, v_pad); break;  \
-    case 2: values_tile(pg, n, vb, v_row, v_dim, c0, R, 2, ag, v_pad); break;  \
-    default: values_tile(pg, n, vb, v_row, v_dim, c0, R, 1, ag, v_pad); break; \
+#define VALUES(R)                                                                                 \
+    switch (chunks) {                                                                             \
+    case 4: values_tile(pg, n, vb, v_row, v_dim, c0, R, 4, ag, v_pad, &ah); break;  \
+    case 3: values_tile(pg, n, vb, v_row, v_dim, c0, R, 3, ag, v_pad, &ah); break;  \
+    case 2: values_tile(pg, n, vb, v_row, v_dim, c0, R, 2, ag, v_pad, &ah); break;  \
+    default: values_tile(pg, n, vb, v_row, v_dim, c0, R, 1, ag, v_pad, &ah); break; \
     }
                     ROWS_SWITCH(rows, VALUES)
 #undef VALUES
@@ -426,6 +561,10 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
     }
     for (int64_t g = 0; g < rows_all; g++) {
         const float inv = 1.0f / run_sum[g];
+#ifdef SLIMKV_BF16
+        unpair_row(acc + g * v_pad, out + g * v_dim, v_dim, inv);
+#else
         for (int64_t e = 0; e < v_dim; e++) out[g * v_dim + e] = acc[g * v_pad + e] * inv;
+#endif
     }
 }

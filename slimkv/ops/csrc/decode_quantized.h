@@ -265,7 +265,11 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx512(c
     float *out = job->out + item * groups * dim;
     for (int64_t g = 0; g < groups; g++) {
         const float inv = 1.0f / run_sum[g];
+#ifdef SLIMKV_BF16
+        unpair_row(acc + g * dim, out + g * dim, dim, inv); /* block_rows_avx512 keeps bfloat16 rows' sums in pair order */
+#else
         for (int64_t e = 0; e < dim; e++) out[g * dim + e] = acc[g * dim + e] * inv;
+#endif
     }
 }
 
