@@ -125,7 +125,7 @@ class Attention(nn.Module):
 
     def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                   storage: KVStorage | str | None = None) -> AttentionCache:
-        """An empty cache; ``storage`` (``slimkv.ops.quantize``: ``full``, ``int8``, ``int4[:group=G,residual=R]``)
+        """An empty cache; ``storage`` (``slimkv.ops.quantize``: ``full``, ``int8``, ``int4[:group=G,residual=R,block=B]``)
         says how its per-token rows are held."""
         raise NotImplementedError
 

@@ -51,9 +51,26 @@ class HybridAttention(MultiHeadAttention):
         self.window, self.sink_len, self.full_heads = window, sink_len, sorted(heads)
         self.streaming_heads = [g for g in range(self.n_kv_heads) if g not in self.full_heads]
         group = self.n_heads // self.n_kv_heads
-        # plain lists: buffers would not survive transformers' meta-device loading (non-persistent buffers are not restored)
+        # plain lists, and index tensors made from them on first use per device (``_select``): buffers would not survive
+        # transformers' meta-device loading (non-persistent buffers are not restored)
         self._full_queries = [g * group + j for g in self.full_heads for j in range(group)]
         self._streaming_queries = [g * group + j for g in self.streaming_heads for j in range(group)]
+        order = self._full_queries + self._streaming_queries
+        self._query_order = [order.index(h) for h in range(self.n_heads)]  # head h of the output is row _query_order[h] of [full | streaming]
+        self._indices: dict[tuple[torch.device, str], torch.Tensor | slice] = {}
+
+    def _select(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """Heads (dim 1) of x: ``full`` / ``streaming`` KV heads, ``full_queries`` / ``streaming_queries``, or ``order``
+        (the output's heads from [full | streaming] rows); a slice where they are consecutive, else an index tensor made once
+        per device (a decode step runs this for every layer: a Python list as an index costs a tensor per call)."""
+        key = (x.device, which)
+        index = self._indices.get(key)
+        if index is None:
+            heads = {"full": self.full_heads, "streaming": self.streaming_heads, "full_queries": self._full_queries,
+                     "streaming_queries": self._streaming_queries, "order": self._query_order}[which]
+            consecutive = heads == list(range(heads[0], heads[0] + len(heads)))
+            index = self._indices[key] = slice(heads[0], heads[0] + len(heads)) if consecutive else torch.tensor(heads, device=x.device)
+        return x[:, index] if isinstance(index, slice) else x.index_select(1, index)
 
     def cache_spec(self) -> tuple:
         return super().cache_spec() + (self.sink_len, tuple(self.full_heads))
@@ -71,29 +88,31 @@ class HybridAttention(MultiHeadAttention):
         start = cache.seq_len if cache is not None else 0
         q, k, v = self.project_qkv(x, start)  # (b, H, t, d), (b, G, t, d)
         b, t = x.shape[:2]
-        out = q.new_empty(b, self.n_heads, t, self.head_dim)
+        codes = cache is not None and cache.reads_codes(t, self.backend)
+        parts = []
         if self.full_heads:
-            kf, vf = k[:, self.full_heads], v[:, self.full_heads]
-            if cache is not None and cache.reads_codes(t, self.backend):
+            qf, kf, vf = self._select(q, "full_queries"), self._select(k, "full"), self._select(v, "full")
+            if codes:
                 cache.full_k.store(kf)
                 cache.full_v.store(vf)
-                out[:, self._full_queries] = stored_decode_attention(q[:, self._full_queries], buffer_segments(cache.full_k, cache.full_v))
+                parts.append(stored_decode_attention(qf, buffer_segments(cache.full_k, cache.full_v)))
             else:
                 if cache is not None:
                     kf, vf = cache.full_k.append(kf.detach()), cache.full_v.append(vf.detach())
-                out[:, self._full_queries] = attend(q[:, self._full_queries], kf, vf, backend=self.backend)
+                parts.append(attend(qf, kf, vf, backend=self.backend))
         if self.streaming_heads:
-            ks, vs = k[:, self.streaming_heads], v[:, self.streaming_heads]
-            if cache is not None and cache.reads_codes(t, self.backend):
-                out[:, self._streaming_queries] = stored_decode_attention(q[:, self._streaming_queries], [*cache.stored_segments(), (ks, vs)])
+            qs, ks, vs = self._select(q, "streaming_queries"), self._select(k, "streaming"), self._select(v, "streaming")
+            if codes:
+                parts.append(stored_decode_attention(qs, [*cache.stored_segments(), (ks, vs)]))
                 cache.add(ks, vs)
             else:
                 q_pos = torch.arange(start, start + t, device=x.device)
                 keys, values, k_pos = (ks, vs, q_pos) if cache is None else cache.extend(ks, vs, q_pos)
                 run = streaming_attention_reference if self.backend == "reference" else streaming_attention
-                out[:, self._streaming_queries] = run(q[:, self._streaming_queries], keys, values, q_pos, k_pos, self.sink_len, self.window)
+                parts.append(run(qs, keys, values, q_pos, k_pos, self.sink_len, self.window))
         elif cache is not None:
             cache.seq_len += t  # no streaming head: only the full heads' buffers hold tokens
+        out = self._select(torch.cat(parts, dim=1), "order") if len(parts) > 1 else parts[0]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
     def extra_repr(self) -> str:

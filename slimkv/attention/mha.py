@@ -14,7 +14,7 @@ from slimkv.attention.cache import AttentionCache
 from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import check_int
 from slimkv.ops.attention import attend, buffer_segments, stored_decode_attention
-from slimkv.ops.linear import Linear
+from slimkv.ops.linear import Linear, project
 from slimkv.ops.quantize import FULL, KVStorage
 
 
@@ -103,9 +103,10 @@ class MultiHeadAttention(Attention):
     def project_qkv(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys, values in kernel layout (batch, heads, time, head_dim), normed and rotated."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))  # one native call for a decode step's row
+        q = self.q_norm(q.view(b, t, self.n_heads, self.head_dim))
+        k = self.k_norm(k.view(b, t, self.n_kv_heads, self.head_dim))
+        v = v.view(b, t, self.n_kv_heads, self.head_dim)
         q, k = self.rotary(q, start), self.rotary(k, start)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 

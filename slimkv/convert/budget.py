@@ -52,12 +52,16 @@ class BudgetPlan:
         return asdict(self)
 
 
-def rows_bytes(rows: int, dim: int, storage: KVStorage, dtype: torch.dtype = SERVED_DTYPE) -> int:
-    """Bytes of ``rows`` per-token rows of ``dim`` channels held by a buffer of ``storage``."""
+def rows_bytes(rows: int, dim: int, storage: KVStorage, dtype: torch.dtype = SERVED_DTYPE, appended: int | None = None) -> int:
+    """Bytes of ``rows`` per-token rows of ``dim`` channels held by a buffer of ``storage`` into
+    which ``appended`` rows (default ``rows``: nothing dropped) went: the newest ``residual`` and
+    the rows of a block not yet full stay in full precision, the rest are codes."""
     size = dtype_bytes(dtype)
     if storage.bits is None:
         return rows * dim * size
-    quantized = max(0, rows - storage.residual)
+    appended = rows if appended is None else appended
+    full = appended if appended <= storage.residual else storage.residual + (appended - storage.residual) % storage.block
+    quantized = rows - min(rows, full)
     return quantized * storage.row_bytes(dim, dtype) + (rows - quantized) * dim * size
 
 
@@ -68,7 +72,7 @@ def head_bytes(length: int, shape: Shape, storage: KVStorage, *, exact: bool, si
     sinks = min(sink_len, length)
     recent = kept_tokens(length, sink_len, window) - sinks
     size = dtype_bytes(SERVED_DTYPE)
-    return 2 * (sinks * shape.head_dim * size + rows_bytes(recent, shape.head_dim, storage))
+    return 2 * (sinks * shape.head_dim * size + rows_bytes(recent, shape.head_dim, storage, appended=length - sinks))
 
 
 def plan_budget(shape: Shape, budget: float, at: int, *, window: int, sink_len: int, storage: str | None = None) -> BudgetPlan:

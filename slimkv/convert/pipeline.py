@@ -11,7 +11,7 @@ replaces an earlier one there, its healing run included, so no healing of anothe
 be resumed on it).
 
 ``cache_ratio`` R is the kept fraction of the original model's KV-cache elements per token
-(summed over layers): 0.5 keeps half. ``cache_storage`` (``full``, ``int8``, ``int4[:group=G,residual=R]``;
+(summed over layers): 0.5 keeps half. ``cache_storage`` (``full``, ``int8``, ``int4[:group=G,residual=R,block=B]``;
 ``slimkv.ops.quantize``) is how the converted model holds those elements by default: the bytes then
 shrink again (int4 in groups of 32 with bfloat16 scales: 0.3125 of the bfloat16 bytes), and the
 manifest's cache table is measured on live caches.
@@ -79,7 +79,7 @@ class ConvertOptions:
     calib_seq_len: int = 1024
     seed: int = 0
     export: str | None = None  # "deepseek": also write the model as transformers' DeepseekV3ForCausalLM (mla-prefix only)
-    cache_storage: str | None = None  # how the converted model's cache holds its rows (slimkv.ops.quantize): full (default), int8, int4[:group=G,residual=R]
+    cache_storage: str | None = None  # how the converted model's cache holds its rows (slimkv.ops.quantize): full (default), int8, int4[:group=G,residual=R,block=B]
     cache_budget: float | None = None  # a fraction of the bfloat16 original's bytes at the method's `at` tokens: plans --to hybrid (slimkv.convert.budget)
 
     def validate(self) -> None:

@@ -14,6 +14,7 @@ import torch
 from slimkv.common.files import read_json
 from slimkv.compress.persist import load as load_compressed
 from slimkv.model import ModelConfig, SlimKVForCausalLM, load_model_folder
+from slimkv.ops.quantize import parse_storage
 from slimkv.pretrained import LoadedModel, load_pretrained, resolve_model_path
 from slimkv.pretrained.loading import COMPRESSED_MANIFEST, CONVERTED_MANIFEST, load_tokenizer, read_config, resolve_original
 
@@ -168,6 +169,14 @@ def manifest_damage(manifest: dict) -> list[str]:
     return problems
 
 
+def same_storage(a: str | None, b: str | None) -> bool:
+    """Whether two cache-storage names (None: full) parse to the same storage; an unparsable one matches nothing."""
+    try:
+        return parse_storage(a or "full") == parse_storage(b or "full")
+    except ValueError:
+        return False
+
+
 def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Path) -> None:
     """``slimkv_conversion.json`` must describe the model beside it (reports label the model from
     it): its kind is the layers' kind, its method and ratio are those of its recorded options,
@@ -191,9 +200,10 @@ def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Pa
     if planned != ratio:  # a --cache-budget conversion's ratio is its plan's
         problems.append(f"cache_ratio is {ratio!r} but the conversion's {'budget plan' if options.get('cache_budget') is not None else 'options'} "
                         f"say {planned!r}")
-    if options.get("cache_budget") is not None and (manifest.get("cache_storage") or "full") != (manifest.get("budget_plan") or {}).get("storage"):
+    # storages compared as what they parse to: a name written before a setting existed (``block``) reads with its default
+    if options.get("cache_budget") is not None and not same_storage(manifest.get("cache_storage"), (manifest.get("budget_plan") or {}).get("storage")):
         problems.append(f"cache_storage is {manifest.get('cache_storage')!r} but the budget plan chose {(manifest.get('budget_plan') or {}).get('storage')!r}")
-    if (manifest.get("cache_storage") or "full") != getattr(model.config, "cache_storage", "full"):
+    if not same_storage(manifest.get("cache_storage"), getattr(model.config, "cache_storage", "full")):
         problems.append(f"cache_storage is {manifest.get('cache_storage')!r} but config.json has {model.config.cache_storage!r}")
     recorded = [layer.get("options") for layer in manifest.get("layers") or []]
     per_layer = model.config.per_layer_options or [{} for _ in range(model.config.n_layers)]

@@ -27,7 +27,7 @@ class ModelConfig(PretrainedConfig):
     overrides both for single layers (converted models whose layers have different sizes). These
     are the fields of ``slimkv.common.spec.AttentionSpec`` (``attention_spec()``). ``cache_storage``
     is how ``new_cache`` holds the per-token rows unless told otherwise: ``full`` (the cache dtype),
-    ``int8`` or ``int4[:group=G,residual=R]`` (``slimkv.ops.quantize``).
+    ``int8`` or ``int4[:group=G,residual=R,block=B]`` (``slimkv.ops.quantize``).
     """
 
     model_type = "slimkv"

@@ -7,15 +7,22 @@ which reads the weights at about twice the rate torch's one-row matmul was measu
 development machine; every other call (prefill, training, batches, other dtypes, no kernel) is
 ``torch.nn.functional.linear``, the plain reference the tests compare it with. ``Linear`` is
 ``nn.Linear`` with that forward: the same parameters, state dict and ``isinstance``.
+
+``project`` sends one row through several layers that share it (an attention layer's q, k and v,
+an MLP's gate and up) in one native call, and ``glu_linear`` SwiGLU's down projection of
+silu(gate) * up: a decode step pays Python's and the dispatcher's cost per call, which on SmolLM2
+was as large as reading the weights.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimkv.ops.native import decode_kernel, native_linear, supports_linear
+from slimkv.ops.native import decode_kernel, native_linear, native_project, supports_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -25,6 +32,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if library is not None:
             return native_linear(x, weight, bias, library)
     return F.linear(x, weight, bias)
+
+
+def _native_rows(x: torch.Tensor, layers: Sequence[nn.Linear]):
+    """The kernel library when one native call takes x through every layer (one row, one weight dtype), else None."""
+    if x.numel() != x.shape[-1] or len({layer.weight.dtype for layer in layers}) != 1:
+        return None
+    if not all(supports_linear(x, layer.weight, layer.bias) for layer in layers):
+        return None
+    return decode_kernel(layers[0].weight.dtype)
+
+
+def project(x: torch.Tensor, layers: Sequence[nn.Linear]) -> list[torch.Tensor]:
+    """``[layer(x) for layer in layers]``: one row through every layer in one native call where the
+    kernel takes it, else each layer's own forward."""
+    library = _native_rows(x, layers)
+    if library is None:
+        return [layer(x) for layer in layers]
+    return native_project(x, [layer.weight for layer in layers], [layer.bias for layer in layers], library)
+
+
+def glu_linear(gate: torch.Tensor, up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``layer(F.silu(gate) * up)`` (SwiGLU's down projection); one float32 row in one native call
+    (silu and the product in float32, as torch computes them in float32), else through torch."""
+    if gate.dtype == torch.float32 and gate.shape == up.shape and _native_rows(up, [layer]) is not None:
+        return native_project(up, [layer.weight], [layer.bias], decode_kernel(layer.weight.dtype), gate=gate)[0]
+    return layer(F.silu(gate) * up)
 
 
 class Linear(nn.Linear):

@@ -60,6 +60,10 @@ QUANTIZED_ENTRIES = {torch.float32: "slimkv_decode_quantized_f32", torch.bfloat1
 """Cache element type -> the entry point that reads int8 / int4 codes in place (csrc/decode_quantized.h)."""
 LINEAR_ENTRIES = {torch.float32: "slimkv_decode_linear_f32", torch.bfloat16: "slimkv_decode_linear_bf16"}
 """Weight element type -> the entry point for one row through a linear layer (csrc/decode_linear.h)."""
+PROJECT_ENTRIES = {torch.float32: "slimkv_decode_project_f32", torch.bfloat16: "slimkv_decode_project_bf16"}
+"""Weight element type -> the entry point for one row through several linear layers (csrc/decode_linear.h)."""
+NORM_ENTRIES = {torch.float32: "slimkv_rms_norm_row_f32", torch.bfloat16: "slimkv_rms_norm_row_bf16"}
+"""Gain element type -> the entry point for one row's RMS norm (csrc/decode_linear.h)."""
 QUANTIZE_ENTRIES = {torch.float32: "slimkv_quantize_rows_f32", torch.bfloat16: "slimkv_quantize_rows_bf16"}
 """Cache element type -> the entry point that quantizes rows into codes (csrc/quantize_rows.h)."""
 
@@ -142,6 +146,10 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     quantized.argtypes, quantized.restype = function.argtypes, ctypes.c_int
     linear = getattr(library, LINEAR_ENTRIES[dtype])
     linear.argtypes, linear.restype = [pointer, pointer, pointer, pointer, i64, i64, ctypes.c_int], ctypes.c_int
+    project = getattr(library, PROJECT_ENTRIES[dtype])
+    project.argtypes, project.restype = [pointer, pointer, i64, ctypes.c_int, pointer, pointer, pointer, pointer, ctypes.c_int], ctypes.c_int  # y: one buffer
+    norm = getattr(library, NORM_ENTRIES[dtype])
+    norm.argtypes, norm.restype = [pointer, pointer, pointer, i64, ctypes.c_float], ctypes.c_int
     quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
     quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
     library.slimkv_kernel_isa.argtypes = []
@@ -401,14 +409,72 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x (..., in_features) holding one row -> (..., out_features) = x W^T + bias, in x's dtype (float32
     sums, rounded once). Call ``supports_linear`` first, and pass the library ``decode_kernel`` gave
     for the weights' dtype."""
-    row = x.reshape(-1).to(torch.float32).contiguous()
-    out = torch.empty(weight.shape[0], dtype=torch.float32)
+    row = x if x.dtype == torch.float32 and x.is_contiguous() else x.reshape(-1).to(torch.float32).contiguous()
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)  # sizes unpacked: a torch.Size argument costs 3 us here
     threads = torch.get_num_threads() if weight.numel() * weight.element_size() >= PARALLEL_MIN_BYTES else 1
     status = getattr(library, LINEAR_ENTRIES[weight.dtype])(weight.data_ptr(), row.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                                             out.data_ptr(), weight.shape[0], weight.shape[1], threads)
     if status != 0:
         raise RuntimeError(f"native linear failed (status {status}: bad arguments)")
-    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def native_project(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], library: ctypes.CDLL,
+                   gate: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """x (..., in_features) holding one row through several linear layers in one call: ``[x W_c^T
+    + b_c]``, each in x's dtype (float32 sums, rounded once), as ``native_linear`` computes each;
+    with ``gate`` (x's shape), the input is silu(gate) * x, in float32 (float32 weights only: the
+    torch path rounds silu(gate) and the product to the dtype of a bfloat16 model). Call
+    ``supports_linear`` for each weight first; the weights share a dtype, the library is
+    ``decode_kernel``'s for it. The outputs are views of one buffer."""
+    arrays = _projection_arrays(tuple(w.data_ptr() for w in weights), tuple(0 if b is None else b.data_ptr() for b in biases),
+                                tuple(w.shape[0] for w in weights))
+    row = x if x.dtype == torch.float32 and x.is_contiguous() else x.reshape(-1).to(torch.float32).contiguous()
+    gate_row = None if gate is None else gate if gate.dtype == torch.float32 and gate.is_contiguous() else gate.reshape(-1).to(torch.float32).contiguous()
+    sizes = arrays[3]
+    out = torch.empty(*x.shape[:-1], sum(sizes), dtype=torch.float32)
+    big = sum(w.numel() * w.element_size() for w in weights) >= PARALLEL_MIN_BYTES
+    status = getattr(library, PROJECT_ENTRIES[weights[0].dtype])(row.data_ptr(), 0 if gate_row is None else gate_row.data_ptr(), x.shape[-1],
+                                                                len(weights), arrays[0], arrays[1], arrays[2], out.data_ptr(),
+                                                                torch.get_num_threads() if big else 1)
+    if status != 0:
+        raise RuntimeError(f"native projections failed (status {status}: {'out of memory' if status == 1 else 'bad arguments'})")
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return list(out.split(sizes, dim=-1)) if len(sizes) > 1 else [out]
+
+
+@functools.lru_cache(maxsize=1024)
+def _projection_arrays(weights: tuple[int, ...], biases: tuple[int, ...], sizes: tuple[int, ...]) -> tuple:
+    """The C arrays of one set of projections (weight and bias addresses, output sizes): built once
+    per set, since a decode step calls the same layers every step. Keyed by the addresses
+    themselves, so the arrays always hold what they are looked up by."""
+    count = len(weights)
+    return ((ctypes.c_void_p * count)(*weights), (ctypes.c_void_p * count)(*biases), (ctypes.c_int64 * count)(*sizes), list(sizes))
+
+
+def supports_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``native_rms_norm`` takes this call: one row on the CPU, float32 or bfloat16 gain of
+    the row's width, x float32 or the gain's dtype, no autograd, no torch dispatch mode."""
+    if weight.dtype not in NORM_ENTRIES or x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype not in (torch.float32, weight.dtype):
+        return False
+    if x.numel() != x.shape[-1] or weight.shape != (x.shape[-1],) or not weight.is_contiguous():
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return torch._C._len_torch_dispatch_stack() == 0
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, library: ctypes.CDLL) -> torch.Tensor:
+    """One row's RMS norm with gain ``weight``, computed in float32 and returned in x's dtype (as
+    ``torch.nn.functional.rms_norm`` on the float32 row). Call ``supports_norm`` first; the library is
+    ``decode_kernel``'s for the gain's dtype."""
+    row = x if x.dtype == torch.float32 and x.is_contiguous() else x.reshape(-1).to(torch.float32).contiguous()
+    out = torch.empty(*x.shape, dtype=torch.float32)
+    status = getattr(library, NORM_ENTRIES[weight.dtype])(row.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[-1], eps)
+    if status != 0:
+        raise RuntimeError(f"native RMS norm failed (status {status}: bad arguments)")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def native_quantize_groups(x: torch.Tensor, bits: int, group: int, library: ctypes.CDLL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

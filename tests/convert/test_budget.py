@@ -22,7 +22,8 @@ SHAPE = Shape(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_f
               qkv_bias=False, tie_word_embeddings=True, max_position_embeddings=512)
 
 
-@pytest.mark.parametrize("storage", ["full", "int8:group=8,residual=5", "int4:group=4,residual=0"])
+@pytest.mark.parametrize("storage", ["full", "int8:group=8,residual=5", "int4:group=4,residual=0", "int4:group=4,residual=3,block=1",
+                                     "int8:group=8,residual=2,block=3"])
 def test_the_byte_model_is_the_live_cache(storage):
     attn = build_attention("hybrid", 256, 4, 64, n_kv_heads=2, full_heads=[1], window=6, sink_len=2).to(torch.bfloat16)
     cache = attn.new_cache(1, storage=storage)
@@ -40,7 +41,7 @@ def test_the_plan_fits_the_budget_and_prefers_more_exact_heads():
         assert plan.predicted_fraction <= budget + 1e-12
         assert plan.exact_heads == max(c["exact_heads"] for c in plan.candidates)
     every = plan_budget(SHAPE, 0.9, 512, window=32, sink_len=2)
-    assert every.storage == "int8:group=32,residual=128" and every.exact_heads == 4  # the most precise storage that keeps every head
+    assert every.storage == "int8:group=32,residual=128,block=16" and every.exact_heads == 4  # the most precise storage that keeps every head
     fixed = plan_budget(SHAPE, 0.5, 512, window=32, sink_len=2, storage="full")
     assert fixed.storage == "full" and len(fixed.candidates) == 1
     with pytest.raises(ValueError, match="--cache-budget 0.01 is below what a hybrid conversion can hold"):

@@ -106,12 +106,12 @@ def test_quantized_storage_is_recorded_measured_and_served(tiny_folder, tmp_path
     _, full = convert_pretrained(str(tiny_folder), kvm_options(tmp_path, method, cache_ratio=0.9), tmp_path / "full", progress=False)
     _, manifest = convert_pretrained(str(tiny_folder), kvm_options(tmp_path, method, cache_ratio=0.9, cache_storage="int8:group=12,residual=16"),
                                      tmp_path / "int8", progress=False)
-    assert manifest["cache_storage"] == "int8:group=12,residual=16" and full["cache_storage"] == "full"
+    assert manifest["cache_storage"] == "int8:group=12,residual=16,block=16" and full["cache_storage"] == "full"
     rows = manifest["cache_bytes"]
     assert rows and all(row["measured"] and row["dtype"] == "bfloat16" for row in rows)
     assert all(0 < row["ratio"] < full_row["ratio"] for row, full_row in zip(rows, full["cache_bytes"]))
     reloaded = load_language_model(str(tmp_path / "int8")).model
-    assert reloaded.config.cache_storage == "int8:group=12,residual=16"
+    assert reloaded.config.cache_storage == "int8:group=12,residual=16,block=16"
     assert reloaded.new_cache(1).layers[0].storage.bits == 8
 
 

@@ -95,3 +95,60 @@ def test_linear_is_nn_linear_with_the_same_answer(dtype, monkeypatch):
     if y is not None:  # training keeps torch's differentiable path
         y.sum().backward()
         assert layer.weight.grad is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_several_projections_of_one_row_match_each_layer(isa, dtype, bias):
+    """``native_project``: q, k, v (or gate, up) of one row in one call, each as F.linear, outputs one after the other."""
+    dtype = DTYPES[dtype]
+    x, _, _ = _layer(1, 96, dtype, False)
+    layers = [_layer(out_f, 96, dtype, bias, seed=s)[1:] for s, out_f in enumerate((96, 33, 33))]
+    outs = native.native_project(x, [w for w, _ in layers], [b for _, b in layers], native.isa_kernel(dtype, isa))
+    assert [o.shape for o in outs] == [(1, 1, 96), (1, 1, 33), (1, 1, 33)] and all(o.dtype == dtype for o in outs)
+    for out, (w, b) in zip(outs, layers):
+        torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), None if b is None else b.float()), **_tolerance(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_swiglu_down_projection_matches_silu_times_up(isa):
+    gate, w, b = _layer(40, 130, torch.float32, True)
+    up = torch.randn(1, 1, 130)
+    (out,) = native.native_project(up, [w], [b], native.isa_kernel(torch.float32, isa), gate=gate)
+    torch.testing.assert_close(out, F.linear(F.silu(gate) * up, w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_project_and_glu_linear_give_each_layers_answer(dtype):
+    """The ops every decode step's attention and MLP go through: one row natively, several rows (prefill) through torch, the same numbers."""
+    dtype = DTYPES[dtype]
+    torch.manual_seed(0)
+    layers = [Linear(64, n, bias=False).to(dtype) for n in (64, 16, 16)]
+    for rows in (1, 5):
+        x = torch.randn(1, rows, 64).to(dtype)
+        with torch.no_grad():
+            outs = linear_ops.project(x, layers)
+            for out, layer in zip(outs, layers):
+                torch.testing.assert_close(out.float(), F.linear(x, layer.weight).float(), **_tolerance(dtype))
+            down = Linear(64, 8, bias=False).to(dtype)
+            gate, up = outs[0], torch.randn_like(outs[0])
+            torch.testing.assert_close(linear_ops.glu_linear(gate, up, down).float(), F.linear(F.silu(gate) * up, down.weight).float(),
+                                       **_tolerance(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_one_row_matches_torch(isa, dtype):
+    dtype = DTYPES[dtype]
+    x, _, _ = _layer(1, 577, dtype, False)
+    weight = torch.randn(577).to(dtype)
+    assert native.supports_norm(x, weight)
+    out = native.native_rms_norm(x, weight, 1e-5, native.isa_kernel(dtype, isa))
+    want = F.rms_norm(x.float(), (577,), weight.float(), 1e-5).to(dtype)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out.float(), want.float(), **({"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-2}))
+    assert not native.supports_norm(x.repeat(1, 2, 1), weight) and not native.supports_norm(x, weight[:-1])

@@ -26,8 +26,10 @@ def test_codes_are_within_half_a_step(bits, dim, scale_dtype):
     assert torch.equal(constant, torch.full_like(constant, 0.75))  # a zero range stores its value exactly
 
 
-@pytest.mark.parametrize("spec", ["int4:group=8,residual=3", "int8:group=16,residual=0"])
+@pytest.mark.parametrize("spec", ["int4:group=8,residual=3,block=1", "int8:group=16,residual=0,block=1", "int4:group=8,residual=3,block=4",
+                                  "int8:group=16,residual=0,block=5"])
 def test_buffer_matches_the_reference_whatever_the_calls(spec):
+    """Rows past the newest ``residual`` are codes, whole blocks of ``block`` at a time (block=1: each row as it leaves)."""
     storage = parse_storage(spec)
     torch.manual_seed(0)
     rows = torch.randn(1, 2, 23, 40)
@@ -38,6 +40,7 @@ def test_buffer_matches_the_reference_whatever_the_calls(spec):
             out = buffer.append(rows[:, :, start:start + n])
             start += n
             old = max(0, start - storage.residual)
+            old -= old % storage.block
             expected = torch.cat((dequantize_groups(*quantize_groups(rows[:, :, :old], storage.bits, storage.group, torch.float32),
                                                     storage.bits, 40, torch.float32), rows[:, :, old:start]), dim=2)
             assert torch.equal(out, expected)
@@ -46,7 +49,7 @@ def test_buffer_matches_the_reference_whatever_the_calls(spec):
 
 
 def test_buffer_mark_restore_and_keep_last():
-    buffer = QuantizedBuffer(1, 1, 8, KVStorage(bits=8, group=4, residual=2), dtype=torch.float32, device="cpu")
+    buffer = QuantizedBuffer(1, 1, 8, KVStorage(bits=8, group=4, residual=2, block=1), dtype=torch.float32, device="cpu")
     rows = torch.randn(1, 1, 6, 8)
     buffer.append(rows)
     before = buffer.view().clone()

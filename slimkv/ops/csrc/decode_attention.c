@@ -52,7 +52,8 @@
  *
  * Quantized caches (int8 / int4 codes with per-group scales and minima, slimkv/ops/quantize.py)
  * have their own entry point, QUANTIZED_ENTRY (decode_quantized.h), which reads the codes in place;
- * LINEAR_ENTRY (decode_linear.h) is a decode step's projections: one row through a linear layer;
+ * LINEAR_ENTRY (decode_linear.h) is a decode step's projections: one row through a linear layer
+ * (PROJECT_ENTRY: through several that share the row; NORM_ENTRY: the row's RMS norm);
  * QUANTIZE_ENTRY (quantize_rows.h) turns the rows leaving a quantized cache's residual window into codes.
  */
 #include <math.h>
@@ -87,6 +88,8 @@ typedef uint16_t elem_t;
 #define ENTRY slimkv_decode_attention_bf16
 #define QUANTIZED_ENTRY slimkv_decode_quantized_bf16
 #define LINEAR_ENTRY slimkv_decode_linear_bf16
+#define PROJECT_ENTRY slimkv_decode_project_bf16
+#define NORM_ENTRY slimkv_rms_norm_row_bf16
 #define QUANTIZE_ENTRY slimkv_quantize_rows_bf16
 static inline float to_float(elem_t x) {
     const uint32_t bits = (uint32_t)x << 16;
@@ -99,6 +102,8 @@ typedef float elem_t;
 #define ENTRY slimkv_decode_attention_f32
 #define QUANTIZED_ENTRY slimkv_decode_quantized_f32
 #define LINEAR_ENTRY slimkv_decode_linear_f32
+#define PROJECT_ENTRY slimkv_decode_project_f32
+#define NORM_ENTRY slimkv_rms_norm_row_f32
 #define QUANTIZE_ENTRY slimkv_quantize_rows_f32
 static inline float to_float(elem_t x) { return x; }
 #endif

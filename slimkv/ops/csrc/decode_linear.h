@@ -56,3 +56,40 @@ int LINEAR_ENTRY(const elem_t *w, const float *x, const elem_t *bias, float *y, 
     for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
     return 0;
 }
+
+/* A decode step's projections that share one input row, in one call (a decode step pays the
+ * Python and dispatch cost of every call; a layer's q, k and v, or its MLP's gate and up, read
+ * one row): y[c] = w[c] . x + bias[c] for c < count, each as LINEAR_ENTRY computes it, written one
+ * after the other into y (the sum of out_f floats). With
+ * ``gate`` (in_f floats), the input is silu(gate) * x instead (SwiGLU's down projection; the plain
+ * reference is torch.nn.functional.silu(gate) * x, float32). Returns 0, or 2 on bad arguments
+ * (1: no memory for the SwiGLU row). */
+int PROJECT_ENTRY(const float *x, const float *gate, int64_t in_f, int count, const elem_t *const *w, const elem_t *const *bias,
+                  const int64_t *out_f, float *y, int threads) {
+    if (!x || !w || !out_f || !y || count < 1 || in_f < 1) return 2;
+    const float *input = x;
+    float *glu = NULL;
+    if (gate) {
+        glu = (float *)malloc((size_t)in_f * sizeof(float));
+        if (!glu) return 1;
+        for (int64_t i = 0; i < in_f; i++) glu[i] = gate[i] / (1.0f + expf(-gate[i])) * x[i];
+        input = glu;
+    }
+    int status = 0;
+    for (int c = 0; c < count && status == 0; y += out_f[c], c++) status = LINEAR_ENTRY(w[c], input, bias ? bias[c] : NULL, y, out_f[c], in_f, threads);
+    free(glu);
+    return status;
+}
+
+/* RMS norm of one row, y = x / sqrt(mean(x^2) + eps) * w, in float32 (the plain reference is
+ * torch.nn.functional.rms_norm on the float32 row). Returns 0, or 2 on bad arguments. */
+int NORM_ENTRY(const float *x, const elem_t *w, float *y, int64_t n, float eps) {
+    if (!x || !w || !y || n < 1) return 2;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    const float scale = 1.0f / sqrtf(sum / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * scale * to_float(w[i]);
+    return 0;
+}
