@@ -8,8 +8,8 @@ the others keep attention sinks and a window; the weights are the original's, un
    K the tokens a streaming head keeps at N (sinks + window - 1), k exact heads cost
    (k N + (T - k) K) / (T N) of the original: the largest k within R are exact.
 3. **Which heads.** The k highest-scoring heads over all layers (``score``: ``copy_mass``, the
-   attention on the first copy, or ``window_loss``, the output change a window alone causes) are
-   exact; the rest stream.
+   attention on the first copy, ``window_loss``, the output change a window alone causes, or
+   ``combined``, the next head of each ranking in turn) are exact; the rest stream.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from slimkv.data.texts import calibration_sources
 # score copy_mass by default: on SmolLM2 its heads kept pass keys outside the window that window_loss's heads lost (docs/conversion.md, hybrid)
 METHOD_OPTIONS = {"window": 256, "sink_len": 4, "at": None, "score": "copy_mass", "roles_seq_len": None, "roles_contexts": 2}
 MAX_AT = 8192
+COMBINED = "combined"  # the two role scores' rankings taken in turn (ranked_heads)
 ROLES_SEQ_LEN = 2048
 
 
@@ -51,7 +52,7 @@ def check_options(shape: Shape, options: dict[str, Any], heal_seq_len: int | Non
     positions = shape.max_position_embeddings
     check_int("--to hybrid: window", options["window"], 1, positions - 1)
     check_int("--to hybrid: sink_len", options["sink_len"], 0, positions - 1)
-    check_choice("--to hybrid: score", options["score"], SCORES)
+    check_choice("--to hybrid: score", options["score"], (*SCORES, COMBINED))
     check_int("--to hybrid: roles_contexts", options["roles_contexts"], 1)
     if options["at"] is not None:
         check_int("--to hybrid: at", options["at"], options["window"] + options["sink_len"] + 1, positions)
@@ -86,6 +87,20 @@ def measure_roles(source: Source, options: dict[str, Any], *, calib: str, seed: 
     return measure_head_roles(source.model, contexts, sink_len=options["sink_len"], window=options["window"], progress=progress)
 
 
+def ranked_heads(layers: list[LayerContext], score: str) -> list[tuple[int, int]]:
+    """Every (layer, KV head), the most retrieving first by ``score``: one of the measured role scores,
+    or ``combined`` (``COMBINED``), which takes the next head of each score's ranking in turn."""
+    def by(name: str) -> list[tuple[int, int]]:
+        scored = sorted(((layer.roles[name][g], layer.index, g) for layer in layers for g in range(layer.shape.n_kv_heads)), reverse=True)
+        return [(i, g) for _score, i, g in scored]
+    if score != COMBINED:
+        return by(score)
+    merged: dict[tuple[int, int], None] = {}
+    for pair in zip(*(by(name) for name in SCORES)):
+        merged.update(dict.fromkeys(pair))
+    return list(merged)
+
+
 def plan(layers: list[LayerContext], ratio: float, **options: Any) -> tuple[list[dict[str, Any]], str]:
     """Steps 2-3 of the module docstring: per layer, the KV heads that keep every token."""
     shape = layers[0].shape
@@ -93,8 +108,7 @@ def plan(layers: list[LayerContext], ratio: float, **options: Any) -> tuple[list
     kept = streaming_tokens(length, options)
     total = shape.n_layers * shape.n_kv_heads
     exact = max(0, min(total, math.floor((ratio * total * length - total * kept) / (length - kept) + 1e-9)))
-    ranked = sorted(((layer.roles[options["score"]][g], layer.index, g) for layer in layers for g in range(shape.n_kv_heads)), reverse=True)
-    chosen = {(i, g) for _score, i, g in ranked[:exact]}
+    chosen = set(ranked_heads(layers, options["score"])[:exact])
     plans = [{"full_heads": [g for g in range(shape.n_kv_heads) if (layer.index, g) in chosen], "window": options["window"],
               "sink_len": options["sink_len"]} for layer in layers]
     achieved = (exact * length + (total - exact) * kept) / (total * length)

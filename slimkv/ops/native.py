@@ -53,6 +53,7 @@ ISA_CPU_FLAGS = {"avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16"), "avx512"
 MAX_SEGMENTS = 4  # MAX_SEGMENTS in the C source
 PARALLEL_MIN_BYTES = 32 << 20  # a step reading less runs on one thread: threads start per call (~0.2-0.3 ms measured here), which only pays off above this
 ENV_SWITCH = "SLIMKV_NATIVE"
+ISA_SWITCH = "SLIMKV_KERNEL_ISA"  # a named path (ISAS) the CPU can run instead of its best: e.g. avx2 on an AVX-512 machine, to see what AVX2 users get
 SWITCH_VALUES = {"1": True, "0": False}  # SLIMKV_NATIVE: 1 (default) uses the kernel where it can, 0 the torch path
 ENTRIES = {torch.float32: ((), "slimkv_decode_attention_f32"), torch.bfloat16: (("-DSLIMKV_BF16",), "slimkv_decode_attention_bf16")}
 """Cache element type -> (the build's extra flags, its entry point)."""
@@ -177,17 +178,20 @@ def _load_kernel(dtype: torch.dtype) -> ctypes.CDLL | None:
         raise ValueError(f"{ENV_SWITCH}={switch!r} is not allowed; allowed values: 1 (the native kernel where it applies, the default), 0 (the torch path)")
     if not SWITCH_VALUES[switch]:
         return None
+    isa = os.environ.get(ISA_SWITCH, "").strip() or None
+    if isa is not None and isa not in runnable_isas():
+        raise ValueError(f"{ISA_SWITCH}={isa!r} is not allowed on this CPU; allowed values: {', '.join(runnable_isas())} (unset: the CPU's best)")
     cc = compiler()
     if cc is None:
         warnings.warn("slimkv: no C compiler found ($CC, cc, gcc, clang); decode uses the torch path (install gcc for the native kernel)", stacklevel=2)
         return None
     try:
-        path = build(cc, cache_dir() / "kernels", dtype)
+        path = build(cc, cache_dir() / "kernels", dtype, isa)
         try:
             return load(path, dtype)
         except (OSError, AttributeError):  # a damaged cached build (ours, keyed by source and flags): build it again
             path.unlink(missing_ok=True)
-            return load(build(cc, cache_dir() / "kernels", dtype), dtype)
+            return load(build(cc, cache_dir() / "kernels", dtype, isa), dtype)
     except (RuntimeError, OSError, AttributeError) as err:
         warnings.warn(f"slimkv: the native decode kernel could not be built or loaded; decode uses the torch path ({err})", stacklevel=2)
         return None

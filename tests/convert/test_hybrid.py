@@ -123,3 +123,16 @@ def test_bad_storage_fails_before_any_work(tiny_folder, tmp_path, no_loading, me
     with pytest.raises(ValueError, match=message):
         check_before_work(str(tiny_folder), kvm_options(tmp_path, method, cache_ratio=0.5 if method != "kvm" else None, cache_storage=storage),
                           tmp_path / "out")
+
+
+def test_combined_score_takes_each_rankings_next_head_in_turn():
+    from types import SimpleNamespace
+
+    from slimkv.convert.hybrid import ranked_heads
+    shape = SimpleNamespace(n_kv_heads=2)
+    layers = [SimpleNamespace(index=0, shape=shape, roles={"copy_mass": [0.9, 0.1], "window_loss": [0.2, 0.3]}),
+              SimpleNamespace(index=1, shape=shape, roles={"copy_mass": [0.5, 0.4], "window_loss": [0.9, 0.1]})]
+    assert ranked_heads(layers, "copy_mass") == [(0, 0), (1, 0), (1, 1), (0, 1)]
+    assert ranked_heads(layers, "window_loss") == [(1, 0), (0, 1), (0, 0), (1, 1)]
+    # window_loss first in SCORES' order, then copy_mass: (1, 0), (0, 0); (0, 1), [(1, 0) taken]; (0, 0) taken, (1, 1)
+    assert ranked_heads(layers, "combined") == [(1, 0), (0, 0), (0, 1), (1, 1)]

@@ -424,3 +424,20 @@ def test_slimkv_eval_cache_prints_the_kernel_path():
            "bytes_per_token_per_layer": [16.0]}
     text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": native.kernel_isa()})
     assert text.endswith(f"native decode kernel path: {native.kernel_isa()}")
+
+
+@needs_kernel
+def test_the_isa_switch_builds_the_named_path_and_refuses_others(monkeypatch):
+    """SLIMKV_KERNEL_ISA picks a path the CPU can run (what an AVX2 user gets, on an AVX-512 machine); kernel_isa says which ran."""
+    try:
+        monkeypatch.setenv(native.ISA_SWITCH, "portable")
+        native.decode_kernel.cache_clear()
+        assert native.kernel_isa(torch.float32) == "portable"
+        monkeypatch.setenv(native.ISA_SWITCH, "sse9")
+        native.decode_kernel.cache_clear()
+        with pytest.raises(ValueError, match="SLIMKV_KERNEL_ISA='sse9' is not allowed on this CPU; allowed values: .*portable"):
+            native.decode_kernel(torch.float32)
+    finally:
+        monkeypatch.delenv(native.ISA_SWITCH)
+        native.decode_kernel.cache_clear()
+    assert native.kernel_isa(torch.float32) == native.runnable_isas()[0].replace("avx512-bf16", "avx512")
