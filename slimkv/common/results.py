@@ -20,6 +20,7 @@ EXPERIMENTS: tuple[tuple[str, str, str], ...] = (
     ("compare", "compare_", "slimkv compare (its report copied here)"),
     ("compress", "compress_", "benchmarks/compress_sweep.py, benchmarks/compress_robustness.py, benchmarks/compress_time.py"),
     ("convert", "convert_kvm_", "benchmarks/convert_kvm.py"),
+    ("convert", "convert_hybrid_heads_", "benchmarks/hybrid_heads.py"),
     ("convert", "convert_", "benchmarks/convert_oneshot.py"),
     ("heal", "heal_", "benchmarks/convert_oneshot.py --heal-tokens"),
     ("kvm", "kvm_speed", "benchmarks/kvm_speed.py"),

@@ -169,6 +169,34 @@ def measure_head_roles(model: nn.Module, contexts: list[CopyContext], *, sink_le
     return result
 
 
+@torch.no_grad()
+def copy_accuracy(model: nn.Module, contexts: list[CopyContext], *, storage: str | None = None, chunk: int = 64,
+                  progress: bool = True) -> dict[str, Any]:
+    """Teacher-forced next-token accuracy over each context's repeat (its first token left out: nothing says a repeat
+    starts there): how much of a span seen thousands of tokens earlier the model still copies, a retrieval measure in
+    formats no evaluation uses. ``model`` is a transformers causal LM (its ``model`` the decoder) or a slimkv one; with
+    ``storage`` (a slimkv model's cache storage, e.g. ``int4``) the repeat is read through a cache of that storage in
+    calls of ``chunk`` tokens after a prefill of the rest, so quantized rows are what it attends to. Returns the mean
+    per format, over all contexts, and each context's accuracy."""
+    per_context = []
+    for context in tqdm(contexts, desc="copy accuracy", unit="context", disable=not progress):
+        ids = context.ids[None]
+        first, stop = context.copy.start + 1, context.copy.stop - 1  # positions whose next token is a repeated one
+        if storage is None:
+            out = model.model(input_ids=ids)
+            hidden = (out if isinstance(out, torch.Tensor) else out.last_hidden_state)[0, first:stop]
+        else:
+            cache = model.new_cache(1, storage=storage)
+            model.model(input_ids=ids[:, :first], cache=cache)
+            hidden = torch.cat([model.model(input_ids=ids[:, s:min(s + chunk, stop)], cache=cache)[0] for s in range(first, stop, chunk)])
+        predicted = model.lm_head(hidden).argmax(-1)
+        per_context.append({"format": context.format, "accuracy": float((predicted == context.ids[first + 1:stop + 1]).float().mean())})
+    formats = list(dict.fromkeys(c["format"] for c in per_context))
+    by_format = {f: sum(c["accuracy"] for c in per_context if c["format"] == f) / sum(c["format"] == f for c in per_context) for f in formats}
+    return {"mean": sum(c["accuracy"] for c in per_context) / len(per_context), "by_format": by_format, "contexts": per_context,
+            "storage": storage}
+
+
 def plot_head_roles(roles: dict[str, Any], path: Any) -> None:
     """A layer x KV head heatmap of each score, side by side, saved as PNG at ``path``."""
     n_layers, n_kv = len(roles[SCORES[0]]), len(roles[SCORES[0]][0])

@@ -136,3 +136,49 @@ def test_combined_score_takes_each_rankings_next_head_in_turn():
     assert ranked_heads(layers, "window_loss") == [(1, 0), (0, 1), (0, 0), (1, 1)]
     # window_loss first in SCORES' order, then copy_mass: (1, 0), (0, 0); (0, 1), [(1, 0) taken]; (0, 0) taken, (1, 1)
     assert ranked_heads(layers, "combined") == [(1, 0), (0, 0), (0, 1), (1, 1)]
+
+
+def test_copy_accuracy_of_the_original_and_of_a_hybrid_through_its_cache(tiny_folder, tmp_path):
+    """``roles.copy_accuracy``: every repeat scored once, in [0, 1]; a hybrid whose window covers the context copies as
+    the original does, and reading through a full-precision cache in chunks gives what one call gives."""
+    from slimkv.convert.roles import copy_accuracy
+    out = tmp_path / "out"
+    convert_pretrained(str(tiny_folder), kvm_options(tmp_path, "hybrid:window=30,sink_len=2,roles_contexts=1", cache_ratio=0.9), out, progress=False)
+    original, converted = load_language_model(str(tiny_folder)), load_language_model(str(out))
+    contexts = copy_contexts(char_tokenizer(), [CALIB], 120, 1, seed=3)
+    contexts = [CopyContext(c.format, c.ids[:28], slice(2, 6), slice(20, 28)) for c in contexts]  # 28 tokens: inside the window
+    base = copy_accuracy(original.model, contexts, progress=False)
+    assert len(base["contexts"]) == len(FORMATS) and set(base["by_format"]) == set(FORMATS) and 0.0 <= base["mean"] <= 1.0
+    assert copy_accuracy(converted.model, contexts, progress=False)["mean"] == pytest.approx(base["mean"])
+    chunked = copy_accuracy(converted.model, contexts, storage="full", chunk=3, progress=False)
+    assert chunked["mean"] == pytest.approx(base["mean"]) and chunked["storage"] == "full"
+
+
+class _Oracle(torch.nn.Module):
+    """A stand-in LM that knows the whole sequence and predicts the token ``shift`` after each position (1: always right)."""
+
+    def __init__(self, ids: torch.Tensor, shift: int) -> None:
+        super().__init__()
+        self.ids, self.shift, self.lm_head = ids, shift, torch.nn.Identity()
+
+    def new_cache(self, batch_size, storage=None):
+        return {"seen": 0}
+
+    def model(self, input_ids, cache=None):
+        start = 0 if cache is None else cache["seen"]
+        if cache is not None:
+            cache["seen"] += input_ids.shape[1]
+        targets = torch.cat((self.ids, self.ids[-1:].repeat(self.shift)))[start + self.shift:start + self.shift + input_ids.shape[1]]
+        return torch.nn.functional.one_hot(targets, 100).float()[None]
+
+
+@pytest.mark.parametrize("storage", [None, "int4"])
+def test_copy_accuracy_scores_the_next_token_of_every_repeated_position(storage):
+    from slimkv.convert.roles import copy_accuracy
+    contexts = copy_contexts(char_tokenizer(), [CALIB], 300, 1, seed=5)
+    for shift, want in ((1, 1.0), (0, None)):
+        scores = [copy_accuracy(_Oracle(c.ids, shift), [c], storage=storage, chunk=7, progress=False)["mean"] for c in contexts]
+        if want is not None:
+            assert scores == [want] * len(contexts)  # every position read once, in the right place, through the cache in chunks too
+        else:
+            assert max(scores) < 0.5  # off by one: the current token is no prediction of the next
