@@ -16,7 +16,10 @@ Renamed in vocabulary 2:
 * the defaults of ``--to kvm`` and ``--to mla-kvm`` are the layer's: ``chunk_size`` 256 (was 128),
   ``sink_len`` 1 (was 4), ``min_rows`` the schedule's default (256 for ``fixed`` and ``sqrt``, as
   ``rows`` was). A text written before spelled neither when it used the old defaults, so
-  ``current_method(..., legacy=True)`` writes them out (``LEGACY_DEFAULTS``).
+  ``current_method(..., written_in=1)`` writes them out (``CHANGED_DEFAULTS``).
+
+Changed in vocabulary 3: the default ``score`` of ``--to hybrid`` (and so of ``--cache-budget``) is
+``combined`` (was ``copy_mass``): a text written before spells ``score=copy_mass`` when read.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from typing import Any
 
 from slimkv.common.spec import split_items
 
-VOCABULARY = 2  # results files and conversion manifests record it; those without it were written under vocabulary 1
+VOCABULARY = 3  # results files and conversion manifests record it; those without it were written under vocabulary 1
 
 RENAMED_METHODS = {"mla+kvm": "mla-kvm"}
 RENAMED_SETTINGS = {"kvm": {"rows": "min_rows"}, "mla-kvm": {"rows": "min_rows"}, "lrkv": {"rope": "rope_placement"}}
-LEGACY_DEFAULTS = {"kvm": {"chunk_size": 128, "sink_len": 4}, "mla-kvm": {"chunk_size": 128, "sink_len": 4}}  # vocabulary 1's defaults
+# vocabulary N -> the defaults that changed in it: what a method's options were under every vocabulary before N
+CHANGED_DEFAULTS = {2: {"kvm": {"chunk_size": 128, "sink_len": 4}, "mla-kvm": {"chunk_size": 128, "sink_len": 4}},
+                    3: {"hybrid": {"score": "copy_mass"}}}
 
 
 def renamed_method(name: str) -> str | None:
@@ -45,21 +50,26 @@ def renamed_setting(method: str, key: str) -> str | None:
     return None if new is None else f"--to {method}: the option {key!r} is now spelled {new!r} ({method}:{new}=...)"
 
 
+def written_in(record: Mapping[str, Any]) -> int:
+    """The vocabulary a results file or manifest was written under (1 when it records none)."""
+    return record["vocabulary"] if isinstance(record.get("vocabulary"), int) else 1
+
+
 def is_legacy(record: Mapping[str, Any]) -> bool:
-    """Whether a results file or manifest was written before vocabulary 2 (it records no ``vocabulary``)."""
-    return not isinstance(record.get("vocabulary"), int) or record["vocabulary"] < VOCABULARY
+    """Whether a results file or manifest was written before today's vocabulary."""
+    return written_in(record) < VOCABULARY
 
 
-def current_method(text: str | None, *, legacy: bool = True) -> str | None:
+def current_method(text: str | None, *, written_in: int = 1) -> str | None:
     """A ``--to`` text (``NAME[:KEY=VALUE,...][@RATIO]``, as results files hold it) spelled as today:
-    renamed methods and options replaced, and with ``legacy`` (the text was written under vocabulary
-    1) the old defaults that differ from today's written out. Options keep their order; None stays None."""
+    renamed methods and options replaced, and the defaults that changed since vocabulary
+    ``written_in`` (the record's) written out as they were then. Options keep their order; None stays None."""
     if not text:
         return text
     body, at, ratio = text.rpartition("@") if "@" in text else (text, "", "")
     name, colon, items = body.partition(":")
     new_name = RENAMED_METHODS.get(name, name)
-    if name == new_name and name not in RENAMED_SETTINGS and name not in LEGACY_DEFAULTS:
+    if name == new_name and name not in RENAMED_SETTINGS and not any(name in changed for changed in CHANGED_DEFAULTS.values()):
         return text  # a method no rename touched (and any other text a results file calls its method)
     renames = RENAMED_SETTINGS.get(new_name, {})
     parts = split_items(items) if colon else []
@@ -69,8 +79,11 @@ def current_method(text: str | None, *, legacy: bool = True) -> str | None:
         key = renames.get(key.strip(), key.strip())
         keys.append(key)
         parts[i] = f"{key}{sep}{value}"
-    if legacy:
-        parts = [f"{key}={value}" for key, value in LEGACY_DEFAULTS.get(new_name, {}).items() if key not in keys] + parts
+    then = {}
+    for version in sorted(CHANGED_DEFAULTS, reverse=True):  # the oldest change wins: it was the default when the text was written
+        if written_in < version:
+            then.update(CHANGED_DEFAULTS[version].get(new_name, {}))
+    parts = [f"{key}={value}" for key, value in then.items() if key not in keys] + parts
     return new_name + (":" + ",".join(parts) if parts else "") + (at + ratio)
 
 
@@ -81,17 +94,18 @@ def current_settings(method: str, settings: Mapping[str, Any]) -> dict[str, Any]
 
 
 def in_todays_words(payload: Any) -> Any:
-    """A results file's payload read in today's words: when it was written under vocabulary 1
+    """A results file's payload read in today's words: when it was written under an older vocabulary
     (``is_legacy``), a copy with every ``method`` text and every text of a ``runs`` mapping (label
     -> ``--to`` text) spelled as today (``current_method``); a file of today as it is."""
     if not isinstance(payload, Mapping) or not is_legacy(payload):
         return payload
+    version = written_in(payload)
 
     def walk(value: Any, key: str | None = None) -> Any:
         if isinstance(value, Mapping):
             if key == "runs":
-                return {k: current_method(v) if isinstance(v, str) else walk(v) for k, v in value.items()}
-            return {k: current_method(v) if k == "method" and isinstance(v, str) else walk(v, k) for k, v in value.items()}
+                return {k: current_method(v, written_in=version) if isinstance(v, str) else walk(v) for k, v in value.items()}
+            return {k: current_method(v, written_in=version) if k == "method" and isinstance(v, str) else walk(v, k) for k, v in value.items()}
         if isinstance(value, list):
             return [walk(v) for v in value]
         return value

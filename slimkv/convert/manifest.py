@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from slimkv.common.files import read_json
-from slimkv.common.vocabulary import current_method, is_legacy
+from slimkv.common.vocabulary import current_method, written_in
 from slimkv.convert.methods import parse_method
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
 
@@ -38,7 +38,7 @@ def stored_options(manifest: dict[str, Any]) -> dict[str, Any]:
     a folder converted before the renames (``mla+kvm``, ``kvm:rows``, ``lrkv:rope``, the old kvm defaults) reads as it was made."""
     options = dict(manifest.get("options") or {})
     if isinstance(options.get("method"), str):
-        options["method"] = current_method(options["method"], legacy=is_legacy(manifest))
+        options["method"] = current_method(options["method"], written_in=written_in(manifest))
     return options
 
 

@@ -22,6 +22,8 @@ from slimkv.pretrained.loading import CONVERTED_MANIFEST
     ("kvm:chunk_size=256,rows=128,transfer_steps=0", "kvm:sink_len=4,chunk_size=256,min_rows=128,transfer_steps=0"),
     ("lrkv:rope=decoupled,rope_pairs=12", "lrkv:rope_placement=decoupled,rope_pairs=12"),
     ("mla:pairs=measured", "mla:pairs=measured"),
+    ("hybrid", "hybrid:score=copy_mass"),
+    ("hybrid:window=128,score=window_loss", "hybrid:window=128,score=window_loss"),
     (None, None),
 ])
 def test_an_old_text_reads_in_todays_words(old, new):
@@ -31,7 +33,8 @@ def test_an_old_text_reads_in_todays_words(old, new):
 
 
 def test_a_text_of_today_is_left_as_it_is():
-    assert current_method("kvm:transfer_steps=0", legacy=False) == "kvm:transfer_steps=0"
+    assert current_method("kvm:transfer_steps=0", written_in=VOCABULARY) == "kvm:transfer_steps=0"
+    assert current_method("hybrid@0.25", written_in=VOCABULARY) == "hybrid@0.25"
     assert is_legacy({}) and is_legacy({"vocabulary": 1}) and not is_legacy({"vocabulary": VOCABULARY})
 
 
@@ -54,3 +57,13 @@ def test_a_folder_converted_before_the_renames_is_still_found(tmp_path):
     assert finished_conversion(tmp_path, ConvertOptions(method="kvm:chunk_size=128,transfer_steps=0")) is not None
     assert finished_conversion(tmp_path, ConvertOptions(method="kvm:chunk_size=128")) is None
     assert same_method("kvm:chunk_size=256", "kvm") and not same_method("kvm:sink_len=4", "kvm") and not same_method("kvm:rows=4", "kvm")
+
+
+def test_a_hybrid_folder_of_vocabulary_2_reads_with_the_score_it_was_made_with(tmp_path):
+    """Before vocabulary 3 ``--to hybrid`` (and ``--cache-budget``) chose heads by copy_mass: such a folder is not
+    today's default conversion (a demo or benchmark reusing it would relabel it), it is the copy_mass one."""
+    options = ConvertOptions(method="hybrid", cache_budget=0.25)
+    write_json(tmp_path / CONVERTED_MANIFEST, {"vocabulary": 2, "method": "hybrid", "options": asdict(options)})
+    assert finished_conversion(tmp_path, options) is None
+    assert finished_conversion(tmp_path, ConvertOptions(method="hybrid:score=copy_mass", cache_budget=0.25)) is not None
+    assert current_method("kvm", written_in=2) == "kvm" and current_method("hybrid", written_in=2) == "hybrid:score=copy_mass"
