@@ -49,14 +49,26 @@ def streaming_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 def streaming_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                         sink_len: int, window: int) -> torch.Tensor:
     """The same through fused kernels: one query that sees every key (decode) takes the decode
-    path, anything else masked SDPA in blocks of queries (never more than ``query_block`` scores)."""
+    path, anything else masked SDPA in blocks of queries. With the keys in position order (as a
+    prefill and ``StreamingCache.extend`` give them), a block reads only the sinks and the keys its
+    window reaches, so a long prefill costs O(T x (block + window)), not O(T^2); keys out of order
+    are read whole (never more than ``query_block`` scores a block)."""
     if q.shape[2] == 1 and bool(streaming_mask(q_pos, k_pos, sink_len, window).all()):
         return attend(q, k, v)
-    block = query_block(q, k.shape[2])
+    ordered = k_pos.numel() < 2 or bool((k_pos[1:] > k_pos[:-1]).all())
+    sinks = int((k_pos < sink_len).sum()) if ordered else 0
+    block = query_block(q, sinks + 2 * window if ordered else k.shape[2])
     outs = []
     for i in range(0, q.shape[2], block):
-        mask = streaming_mask(q_pos[i:i + block], k_pos, sink_len, window)
-        outs.append(masked_attention(q[:, :, i:i + block], k, v, mask))
+        q_block = q_pos[i:i + block]
+        if ordered:  # the sinks, then every key some query of the block may read
+            lo = max(sinks, int(torch.searchsorted(k_pos, q_block[0] - window + 1)))
+            hi = int(torch.searchsorted(k_pos, q_block[-1], right=True))
+            keys, values = (torch.cat((x[:, :, :sinks], x[:, :, lo:hi]), dim=2) for x in (k, v))
+            positions = torch.cat((k_pos[:sinks], k_pos[lo:hi]))
+        else:
+            keys, values, positions = k, v, k_pos
+        outs.append(masked_attention(q[:, :, i:i + block], keys, values, streaming_mask(q_block, positions, sink_len, window)))
     return torch.cat(outs, dim=2)
 
 

@@ -131,3 +131,25 @@ def test_unknown_option_lists_allowed():
 
 def test_registry_lists_baselines():
     assert {"mha", "gqa", "mqa", "swa"} <= set(ATTENTION_KINDS)
+
+
+@pytest.mark.parametrize("order", ["prefill", "cache", "shuffled"])
+def test_streaming_attention_in_blocks_reads_only_the_window_and_matches_the_reference(order, monkeypatch):
+    """The fast path slices each query block's keys to the sinks and its window when the keys are in position order
+    (a prefill; a cache's sinks + recent + new tokens) and reads them whole otherwise; both equal the explicit reference."""
+    from slimkv.attention.streaming import streaming_attention, streaming_attention_reference
+    from slimkv.ops import attention as ops_attention
+    monkeypatch.setattr(ops_attention, "SCORE_BLOCK_ELEMENTS", 1)  # the smallest blocks: many of them
+    torch.manual_seed(0)
+    sink_len, window, t = 3, 50, 300
+    if order == "prefill":
+        k_pos = q_pos = torch.arange(t)
+    else:  # 3 sinks, a window of 49 cached tokens, then the new ones
+        q_pos = torch.arange(400, 400 + t)
+        k_pos = torch.cat((torch.arange(sink_len), torch.arange(400 - window + 1, 400), q_pos))
+    if order == "shuffled":
+        k_pos = k_pos[torch.randperm(k_pos.numel())]
+    q = torch.randn(1, 4, t, 16)
+    k, v = torch.randn(1, 2, k_pos.numel(), 16), torch.randn(1, 2, k_pos.numel(), 16)
+    fast = streaming_attention(q, k, v, q_pos, k_pos, sink_len, window)
+    torch.testing.assert_close(fast, streaming_attention_reference(q, k, v, q_pos, k_pos, sink_len, window), rtol=1e-5, atol=1e-5)
