@@ -27,6 +27,7 @@ from torch import nn
 
 from slimkv.attention.cache import AttentionCache
 from slimkv.common.checks import Checked, check_bool, check_choice, check_float, check_int, close_matches
+from slimkv.common.vocabulary import renamed_layer_option
 from slimkv.ops.attention import BACKENDS
 from slimkv.ops.norm import RMSNorm
 from slimkv.ops.quantize import KVStorage, parse_storage
@@ -294,10 +295,13 @@ def attention_options(kind: str) -> tuple[str, ...]:
 def build_attention(kind: str, d_model: int, n_heads: int, head_dim: int | None = None, **options: Any) -> Attention:
     """Build an attention module of a registered ``kind``. This is the one validator of kinds and
     options: an unknown kind or option, a missing required option or a bad value raises
-    ValueError naming it (with close matches and the allowed names) before any tensor is made."""
+    ValueError naming it (with close matches and the allowed names) before any tensor is made; an
+    option renamed since (``slimkv.common.vocabulary.RENAMED_LAYER_OPTIONS``) by a message naming today's spelling."""
     spec = kind_spec(kind)
     allowed = attention_options(kind)
     for name in options:
+        if name not in allowed and renamed_layer_option(kind, name):
+            raise ValueError(renamed_layer_option(kind, name))
         if name not in allowed:
             raise ValueError(
                 f"unknown option {name!r} for attention kind {kind!r}{close_matches(name, allowed)}; "

@@ -7,10 +7,11 @@ group's latents z^K_h = x U^K_h (r_k) and z^V_h = x U^V_h (r_v), as one row (``L
 one key scale per group with ``qk_norm``: 2 d_h + G (r_k + r_v) [+ G] elements per token per layer
 (MHA: 2 H d_h).
 
-Positions (``rope_mode``): ``decoupled`` (default; the rotary channels come from the shared key,
+Positions (``rope_placement``): ``decoupled`` (default; the rotary channels come from the shared key,
 rotated once when cached; exact factored decode), ``full`` (RoPE on the rebuilt per-head key;
-decode rebuilds keys in bounded blocks) or ``none``. Calls without cached context materialise
-the call's per-head K/V for SDPA; calls with cached context take ``decode_path``: ``factored``
+decode rebuilds keys in bounded blocks) or ``none``; ``layer.rope_placement`` is the placement in
+effect (``none`` when nothing rotates, e.g. with the common ``rope="none"``). Calls without cached
+context materialise the call's per-head K/V for SDPA; calls with cached context take ``decode_path``: ``factored``
 (never forming a past token's per-head key or value; a decode step runs it as one attention over
 the cache rows, on the native kernel where it can) or ``expanded`` (the reference: rebuild every
 cached K/V and use SDPA); the factored and rebuilt paths live in ``slimkv.attention.lrkv_decode``.
@@ -35,7 +36,7 @@ from slimkv.ops.linear import Linear
 from slimkv.ops.norm import compute_dtype
 from slimkv.ops.rope import Rotary
 
-LRKV_ROPE_MODES = ("decoupled", "full", "none")
+LRKV_ROPE_PLACEMENTS = ("decoupled", "full", "none")
 DECODE_PATHS = ("factored", "expanded")
 
 
@@ -53,23 +54,23 @@ def resolve_ranks(rank: int | None, rank_k: int | None, rank_v: int | None) -> t
     return rank_k, rank_v
 
 
-def resolve_positions(head_dim: int, rope_mode: str, rope: str, rope_fraction: float, rope_theta: float,
+def resolve_positions(head_dim: int, rope_placement: str, rope: str, rope_fraction: float, rope_theta: float,
                       rope_frequencies: list[float] | None = None) -> tuple[Rotary, str]:
     """The rotary map of an lrkv layer and its effective placement ("decoupled", "full" or "none"),
-    from its ``rope_mode`` and the common ``rope`` options (see the module docstring; explicit
+    from its ``rope_placement`` option and the common ``rope`` options (see the module docstring; explicit
     ``rope_frequencies``, one per rotated pair, are a converted layer's)."""
-    if rope_mode == "none" or rope == "none":
+    if rope_placement == "none" or rope == "none":
         return Rotary(head_dim, "none"), "none"
-    if rope_mode == "decoupled":
+    if rope_placement == "decoupled":
         rotary = Rotary(head_dim, "partial", rope_fraction, rope_theta, rope_frequencies)
         if rotary.rot_dim >= head_dim:
             raise ValueError(
-                f"rope_mode='decoupled' needs key channels the residual can write, but rope_fraction={rope_fraction} "
-                f"rotates all {head_dim}; lower rope_fraction or use rope_mode='full'"
+                f"rope_placement='decoupled' needs key channels the residual can write, but rope_fraction={rope_fraction} "
+                f"rotates all {head_dim}; lower rope_fraction or use rope_placement='full'"
             )
     else:
         rotary = Rotary(head_dim, rope, rope_fraction, rope_theta, rope_frequencies)
-    return rotary, (rope_mode if rotary.rot_dim else "none")
+    return rotary, (rope_placement if rotary.rot_dim else "none")
 
 
 class LowRankKVAttention(LRKVCachedPaths, Attention):
@@ -90,7 +91,7 @@ class LowRankKVAttention(LRKVCachedPaths, Attention):
         rank: int | None = None,
         rank_k: int | None = None,
         rank_v: int | None = None,
-        rope_mode: str = "decoupled",
+        rope_placement: str = "decoupled",
         residual_init: float = 0.1,
         n_kv_heads: int | None = None,
         decode_path: str = "factored",
@@ -98,7 +99,7 @@ class LowRankKVAttention(LRKVCachedPaths, Attention):
         **common,
     ) -> None:
         rank_k, rank_v = resolve_ranks(rank, rank_k, rank_v)
-        check_choice("rope_mode", rope_mode, LRKV_ROPE_MODES)
+        check_choice("rope_placement", rope_placement, LRKV_ROPE_PLACEMENTS)
         check_float("residual_init", residual_init, 0.0)
         super().__init__(d_model, n_heads, head_dim, **common)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -108,7 +109,7 @@ class LowRankKVAttention(LRKVCachedPaths, Attention):
         self.n_kv_heads, groups = n_kv_heads, n_kv_heads
         hd, bias = self.head_dim, self.use_bias
         self.rank_k, self.rank_v, self.residual_init = rank_k, rank_v, float(residual_init)
-        self.rotary, self.rope_placement = resolve_positions(self.head_dim, rope_mode, self.rope, self.rope_fraction, self.rope_theta,
+        self.rotary, self.rope_placement = resolve_positions(self.head_dim, rope_placement, self.rope, self.rope_fraction, self.rope_theta,
                                                                self.rope_frequencies)
         # First key channel the residual writes: decoupled keeps the rotary channels shared.
         self.key_residual_start = self.rotary.rot_dim if self.rope_placement == "decoupled" else 0
@@ -326,11 +327,11 @@ register_attention(
     LowRankKVAttention,
     example_options=[
         {"rank": 2},
-        {"rank_k": 3, "rank_v": 1, "rope_mode": "full"},
-        {"rank_k": 1, "rank_v": 3, "rope_mode": "none"},
+        {"rank_k": 3, "rank_v": 1, "rope_placement": "full"},
+        {"rank_k": 1, "rank_v": 3, "rope_placement": "none"},
         {"rank": 0},
         {"rank": 2, "n_kv_heads": 2},
-        {"rank_k": 3, "rank_v": 2, "rope_mode": "full", "n_kv_heads": 2},
+        {"rank_k": 3, "rank_v": 2, "rope_placement": "full", "n_kv_heads": 2},
     ],
     description="low-rank key-value attention",
     presets=Presets(

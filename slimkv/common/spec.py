@@ -7,10 +7,10 @@ Every spelling the library accepts becomes one ``AttentionSpec``:
   An ITEM ``NAME=VALUE`` applies to every kind of the entry, ``KIND.NAME=VALUE`` to that kind's
   layers only; a NAME given twice is refused. Values are read as YAML (``8``, ``0.5``, ``sqrt``,
   ``true``, ``null``, ``[1, 2]``), where every plain float spelling is a number (``1e-3``,
-  ``1E+5``, ``-.5``: YAML 1.1 alone would read them as text); ``null`` means "the kind's own default". Examples: ``lrkv:rank=8,rope_mode=none``,
+  ``1E+5``, ``-.5``: YAML 1.1 alone would read them as text); ``null`` means "the kind's own default". Examples: ``lrkv:rank=8,rope_placement=none``,
   ``swa+kvm:swa.window=32,kvm.schedule=sqrt``. The older pattern spelling with commas
   (``--attention swa,mha``) still reads as a pattern when the text is one entry.
-* several entries in one string (``--kinds mha,gqa,lrkv:rank=8,rope_mode=none``): ``split_entries``.
+* several entries in one string (``--kinds mha,gqa,lrkv:rank=8,rope_placement=none``): ``split_entries``.
   A comma starts a new entry unless the piece after it is an option (has ``=`` and no ``:``).
 * the fields of ``ModelConfig`` / ``TrainConfig`` (and so of config.json and train_config.json):
   ``attention`` (a kind or a list), ``attention_options`` (every layer), ``kind_options``
@@ -250,7 +250,7 @@ def format_value(value: Any) -> str:
 def split_entries(texts: str | Sequence[str]) -> list[str]:
     """Entry texts from ``--kinds`` (one string or several): commas separate entries except
     before an option (a piece with ``=`` and no ``:`` continues the previous entry), so
-    ``mha,lrkv:rank=8,rope_mode=none,gqa`` -> ``mha | lrkv:rank=8,rope_mode=none | gqa``."""
+    ``mha,lrkv:rank=8,rope_placement=none,gqa`` -> ``mha | lrkv:rank=8,rope_placement=none | gqa``."""
     entries: list[str] = []
     for text in [texts] if isinstance(texts, str) else texts:
         for piece in _split(text):

@@ -20,11 +20,19 @@ Renamed in vocabulary 2:
 
 Changed in vocabulary 3: the default ``score`` of ``--to hybrid`` (and so of ``--cache-budget``) is
 ``combined`` (was ``copy_mass``): a text written before spells ``score=copy_mass`` when read.
+
+Renamed in vocabulary 3, a layer option (``RENAMED_LAYER_OPTIONS``): lrkv's ``rope_mode`` ->
+``rope_placement`` (the name of ``--to lrkv:rope_placement`` and of the layer's attribute; ``rope`` is
+the common option). Typed (``build_attention``, so ``--attention``, ``--kinds``, ``--kind-option``
+and a ``ModelConfig`` made in Python), it is refused by ``renamed_layer_option``'s message. Written
+(a saved model's config.json, a run's train_config.json, a conversion manifest's per-layer options,
+a recall run's request), it reads as today's (``current_layer_options``, ``current_attention_fields``),
+whatever vocabulary the file records: an old option name is never an option of today.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from slimkv.common.spec import split_items
@@ -33,6 +41,8 @@ VOCABULARY = 3  # results files and conversion manifests record it; those withou
 
 RENAMED_METHODS = {"mla+kvm": "mla-kvm"}
 RENAMED_SETTINGS = {"kvm": {"rows": "min_rows"}, "mla-kvm": {"rows": "min_rows"}, "lrkv": {"rope": "rope_placement"}}
+# attention kind -> {old option name: today's}: the options of the layers themselves (build_attention, ModelConfig)
+RENAMED_LAYER_OPTIONS = {"lrkv": {"rope_mode": "rope_placement"}}
 # vocabulary N -> the defaults that changed in it: what a method's options were under every vocabulary before N
 CHANGED_DEFAULTS = {2: {"kvm": {"chunk_size": 128, "sink_len": 4}, "mla-kvm": {"chunk_size": 128, "sink_len": 4}},
                     3: {"hybrid": {"score": "copy_mass"}}}
@@ -48,6 +58,46 @@ def renamed_setting(method: str, key: str) -> str | None:
     """The message refusing ``--to METHOD:KEY=...`` when KEY is an old spelling, else None."""
     new = RENAMED_SETTINGS.get(method, {}).get(key)
     return None if new is None else f"--to {method}: the option {key!r} is now spelled {new!r} ({method}:{new}=...)"
+
+
+def renamed_layer_option(kind: str, name: str) -> str | None:
+    """The message refusing the option NAME of attention kind KIND when NAME is an old spelling, else None."""
+    new = RENAMED_LAYER_OPTIONS.get(kind, {}).get(name)
+    return None if new is None else f"the option {name!r} of attention kind {kind!r} is now spelled {new!r} ({kind}:{new}=...)"
+
+
+def current_layer_options(kinds: str | Iterable[str], options: Any) -> Any:
+    """Layer options written earlier for layers of ``kinds`` (one kind, or the kinds of a pattern
+    whose layers all received them) with today's names. An old name stays when today's is there
+    too (``build_attention`` then refuses it, naming the new one); anything but a mapping is returned as it is."""
+    if not isinstance(options, Mapping):
+        return options
+    renames: dict[str, str] = {}
+    for kind in kinds if isinstance(kinds, Iterable) and not isinstance(kinds, str) else [kinds]:
+        renames.update(RENAMED_LAYER_OPTIONS.get(kind, {}) if isinstance(kind, str) else {})
+    return {(renames[k] if k in renames and renames[k] not in options else k): v for k, v in options.items()}
+
+
+def current_attention_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored config (config.json, train_config.json, a recall run's request) with the layer
+    options of its ``attention_options``, ``kind_options`` and ``per_layer_options`` (the fields of
+    ``slimkv.common.spec.AttentionSpec``) spelled as today (``current_layer_options``); every other
+    field, and a field it cannot read, as it is (the config's own checks report those)."""
+    out = dict(fields)
+    attention = fields.get("attention")
+    if isinstance(attention, str):
+        kinds = [k.strip() for k in attention.replace(",", "+").split("+")]
+    elif isinstance(attention, (list, tuple)):
+        kinds = list(attention)
+    else:
+        return out
+    if isinstance(fields.get("attention_options"), Mapping):
+        out["attention_options"] = current_layer_options(kinds, fields["attention_options"])
+    if isinstance(fields.get("kind_options"), Mapping):
+        out["kind_options"] = {kind: current_layer_options(kind, options) for kind, options in fields["kind_options"].items()}
+    if isinstance(fields.get("per_layer_options"), (list, tuple)) and kinds:
+        out["per_layer_options"] = [current_layer_options(kinds[i % len(kinds)], options) for i, options in enumerate(fields["per_layer_options"])]
+    return out
 
 
 def written_in(record: Mapping[str, Any]) -> int:

@@ -4,9 +4,9 @@ float64.
 Group g's key and value become k_g = W_s x + B_g (A_g x) (shared map plus a rank-r residual;
 ``rank_k`` for keys, ``rank_v`` for values). Two RoPE placements (``--to lrkv:rope_placement=...``, the layer's ``rope_placement``):
 
-* ``full`` (default, ``rope_mode="full"``): RoPE turns the rebuilt key exactly as the source's, so
+* ``full`` (default): RoPE turns the rebuilt key exactly as the source's, so
   positions are never approximated, but decode rebuilds and rotates every cached key at every step.
-* ``decoupled`` (``rope_mode="decoupled"``): the shared key's first 2 ``rope_pairs`` channels carry
+* ``decoupled``: the shared key's first 2 ``rope_pairs`` channels carry
   the rotation, chosen and mixed across K/V heads as the MLA conversion does
   (``mla.decouple_rotation``); the rest of each group's key loses its rotation (its queries take
   the rotation's expectation) and is fitted in the remaining d_h - 2 ``rope_pairs`` channels
@@ -166,7 +166,7 @@ def probe_plans(layers: list[LayerContext], ratio: float, *, split: str = "rule"
 def fit_layer(layer: LayerContext, options: dict[str, Any], *, align: bool = True, steps: int = ALTERNATING_STEPS) -> LayerFit:
     """The lrkv layer with ``options`` rank_k and rank_v fitted to ``layer`` (module docstring);
     with ``rope_pairs`` (``rope_placement=decoupled``) the layer's options come back with its rotation
-    (``rope_mode``, the rotated pairs' original frequencies)."""
+    (``rope_placement``, the rotated pairs' original frequencies)."""
     s, a = layer.shape, layer.affine()
     pairs = options.get("rope_pairs")
     if pairs is None:
@@ -197,7 +197,7 @@ def fit_layer(layer: LayerContext, options: dict[str, Any], *, align: bool = Tru
     if pairs is None:
         return LayerFit(state, changed, info)
     info.update(aligned_key_groups=aligned_keys, rope_pairs=[[int(i), int(j)] for i, j in split.kept])
-    layer_options = {"rank_k": options["rank_k"], "rank_v": options["rank_v"], "rope_mode": "decoupled", **partial_rope_options(s, pairs),
+    layer_options = {"rank_k": options["rank_k"], "rank_v": options["rank_v"], "rope_placement": "decoupled", **partial_rope_options(s, pairs),
                      "rope_frequencies": [float(layer.inv_freq[i]) for i, _ in split.kept]}
     return LayerFit(state, changed, info, layer_options)
 
@@ -296,7 +296,7 @@ def shared_plus_residual(targets: list[torch.Tensor], weights: list[torch.Tensor
     return SharedResidual(shared, [down for down, _ in fits], [up for _, up in fits], history)
 
 
-def lrkv_from_mha(mha: MultiHeadAttention, *, rope_mode: str = "full") -> LowRankKVAttention:
+def lrkv_from_mha(mha: MultiHeadAttention, *, rope_placement: str = "full") -> LowRankKVAttention:
     """An lrkv layer that computes exactly what ``mha`` (or gqa/mqa) computes.
 
     One residual group per K/V head of ``mha``: W_shared = the mean of the K/V heads' maps,
@@ -310,14 +310,14 @@ def lrkv_from_mha(mha: MultiHeadAttention, *, rope_mode: str = "full") -> LowRan
     common = {"rope": mha.rope, "rope_fraction": mha.rope_fraction, "rope_theta": mha.rope_theta, "rope_frequencies": mha.rope_frequencies,
               "qk_norm": mha.use_qk_norm, "bias": mha.use_bias}
     hd, heads = mha.head_dim, mha.n_heads
-    rotary, placement = resolve_positions(hd, rope_mode, mha.rope, mha.rope_fraction, mha.rope_theta, mha.rope_frequencies)
+    rotary, placement = resolve_positions(hd, rope_placement, mha.rope, mha.rope_fraction, mha.rope_theta, mha.rope_frequencies)
     if rotary.rot_dim != mha.rotary.rot_dim:
         raise ValueError(
-            f"rope_mode={rope_mode!r} rotates {rotary.rot_dim} channels per head, the mha layer {mha.rotary.rot_dim}; "
+            f"rope_placement={rope_placement!r} rotates {rotary.rot_dim} channels per head, the mha layer {mha.rotary.rot_dim}; "
             "they cannot compute the same function"
         )
     writable = hd - (rotary.rot_dim if placement == "decoupled" else 0)
-    lrkv = LowRankKVAttention(mha.d_model, heads, hd, rank_k=writable, rank_v=hd, rope_mode=rope_mode, n_kv_heads=mha.n_kv_heads, **common)
+    lrkv = LowRankKVAttention(mha.d_model, heads, hd, rank_k=writable, rank_v=hd, rope_placement=rope_placement, n_kv_heads=mha.n_kv_heads, **common)
     lrkv.to(dtype=mha.q_proj.weight.dtype, device=mha.q_proj.weight.device)
     state = {k: v for k, v in mha.state_dict().items() if k.split(".")[0] in ("q_proj", "o_proj", "q_norm", "k_norm")}
     for name in ("k", "v"):
@@ -328,7 +328,7 @@ def lrkv_from_mha(mha: MultiHeadAttention, *, rope_mode: str = "full") -> LowRan
             weights.append(proj.bias.view(mha.n_kv_heads, hd, 1))
         for suffix, w in zip(("weight", "bias"), weights):
             if start and not torch.equal(w[:, :start], w[:1, :start].expand_as(w[:, :start])):
-                raise ValueError("rope_mode='decoupled' shares the rotary key channels; the mha heads' rotary key maps differ")
+                raise ValueError("rope_placement='decoupled' shares the rotary key channels; the mha heads' rotary key maps differ")
             shared = torch.cat((w[0, :start], w[:, start:].mean(0)))
             state[f"{name}_shared.{suffix}"] = shared if suffix == "weight" else shared[:, 0]
             residual = (w - shared)[:, start:]  # (G, writable, d) = U_g^T with B_g = I

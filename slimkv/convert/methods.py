@@ -131,7 +131,7 @@ register_conversion(
 )
 register_conversion(
     "lrkv", kind="lrkv", min_ratio=lrkv.min_ratio, plan=lrkv.plan_uniform, fit=lrkv.fit_layer,
-    options=lambda shape: {"rope_mode": "full", "n_kv_heads": shape.n_kv_heads}, settings=lrkv.METHOD_OPTIONS, check=lrkv.check_options,
+    options=lambda shape: {"rope_placement": "full", "n_kv_heads": shape.n_kv_heads}, settings=lrkv.METHOD_OPTIONS, check=lrkv.check_options,
     probe_plans=lrkv.probe_plans,
     description="shared K/V plus low-rank residuals per K/V head (aligned, alternating fit); RoPE exact, or rope_placement=decoupled for a decode "
                 "that reads the compact cache directly",

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from slimkv.common.files import read_json
+from slimkv.common.vocabulary import current_layer_options
 from slimkv.compress.persist import load as load_compressed
 from slimkv.model import ModelConfig, SlimKVForCausalLM, load_model_folder
 from slimkv.ops.quantize import parse_storage
@@ -205,7 +206,7 @@ def check_conversion_manifest(model: SlimKVForCausalLM, manifest: dict, path: Pa
         problems.append(f"cache_storage is {manifest.get('cache_storage')!r} but the budget plan chose {(manifest.get('budget_plan') or {}).get('storage')!r}")
     if not same_storage(manifest.get("cache_storage"), getattr(model.config, "cache_storage", "full")):
         problems.append(f"cache_storage is {manifest.get('cache_storage')!r} but config.json has {model.config.cache_storage!r}")
-    recorded = [layer.get("options") for layer in manifest.get("layers") or []]
+    recorded = [current_layer_options(kind, layer.get("options")) for layer in manifest.get("layers") or []]  # config.json reads so too
     per_layer = model.config.per_layer_options or [{} for _ in range(model.config.n_layers)]
     if json.loads(json.dumps(recorded)) != json.loads(json.dumps(per_layer)):
         problems.append("the per-layer options differ from config.json's per_layer_options")

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 from slimkv.attention import build_attention
 from slimkv.common.checks import check_bool, check_choice, check_float, check_int
 from slimkv.common.spec import AttentionSpec
+from slimkv.common.vocabulary import current_attention_fields
 from slimkv.ops.quantize import parse_storage
 
 MLP_KINDS = ("swiglu", "relu2")
@@ -71,6 +72,14 @@ class ModelConfig(PretrainedConfig):
         check_bool("tie_word_embeddings", tie_word_embeddings)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> ModelConfig:
+        """transformers' ``from_dict``, the one door of a stored config.json (``from_pretrained``,
+        ``AutoConfig``): layer options renamed since it was written read as today's
+        (``slimkv.common.vocabulary.current_attention_fields``: lrkv's ``rope_mode`` is ``rope_placement``).
+        A config made in Python with an old name is refused, naming the new one (``build_attention``)."""
+        return super().from_dict(current_attention_fields(config_dict), **kwargs)
 
     @staticmethod
     def default_d_ff(d_model: int, mlp: str) -> int:

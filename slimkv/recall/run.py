@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from slimkv.common.files import folder_lock, read_json, write_json
 from slimkv.common.spec import AttentionSpec
+from slimkv.common.vocabulary import current_attention_fields
 from slimkv.model import SlimKVForCausalLM
 from slimkv.recall.recipe import RecallRecipe, model_config
 from slimkv.recall.task import IGNORE, RecallBatches, answer_accuracy, eval_set, unpack
@@ -109,6 +110,14 @@ def evaluate_recall(model: SlimKVForCausalLM, recipe: RecallRecipe) -> dict[str,
     return out
 
 
+def stored_request(request: Any) -> Any:
+    """A run's stored request with the layer options renamed since it was written spelled as today's
+    (``slimkv.common.vocabulary.current_attention_fields``), so a run made before a rename is still its configuration."""
+    if isinstance(request, dict) and isinstance(request.get("attention"), dict):
+        return {**request, "attention": current_attention_fields(request["attention"])}
+    return request
+
+
 def train_recall(spec: AttentionSpec, recipe: RecallRecipe, seed: int, run_dir: str | Path, *, label: str = "recall", progress: bool = True,
                  stop_after: int | None = None) -> tuple[dict[str, Any], bool]:
     """(result, reused): train ``spec`` on the recall task into ``run_dir`` and evaluate it.
@@ -124,11 +133,11 @@ def train_recall(spec: AttentionSpec, recipe: RecallRecipe, seed: int, run_dir: 
         marker = run_dir / RUN_FILE
         if marker.is_file():
             stored = read_json(marker, expect=dict)
-            if stored.get("request") == request:
+            if stored_request(stored.get("request")) == request:
                 return stored["result"], True
             raise ValueError(f"{marker} holds a finished run of another configuration; use another --out or remove that run folder yourself")
         resume = has_checkpoint(run_dir)
-        if resume and read_json(run_dir / RUN_CONFIG, expect=dict) != request:
+        if resume and stored_request(read_json(run_dir / RUN_CONFIG, expect=dict)) != request:
             raise ValueError(f"{run_dir} holds a checkpoint of another configuration ({run_dir / RUN_CONFIG}); use another --out")
         if not resume:
             leftovers = sorted(p.name for p in run_dir.iterdir() if p.name not in (RUN_CONFIG, "metrics.jsonl", "summary.json"))

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from slimkv.common.files import atomic_directory, check_folder_target, existing_directory, read_json, write_json
 from slimkv.common.quiet import quiet_transformers
+from slimkv.common.vocabulary import current_attention_fields
 from slimkv.data import load_dataset
 from slimkv.model import load_model_folder
 from slimkv.train.config import TrainConfig
@@ -182,12 +183,13 @@ def save_model_dir(run_dir: Path, save: Callable[[Path], None]) -> None:
 
 
 def read_run_config(run_dir: Path) -> TrainConfig:
-    """The TrainConfig stored in ``RUN_DIR/train_config.json``."""
+    """The TrainConfig stored in ``RUN_DIR/train_config.json`` (layer options renamed since it was
+    written read as today's: ``slimkv.common.vocabulary.current_attention_fields``)."""
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a training run (no {CONFIG_FILE}); create one with `slimkv train --attention KIND --out {run_dir}`")
     try:
-        return TrainConfig.from_dict(read_json(path, expect=dict))
+        return TrainConfig.from_dict(current_attention_fields(read_json(path, expect=dict)))
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
 

@@ -18,7 +18,7 @@ from slimkv.convert.lrkv import lrkv_from_mha
 from slimkv.ops.attention import reference_attention
 from tests.helpers import D_MODEL, HEAD_DIM, N_HEADS, SEQ_LEN, rel_rmse, run_in_calls
 
-ROPE_MODES = ["decoupled", "full", "none"]
+ROPE_PLACEMENTS = ["decoupled", "full", "none"]
 SPLITS = [11, 1, 1, 5, 1, 13, 1, 4]  # prefill, single steps and multi-token calls after it
 assert sum(SPLITS) == SEQ_LEN
 
@@ -79,10 +79,10 @@ def run_path(attn: LowRankKVAttention, x: torch.Tensor, path: str, sizes=SPLITS)
 # ---------------------------------------------------------------- the module against a plain loop
 
 
-@pytest.mark.parametrize("rope_mode", ROPE_MODES)
+@pytest.mark.parametrize("rope_placement", ROPE_PLACEMENTS)
 @pytest.mark.parametrize("common", [{}, {"qk_norm": True, "bias": True, "rope": "partial", "rope_fraction": 0.25}])
-def test_module_equals_plain_per_head_loop(rope_mode, common):
-    attn = lrkv(rank_k=3, rank_v=2, rope_mode=rope_mode, **common)
+def test_module_equals_plain_per_head_loop(rope_placement, common):
+    attn = lrkv(rank_k=3, rank_v=2, rope_placement=rope_placement, **common)
     x = inputs()
     with torch.no_grad():
         ref = naive_lrkv(attn, x)
@@ -93,13 +93,13 @@ def test_module_equals_plain_per_head_loop(rope_mode, common):
 # ---------------------------------------------------------------- factored == materialised
 
 
-@pytest.mark.parametrize("rope_mode", ROPE_MODES)
+@pytest.mark.parametrize("rope_placement", ROPE_PLACEMENTS)
 @pytest.mark.parametrize("common", [{}, {"qk_norm": True}, {"qk_norm": True, "bias": True, "rope": "partial"}])
-def test_factored_decode_equals_materialised(rope_mode, common, monkeypatch):
+def test_factored_decode_equals_materialised(rope_placement, common, monkeypatch):
     """Compact-cache decode (factored logits/values; block rebuild for full rope) equals
     materialising every per-head K/V, over prefill, single-token and multi-token calls. Small
     logits and rebuild blocks force the query blocking and the online-softmax merge."""
-    attn = lrkv(rank_k=3, rank_v=2, rope_mode=rope_mode, **common)
+    attn = lrkv(rank_k=3, rank_v=2, rope_placement=rope_placement, **common)
     attn.rebuild_block_tokens = 4
     x = inputs()
     with torch.no_grad():
@@ -112,9 +112,9 @@ def test_factored_decode_equals_materialised(rope_mode, common, monkeypatch):
     assert rel_rmse(run_path(attn, x, "factored", [5, 25, 7]), full) < 1e-10
 
 
-@pytest.mark.parametrize("rope_mode", ["decoupled", "none"])
-def test_factored_decode_never_forms_per_head_keys_or_values(rope_mode, monkeypatch):
-    attn = lrkv(rank=2, rope_mode=rope_mode, qk_norm=True)
+@pytest.mark.parametrize("rope_placement", ["decoupled", "none"])
+def test_factored_decode_never_forms_per_head_keys_or_values(rope_placement, monkeypatch):
+    attn = lrkv(rank=2, rope_placement=rope_placement, qk_norm=True)
     x = inputs()
     with torch.no_grad():
         cache = attn.new_cache(2, dtype=torch.float64)
@@ -130,7 +130,7 @@ def test_factored_decode_never_forms_per_head_keys_or_values(rope_mode, monkeypa
 
 
 def test_full_rope_decode_rebuilds_keys_in_bounded_blocks(monkeypatch):
-    attn = lrkv(rank=2, rope_mode="full")
+    attn = lrkv(rank=2, rope_placement="full")
     attn.rebuild_block_tokens = 8
     x = inputs()
     rebuilt = []
@@ -157,14 +157,14 @@ def copy_mqa_weights(mqa, attn: LowRankKVAttention) -> None:
     attn.load_state_dict(state)
 
 
-@pytest.mark.parametrize("rope_mode, mqa_rope", [("decoupled", "partial"), ("full", "full"), ("full", "partial"), ("none", "none")])
+@pytest.mark.parametrize("rope_placement, mqa_rope", [("decoupled", "partial"), ("full", "full"), ("full", "partial"), ("none", "none")])
 @pytest.mark.parametrize("common", [{}, {"qk_norm": True, "bias": True}])
-def test_rank_zero_is_shared_kv_attention(rope_mode, mqa_rope, common):
-    """rank 0 leaves only the shared key/value: MQA with the same weights, for every rope_mode
+def test_rank_zero_is_shared_kv_attention(rope_placement, mqa_rope, common):
+    """rank 0 leaves only the shared key/value: MQA with the same weights, for every rope_placement
     (decoupled rotates rope_fraction of the channels, like MQA with partial rope)."""
     torch.manual_seed(0)
     mqa = build_attention("mqa", D_MODEL, N_HEADS, HEAD_DIM, rope=mqa_rope, **common).double()
-    attn = build_attention("lrkv", D_MODEL, N_HEADS, HEAD_DIM, rank=0, rope_mode=rope_mode, rope=mqa_rope, **common).double()
+    attn = build_attention("lrkv", D_MODEL, N_HEADS, HEAD_DIM, rank=0, rope_placement=rope_placement, rope=mqa_rope, **common).double()
     copy_mqa_weights(mqa, attn)
     x = inputs()
     with torch.no_grad():
@@ -186,11 +186,11 @@ def mha_with_shared_rotary_keys(rot: int, **common):
 
 
 @pytest.mark.parametrize(
-    "rope_mode, rope",
+    "rope_placement, rope",
     [("full", "full"), ("full", "partial"), ("none", "none"), ("decoupled", "partial")],
 )
 @pytest.mark.parametrize("common", [{}, {"qk_norm": True, "bias": True}])
-def test_full_rank_with_mha_weights_is_mha(rope_mode, rope, common):
+def test_full_rank_with_mha_weights_is_mha(rope_placement, rope, common):
     """U_h = W_h - W_shared, B_h = I reproduces MHA exactly when the positions agree:
 
     * ``full`` rotates the materialised per-head key, exactly as MHA does: holds for any MHA.
@@ -203,7 +203,7 @@ def test_full_rank_with_mha_weights_is_mha(rope_mode, rope, common):
     mha = mha_with_shared_rotary_keys(rot, rope=rope, **common)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # full rank: the cache is at least MHA's (tested elsewhere)
-        attn = lrkv_from_mha(mha, rope_mode=rope_mode)
+        attn = lrkv_from_mha(mha, rope_placement=rope_placement)
     assert attn.rank_v == HEAD_DIM and attn.rank_k == HEAD_DIM - attn.key_residual_start
     x = inputs()
     with torch.no_grad():
@@ -216,7 +216,7 @@ def test_full_rank_reproduces_gqa():
     torch.manual_seed(0)
     gqa = build_attention("gqa", D_MODEL, N_HEADS, HEAD_DIM, n_kv_heads=2, qk_norm=True).double()
     with pytest.warns(UserWarning):
-        attn = lrkv_from_mha(gqa, rope_mode="full")
+        attn = lrkv_from_mha(gqa, rope_placement="full")
     x = inputs()
     with torch.no_grad():
         assert rel_rmse(run_in_calls(attn, x, SPLITS), gqa(x)) < 1e-10
@@ -227,14 +227,14 @@ def test_from_mha_refuses_what_it_cannot_represent():
     mha = build_attention("mha", D_MODEL, N_HEADS, HEAD_DIM, rope="partial").double()
     with pytest.raises(ValueError, match="rotary key"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        lrkv_from_mha(mha, rope_mode="decoupled")  # its heads' rotary channels differ
+        lrkv_from_mha(mha, rope_placement="decoupled")  # its heads' rotary channels differ
     with pytest.raises(ValueError, match="rotates"):
-        lrkv_from_mha(mha, rope_mode="none")
+        lrkv_from_mha(mha, rope_placement="none")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("options", [{"rank_k": 3, "rank_v": 2, "n_kv_heads": 2}, {"rank_k": 0, "rank_v": 4},
-                                     {"rank_k": 4, "rank_v": 0, "rope_mode": "none", "n_kv_heads": 2}])
+                                     {"rank_k": 4, "rank_v": 0, "rope_placement": "none", "n_kv_heads": 2}])
 def test_a_decode_step_reads_the_cache_rows_as_one_key_value_head(dtype, options):
     """The decode step over the cache rows (queries widened with their latent query in their
     group's slot; the native kernel where it is built) equals the general factored path and the
@@ -329,17 +329,17 @@ def test_zero_residual_init_starts_at_shared_attention_and_still_learns():
 # ---------------------------------------------------------------- options
 
 
-def test_positions_follow_rope_mode_and_common_rope():
+def test_positions_follow_rope_placement_and_common_rope():
     def placed(**options):
         attn = build_attention("lrkv", D_MODEL, N_HEADS, HEAD_DIM, rank=2, **options)
         return attn.rope_placement, attn.rotary.rot_dim, attn.k_up.shape[1]
 
     assert placed() == ("decoupled", HEAD_DIM // 2, HEAD_DIM // 2)  # default rope="full": half the channels rotate
     assert placed(rope="partial", rope_fraction=0.25) == ("decoupled", 2, HEAD_DIM - 2)
-    assert placed(rope_mode="full") == ("full", HEAD_DIM, HEAD_DIM)
-    assert placed(rope_mode="full", rope="partial", rope_fraction=0.25) == ("full", 2, HEAD_DIM)
+    assert placed(rope_placement="full") == ("full", HEAD_DIM, HEAD_DIM)
+    assert placed(rope_placement="full", rope="partial", rope_fraction=0.25) == ("full", 2, HEAD_DIM)
     assert placed(rope="none") == ("none", 0, HEAD_DIM)
-    assert placed(rope_mode="none") == ("none", 0, HEAD_DIM)
+    assert placed(rope_placement="none") == ("none", 0, HEAD_DIM)
 
 
 def test_decoupled_residual_never_writes_rotary_key_channels():
@@ -352,7 +352,7 @@ def test_decoupled_residual_never_writes_rotary_key_channels():
 
 
 def test_head_qk_maps_give_the_logits():
-    attn = lrkv(rank_k=3, rank_v=1, rope_mode="none", qk_norm=False)
+    attn = lrkv(rank_k=3, rank_v=1, rope_placement="none", qk_norm=False)
     x = inputs(batch=1)
     wq, wk = attn.head_qk_maps()
     with torch.no_grad():
@@ -366,11 +366,11 @@ def test_rank_above_the_break_even_point_warns_but_works():
     threshold = HEAD_DIM * (1 - 1 / N_HEADS)  # 6 for the test shape
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        build_attention("lrkv", D_MODEL, N_HEADS, HEAD_DIM, rank=int(threshold), rope_mode="full")
+        build_attention("lrkv", D_MODEL, N_HEADS, HEAD_DIM, rank=int(threshold), rope_placement="full")
     with pytest.warns(UserWarning, match="more than MHA"):
-        attn = build_attention("lrkv", D_MODEL, N_HEADS, HEAD_DIM, rank=int(threshold) + 1, rope_mode="full")
+        attn = build_attention("lrkv", D_MODEL, N_HEADS, HEAD_DIM, rank=int(threshold) + 1, rope_placement="full")
     with pytest.warns(UserWarning, match="more than MHA"):  # the per-head qk-norm scale counts too
-        build_attention("lrkv", D_MODEL, N_HEADS, HEAD_DIM, rank=int(threshold), rope_mode="full", qk_norm=True)
+        build_attention("lrkv", D_MODEL, N_HEADS, HEAD_DIM, rank=int(threshold), rope_placement="full", qk_norm=True)
     with torch.no_grad():
         assert torch.isfinite(attn(torch.randn(1, 5, D_MODEL))).all()
 
@@ -385,7 +385,7 @@ def test_rank_above_the_break_even_point_warns_but_works():
         ({"rank_k": 2}, "rank_v"),
         ({"rank_k": -1, "rank_v": 2}, "rank_k"),
         ({"rank_k": 1, "rank_v": True}, "rank_v"),
-        ({"rank": 2, "rope_mode": "spiral"}, "rope_mode"),
+        ({"rank": 2, "rope_placement": "spiral"}, "rope_placement"),
         ({"rank": 2, "residual_init": -0.1}, "residual_init"),
         ({"rank": 2, "residual_init": math.nan}, "residual_init"),
         ({"rank": 2, "rope": "partial", "rope_fraction": 1.0}, "rope_fraction"),

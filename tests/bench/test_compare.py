@@ -35,10 +35,10 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def test_entries_take_table_defaults_overrides_and_their_own_options():
     recipe = TrainConfig()  # 4 heads of 32
-    entries = parse_entries(["mha", "lrkv", "lrkv:rank=4", "gqa:n_kv_heads=1", "swa+kvm:kvm.schedule=sqrt"], recipe, parse_kind_overrides(["lrkv.rope_mode=none"]))
+    entries = parse_entries(["mha", "lrkv", "lrkv:rank=4", "gqa:n_kv_heads=1", "swa+kvm:kvm.schedule=sqrt"], recipe, parse_kind_overrides(["lrkv.rope_placement=none"]))
     by_label = {e.label: e for e in entries}
-    assert by_label["lrkv"].options == {"lrkv": {"rank": 8, "rope_mode": "none"}}
-    assert by_label["lrkv:rank=4"].options == {"lrkv": {"rank": 4, "rope_mode": "none"}}
+    assert by_label["lrkv"].options == {"lrkv": {"rank": 8, "rope_placement": "none"}}
+    assert by_label["lrkv:rank=4"].options == {"lrkv": {"rank": 4, "rope_placement": "none"}}
     assert by_label["gqa:n_kv_heads=1"].options == {"gqa": {"n_kv_heads": 1}}
     hybrid = by_label["swa+kvm:kvm.schedule=sqrt"]
     assert hybrid.kinds == ("swa", "kvm") and hybrid.options["kvm"]["schedule"] == "sqrt" and hybrid.options["swa"] == {"window": 64}
@@ -46,8 +46,8 @@ def test_entries_take_table_defaults_overrides_and_their_own_options():
     assert "comparable preset" in by_label["lrkv"].defaults["lrkv"] and "lrkv" not in by_label["gqa:n_kv_heads=1"].defaults
     # explicit split ranks replace the table's rank
     assert parse_entry("lrkv:rank_k=2,rank_v=6", recipe).options == {"lrkv": {"rank_k": 2, "rank_v": 6}}
-    assert split_entries("mha, lrkv:rank=8,rope_mode=none ,gqa") == ["mha", "lrkv:rank=8,rope_mode=none", "gqa"]
-    assert split_entries(["mha", "lrkv:rank=8,rope_mode=none", "gqa"]) == ["mha", "lrkv:rank=8,rope_mode=none", "gqa"]
+    assert split_entries("mha, lrkv:rank=8,rope_placement=none ,gqa") == ["mha", "lrkv:rank=8,rope_placement=none", "gqa"]
+    assert split_entries(["mha", "lrkv:rank=8,rope_placement=none", "gqa"]) == ["mha", "lrkv:rank=8,rope_placement=none", "gqa"]
     # an option without a kind in a pattern applies to every kind of the entry
     shared = parse_entry("swa+kvm:qk_norm=true,swa.window=8", recipe)
     assert shared.options["swa"]["qk_norm"] is True and shared.options["kvm"]["qk_norm"] is True and shared.options["swa"]["window"] == 8

@@ -1,18 +1,34 @@
 """Old spellings (slimkv.common.vocabulary): typed, they are refused naming the new one; written
-earlier (a conversion manifest, a results file), they read as today's words."""
+earlier (a conversion manifest, a results file, a saved model's config.json, a run's train_config.json),
+they read as today's words."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 from dataclasses import asdict
 
 import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+import slimkv  # noqa: F401  (registers the slimkv model with AutoConfig)
+from slimkv.attention import build_attention
+from slimkv.bench.entries import parse_entries, parse_kind_overrides
+from slimkv.cli import main
 from slimkv.common.files import write_json
-from slimkv.common.vocabulary import VOCABULARY, current_method, is_legacy
+from slimkv.common.spec import AttentionSpec
+from slimkv.common.vocabulary import VOCABULARY, current_attention_fields, current_layer_options, current_method, is_legacy
 from slimkv.convert.manifest import finished_conversion, same_method
 from slimkv.convert.methods import parse_method
 from slimkv.convert.pipeline import ConvertOptions
+from slimkv.model import ModelConfig, SlimKVForCausalLM, load_model_folder
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
+from slimkv.recall.run import stored_request
+from slimkv.train import TrainConfig
+from slimkv.train.checkpoint import read_run_config
+from slimkv.train.config import attention_overrides, load_config
 
 
 @pytest.mark.parametrize("old, new", [
@@ -67,3 +83,80 @@ def test_a_hybrid_folder_of_vocabulary_2_reads_with_the_score_it_was_made_with(t
     assert finished_conversion(tmp_path, options) is None
     assert finished_conversion(tmp_path, ConvertOptions(method="hybrid:score=copy_mass", cache_budget=0.25)) is not None
     assert current_method("kvm", written_in=2) == "kvm" and current_method("hybrid", written_in=2) == "hybrid:score=copy_mass"
+
+
+# ---------------------------------------------------------------- layer options (RENAMED_LAYER_OPTIONS)
+
+OLD_OPTION = r"the option 'rope_mode' of attention kind 'lrkv' is now spelled 'rope_placement' \(lrkv:rope_placement=\.\.\.\)"
+SMALL = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4}
+
+
+@pytest.mark.parametrize("typed", [
+    lambda: build_attention("lrkv", 32, 4, rank=2, rope_mode="full"),
+    lambda: ModelConfig(**SMALL, attention="lrkv", attention_options={"rank": 2, "rope_mode": "full"}),
+    lambda: ModelConfig(**SMALL, attention=["mha", "lrkv"], kind_options={"lrkv": {"rank": 2, "rope_mode": "none"}}),
+    lambda: ModelConfig(**SMALL, attention="lrkv", per_layer_options=[{"rank": 2}, {"rank": 2, "rope_mode": "none"}]),
+    lambda: load_config(None, attention_overrides("lrkv:rank=2,rope_mode=full")),  # train --attention
+    lambda: parse_entries(["lrkv:rope_mode=none"], TrainConfig()),  # compare --kinds
+    lambda: parse_entries(["mha", "lrkv"], TrainConfig(), parse_kind_overrides(["lrkv.rope_mode=none"])),  # --kind-option
+], ids=["build_attention", "attention_options", "kind_options", "per_layer_options", "--attention", "--kinds", "--kind-option"])
+def test_an_old_layer_option_typed_is_refused_naming_the_new_one(typed):
+    with pytest.raises(ValueError, match=OLD_OPTION):
+        typed()
+
+
+def test_the_command_line_refuses_an_old_layer_option(tmp_path, capsys):
+    assert main(["train", "--attention", "lrkv:rank=2,rope_mode=none", "--out", str(tmp_path / "run")]) == 2
+    assert re.search(OLD_OPTION, capsys.readouterr().err) and not (tmp_path / "run").exists()
+
+
+def _old_spelling(fields: dict) -> dict:
+    """``fields`` (a config's) with every ``rope_placement`` spelled ``rope_mode``, as it was written before the rename."""
+    if isinstance(fields, dict):
+        return {("rope_mode" if k == "rope_placement" else k): _old_spelling(v) for k, v in fields.items()}
+    return [_old_spelling(v) for v in fields] if isinstance(fields, list) else fields
+
+
+@pytest.mark.parametrize("attention", [
+    {"attention": "lrkv", "attention_options": {"rank": 2, "rope_placement": "full"}},
+    {"attention": ["mha", "lrkv"], "kind_options": {"lrkv": {"rank": 2, "rope_placement": "none"}}},
+    {"attention": "lrkv", "per_layer_options": [{"rank": 2, "rope_placement": "full"}, {"rank_k": 1, "rank_v": 3, "rope_placement": "none"}]},
+], ids=["attention_options", "kind_options", "per_layer_options"])
+def test_a_saved_model_written_with_the_old_layer_option_loads_as_the_same_model(tmp_path, attention):
+    """A config.json written before the rename (lrkv's ``rope_mode``) loads, in every place a config holds
+    layer options, as today's ``rope_placement``: the same config and the same outputs as the folder written today."""
+    torch.manual_seed(0)
+    model = SlimKVForCausalLM(ModelConfig(**SMALL, **attention)).eval()
+    today, before = tmp_path / "today", tmp_path / "before"
+    model.save_pretrained(today)
+    shutil.copytree(today, before)
+    config = json.loads((before / "config.json").read_text())
+    (before / "config.json").write_text(json.dumps(_old_spelling(config)))
+    assert "rope_mode" in (before / "config.json").read_text() and "rope_placement" not in (before / "config.json").read_text()
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = load_model_folder(today)(ids).logits
+        for loaded in (load_model_folder(before), AutoModelForCausalLM.from_pretrained(before).eval()):
+            assert loaded.config.to_dict() == {**model.config.to_dict(), **{k: loaded.config.to_dict()[k] for k in ("_name_or_path",)}}
+            assert torch.equal(loaded(ids).logits, expected)
+    assert AutoConfig.from_pretrained(before).attention_spec() == model.config.attention_spec()
+
+
+def test_a_run_config_written_with_the_old_layer_option_reads_as_the_new(tmp_path):
+    cfg = TrainConfig(attention=["swa", "lrkv"], attention_options={"qk_norm": True}, kind_options={"swa": {"window": 8}, "lrkv": {"rank": 2, "rope_placement": "none"}})
+    write_json(tmp_path / "train_config.json", _old_spelling(cfg.to_dict()))
+    assert read_run_config(tmp_path) == cfg
+
+
+def test_stored_layer_options_read_in_todays_words():
+    assert current_layer_options("lrkv", {"rank": 2, "rope_mode": "none"}) == {"rank": 2, "rope_placement": "none"}
+    assert current_layer_options(["swa", "lrkv"], {"rope_mode": "full"}) == {"rope_placement": "full"}
+    assert current_layer_options("swa", {"rope_mode": "full"}) == {"rope_mode": "full"}  # never an option of swa: refused when built
+    assert current_layer_options("lrkv", {"rope_mode": "full", "rope_placement": "none"}) == {"rope_mode": "full", "rope_placement": "none"}
+    fields = {"attention": ["mha", "lrkv"], "attention_options": {"rope": "none"}, "kind_options": {"lrkv": {"rope_mode": "none"}, "mha": {"rope_mode": "x"}},
+              "per_layer_options": [{"rope_mode": "a"}, {"rope_mode": "b"}], "vocab_size": 64}
+    assert current_attention_fields(fields) == {**fields, "kind_options": {"lrkv": {"rope_placement": "none"}, "mha": {"rope_mode": "x"}},
+                                                "per_layer_options": [{"rope_mode": "a"}, {"rope_placement": "b"}]}
+    assert current_attention_fields({"attention": 3, "attention_options": {"rope_mode": "full"}}) == {"attention": 3, "attention_options": {"rope_mode": "full"}}
+    request = {"attention": AttentionSpec.parse("lrkv:rank=2,rope_placement=none").to_fields(), "seed": 0}
+    assert stored_request(_old_spelling(request)) == request and stored_request(None) is None

@@ -26,7 +26,7 @@ def test_older_spellings_still_read():
     assert TrainConfig.from_dict({"attention": "gqa", "attention_options": {"n_kv_heads": 2}}).attention_spec() == AttentionSpec.parse("gqa:n_kv_heads=2")
     values = load_config(None, {"attention": "swa", "attention_options.window": 16}).attention_spec()
     assert values == AttentionSpec.parse("swa:window=16")
-    assert split_entries("mha,lrkv:rank=8,rope_mode=none,gqa") == ["mha", "lrkv:rank=8,rope_mode=none", "gqa"]
+    assert split_entries("mha,lrkv:rank=8,rope_placement=none,gqa") == ["mha", "lrkv:rank=8,rope_placement=none", "gqa"]
     assert split_entries("mla:kv_rank=8,swa+kvm:kvm.max_rows=[4]") == ["mla:kv_rank=8", "swa+kvm:kvm.max_rows=[4]"]
 
 

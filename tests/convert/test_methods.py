@@ -158,7 +158,7 @@ def test_decoupled_lrkv_end_to_end_decodes_from_the_compact_cache(tiny_folder, t
     full_rope, _ = convert_pretrained(str(tiny_folder), options("lrkv", 0.75, tmp_path), tmp_path / "full", progress=False)
     config = json.loads((out / "config.json").read_text())
     for layer_options, layer in zip(config["per_layer_options"], model.attention_layers):
-        assert layer_options["rope_mode"] == "decoupled" and len(layer_options["rope_frequencies"]) == 4  # round(5 x head_dim 12 / 16) pairs
+        assert layer_options["rope_placement"] == "decoupled" and len(layer_options["rope_frequencies"]) == 4  # round(5 x head_dim 12 / 16) pairs
         assert layer.rope_placement == "decoupled" and layer.decode_path == "factored" and (layer.rank_k, layer.rank_v) == (4, 2)
     assert manifest["achieved_cache_ratio"] == json.loads((tmp_path / "full" / CONVERTED_MANIFEST).read_text())["achieved_cache_ratio"] <= 0.75
     ids = torch.randint(3, 99, (1, 20), generator=torch.Generator().manual_seed(4))
@@ -171,6 +171,19 @@ def test_decoupled_lrkv_end_to_end_decodes_from_the_compact_cache(tiny_folder, t
     from slimkv.eval.ppl import describe  # the label eval prints names the method with its options
 
     assert describe(load_language_model(str(out)).identity, str(out)).startswith("convert lrkv:rope_placement=decoupled (lrkv layers)")
+    # a folder converted before the layer option was renamed (config.json and the manifest say rope_mode) loads as the same model
+    manifest_file = out / CONVERTED_MANIFEST
+    written = json.loads(manifest_file.read_text())
+    for stored, key in ((config, "per_layer_options"), (written, "layers")):
+        for entry in stored[key]:
+            layer_options = entry if key == "per_layer_options" else entry["options"]
+            layer_options["rope_mode"] = layer_options.pop("rope_placement")
+    (out / "config.json").write_text(json.dumps(config))
+    manifest_file.write_text(json.dumps(written))
+    old = load_language_model(str(out)).model
+    assert all(o["rope_placement"] == "decoupled" and "rope_mode" not in o for o in old.config.per_layer_options)
+    with torch.no_grad():
+        assert torch.equal(old(ids).logits, whole)
 
 
 def test_the_methods_refuse_ratios_below_their_minimum(tiny_folder, tmp_path):

@@ -74,7 +74,7 @@ def test_zero_operator_is_an_error():
 
 @pytest.mark.parametrize(
     "kind, options",
-    [("mha", {}), ("gqa", {"n_kv_heads": 2}), ("mqa", {}), ("lrkv", {"rank": 2}), ("lrkv", {"rank": 2, "rope_mode": "full", "qk_norm": True})],
+    [("mha", {}), ("gqa", {"n_kv_heads": 2}), ("mqa", {}), ("lrkv", {"rank": 2}), ("lrkv", {"rank": 2, "rope_placement": "full", "qk_norm": True})],
 )
 def test_every_kind_gives_the_explicit_operator_metric(kind, options):
     """head_qk_maps of each kind, checked against the projection weights; the metric against
@@ -110,7 +110,7 @@ def test_lrkv_loaded_from_mha_has_mha_diversity():
     torch.manual_seed(0)
     mha = build_attention("mha", 16, 4, 4, rope="none")
     with pytest.warns(UserWarning):
-        lrkv = lrkv_from_mha(mha, rope_mode="none")
+        lrkv = lrkv_from_mha(mha, rope_placement="none")
     assert layer_diversity(lrkv)["r_eff"] == pytest.approx(layer_diversity(mha)["r_eff"], rel=1e-9)
 
 

@@ -404,7 +404,7 @@ def test_long_mla_attention_never_forms_a_t_by_t_tensor():
 
 
 @pytest.mark.parametrize("kind, options", [("mha", {}), ("gqa", {"n_kv_heads": 2}), ("swa", {"window": 5}), ("lrkv", {"rank": 2}),
-                                           ("lrkv", {"rank": 2, "rope_mode": "full", "n_kv_heads": 2}), ("mla", {"kv_rank": 6})])
+                                           ("lrkv", {"rank": 2, "rope_placement": "full", "n_kv_heads": 2}), ("mla", {"kv_rank": 6})])
 def test_every_kind_is_differentiable_call_by_call(kind, options):
     """Each cached call's output backpropagates on its own, before or after later calls, and its
     gradient in its own tokens equals the uncached forward's (earlier tokens are constants)."""

@@ -82,7 +82,7 @@ def test_an_option_given_twice_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"entry 'swa\+kvm:swa.window=4,kvm.rows=2,swa.window=8': option 'swa.window' is given twice"):
         AttentionSpec.parse("swa+kvm:swa.window=4,kvm.rows=2,swa.window=8")
     assert AttentionSpec.parse("swa+kvm:window=4,swa.window=8").layer_options(0) == {"window": 8}  # a kind's own option over the shared one
-    assert split_entries("lrkv:rank=8,rope_mode=none,swa:window=4,rope_mode=none") == ["lrkv:rank=8,rope_mode=none", "swa:window=4,rope_mode=none"]
+    assert split_entries("lrkv:rank=8,rope_placement=none,swa:window=4,rope=none") == ["lrkv:rank=8,rope_placement=none", "swa:window=4,rope=none"]
 
 
 def test_ppl_of_a_bounded_conversion_describes_its_cache_in_bytes(tiny_folder, tmp_path, capsys):
