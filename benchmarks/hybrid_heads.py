@@ -33,6 +33,7 @@ from slimkv.convert.roles import SCORES, copy_accuracy, copy_contexts
 from slimkv.data.texts import evaluation_text
 from slimkv.eval.models import load_language_model
 from slimkv.pretrained import SMOLLM2, fetch_smollm2
+from slimkv.retrieval.grid import parse_lengths
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NAME = "convert_hybrid_heads_smollm2"
@@ -47,7 +48,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--runs", type=Path, required=True, help="where the converted folders go (not git)")
     p.add_argument("--budget", type=float, default=0.125)
     p.add_argument("--scores", default=",".join((*SCORES, COMBINED)))
-    p.add_argument("--lengths", default="2048,4096,8192")
+    p.add_argument("--lengths", default="2k,4k,8k", help="token counts, the grammar of every --lengths (docs/evaluation.md)")
     p.add_argument("--contexts", type=int, default=2, help="contexts per format and length")
     p.add_argument("--through-cache", action="store_true", help="read the repeat through each conversion's own (quantized) cache")
     p.add_argument("--threads", type=int, default=None)
@@ -87,7 +88,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     fetch_smollm2()
-    lengths = [int(n) for n in args.lengths.split(",")]
+    lengths = parse_lengths(args.lengths)
     scores = args.scores.split(",")
     settings = {"budget": args.budget, "text": TEXT, "formats": list(FORMATS), "contexts": args.contexts, "seed": SEED,
                 "through_cache": args.through_cache, "scores": scores, "lengths": lengths}
