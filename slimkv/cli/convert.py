@@ -80,6 +80,9 @@ def add_commands(subparsers) -> None:
     heal.add_argument("--heal-lr", type=float, default=None, help=f"peak learning rate (default {HealConfig.lr:g})")
     heal.add_argument("--heal-seq-len", type=int, default=None, help=f"healing window length (default {HealConfig.seq_len})")
     heal.add_argument("--heal-batch-size", type=int, default=None, help=f"windows per step (default {HealConfig.batch_size})")
+    heal.add_argument("--heal-copy-fraction", type=float, default=None,
+                      help="share of healing windows that repeat a span shown earlier (word lists, JSON records, prose; never an evaluation's "
+                           f"template), to teach long-range copying back (default {HealConfig.copy_fraction:g})")
     heal.add_argument("--resume", action="store_true",
                       help="continue the interrupted healing of the conversion in --out, with the options it was started with (any given must match)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -89,7 +92,7 @@ def add_commands(subparsers) -> None:
 
 # --heal-* option -> HealConfig field
 HEAL_FLAGS = {"heal_tokens": "tokens", "heal_text": "text", "heal_params": "params", "heal_lr": "lr", "heal_seq_len": "seq_len",
-              "heal_batch_size": "batch_size", "seed": "seed"}
+              "heal_batch_size": "batch_size", "heal_copy_fraction": "copy_fraction", "seed": "seed"}
 # conversion option -> ConvertOptions field (checked against the manifest on --resume)
 CONVERT_FLAGS = {"method": "method", "cache_ratio": "cache_ratio", "calib": "calib", "calib_tokens": "calib_tokens", "calib_seq_len": "calib_seq_len",
                  "seed": "seed", "export": "export", "cache_storage": "cache_storage", "cache_budget": "cache_budget"}

@@ -11,6 +11,12 @@ A healing run belongs to one conversion and one text: ``heal_config.json`` and e
 record the conversion's fingerprint (the sha256 of its one-shot weights, ``conversion_sha256`` in
 the manifest), ``heal_config.json`` the healing text's (``text_sha256``), and ``--resume`` refuses
 a run of another conversion, or a text changed since, before anything is loaded.
+
+Retrieval is taught back with ``copy_fraction`` (``--heal-copy-fraction``): that share of the
+windows carries a span shown once and repeated at the window's end (``CopyMixBatches``), in the
+head-role formats of ``slimkv.convert.roles`` (random word lists, JSON records, a paragraph of the
+training prose) and never an evaluation's template, so the student learns to copy from far back as
+the teacher does, on windows as long as ``--heal-seq-len``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import dataclasses
 import itertools
 import math
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +36,7 @@ import torch.nn.functional as F
 
 from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import folder_lock, read_json, write_json
+from slimkv.convert.roles import FORMATS, copy_words, source_text
 from slimkv.data.texts import DOC_SEPARATOR, MIXED_CALIBRATION, calibration_sources, text_sha256, tokenize
 from slimkv.train.batches import BatchSampler
 from slimkv.train.checkpoint import METRICS_FILE, SUMMARY_FILE, existing_directory
@@ -65,6 +73,7 @@ class HealConfig:
     log_every: int = 10
     eval_windows: int = 8
     grad_accum: int = 1
+    copy_fraction: float = 0.0  # the share of windows carrying a repeated span (CopyMixBatches)
 
     def validate(self) -> None:
         """ValueError naming the command-line option (``--heal-*``, ``--seed``) of a bad field."""
@@ -75,6 +84,7 @@ class HealConfig:
         for name in ("seed", "eval_every", "checkpoint_every"):
             check_int("--seed" if name == "seed" else f"heal {name}", getattr(self, name), 0)
         check_float("heal warmup_fraction", self.warmup_fraction, 0.0, 1.0)
+        check_float("--heal-copy-fraction", self.copy_fraction, 0.0, 1.0)
         check_optimizer_settings(self, prefix="--heal-")
 
     @property
@@ -192,6 +202,40 @@ class TextBatches:
         self.sampler.load_state(state["sampler"])
 
 
+class CopyMixBatches(TextBatches):
+    """``TextBatches`` with each window, with probability ``fraction``, rebuilt as ``[prose | SOURCE |
+    prose | SOURCE]`` (the same length): the source (at most an eighth of the window, at a depth of
+    5-25%) is a list of random words, JSON records or a span of the training ids, and the window ends
+    with its repeat. The choice is a stateless function of (seed, step), so a resumed run sees the
+    same windows and only the sampler's state is checkpointed. Shapes: (n, seq_len + 1)."""
+
+    def __init__(self, ids: np.ndarray, seq_len: int, seed: int, fraction: float, tokenizer: Any, documents: list[str]) -> None:
+        super().__init__(ids, seq_len, seed)
+        self.ids, self.seq_len, self.seed, self.fraction, self.tokenizer = ids, seq_len, seed, fraction, tokenizer
+        self.words = copy_words(documents, random.Random(seed))
+
+    def source(self, fmt: str, rng: random.Random) -> list[int]:
+        """The token ids of one span to repeat, in format ``fmt``."""
+        length = (self.seq_len + 1) // 8
+        if fmt == "paragraph":  # from the training ids only: the held-out tokens never enter training
+            start = rng.randrange(0, len(self.ids) - length)
+            return [int(t) for t in self.ids[start:start + length]]
+        return tokenize(self.tokenizer, "\n" + source_text(fmt, self.words, [], rng) + "\n")[:length]
+
+    def sample(self, step: int, n: int) -> torch.Tensor:
+        batch = super().sample(step, n)
+        rng = random.Random(self.seed * 1_000_003 + step)
+        width = batch.shape[1]
+        for row in range(n):
+            if rng.random() >= self.fraction:
+                continue
+            source = torch.tensor(self.source(rng.choice(FORMATS), rng), dtype=batch.dtype)
+            depth = int(width * rng.uniform(0.05, 0.25))
+            gap = width - depth - 2 * len(source)
+            batch[row] = torch.cat([batch[row, :depth], source, batch[row, depth:depth + gap], source])
+        return batch
+
+
 def distillation_loss(teacher: torch.nn.Module):
     """The objective: mean over predicted tokens of KL(teacher || student) of the next-token distributions."""
 
@@ -257,7 +301,9 @@ def heal(student: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cfg
         trainable = select_parameters(student, cfg.params, changed)
         teacher.eval().requires_grad_(False)
         torch.manual_seed(cfg.seed)
-        trainer = Trainer(cfg, run_dir, student, make_optimizer(student, cfg), TextBatches(train_ids, cfg.seq_len, cfg.seed),
+        batches = (CopyMixBatches(train_ids, cfg.seq_len, cfg.seed, cfg.copy_fraction, tokenizer, documents) if cfg.copy_fraction > 0
+                   else TextBatches(train_ids, cfg.seq_len, cfg.seed))
+        trainer = Trainer(cfg, run_dir, student, make_optimizer(student, cfg), batches,
                           lambda: held_out_metrics(student, teacher, eval_windows), student.save_pretrained,
                           {"heal_config": cfg.to_dict(), CONVERSION_KEY: conversion}, objective=distillation_loss(teacher), label="heal")
         if resume:

@@ -48,7 +48,7 @@ class CopyContext:
     copy: slice
 
 
-def _words(documents: list[str], rng: random.Random) -> list[str]:
+def copy_words(documents: list[str], rng: random.Random) -> list[str]:
     """Distinct lowercase words of the prose (letters only, 4-10 long), in order of appearance; made-up
     words of random syllables when the prose has fewer than ``MIN_WORDS``."""
     seen: dict[str, None] = {}
@@ -62,7 +62,7 @@ def _words(documents: list[str], rng: random.Random) -> list[str]:
     return list(seen)
 
 
-def _source_text(fmt: str, words: list[str], documents: list[str], rng: random.Random) -> str:
+def source_text(fmt: str, words: list[str], documents: list[str], rng: random.Random) -> str:
     """The span that is shown and later repeated, in format ``fmt``."""
     if fmt == "word-list":
         return "Words: " + ", ".join(rng.sample(words, 24)) + "."
@@ -81,14 +81,14 @@ def copy_contexts(tokenizer: Any, documents: list[str], length: int, per_format:
     ``length / 2`` tokens after the source). ValueError when the prose is too short."""
     rng = random.Random(seed)
     prose = tokenize(tokenizer, "\n\n".join(documents))
-    words = _words(documents, rng)
+    words = copy_words(documents, rng)
     if len(prose) < 2 * length:
         raise ValueError(f"the calibration text is too short to build {length}-token role-measurement contexts (it has {len(prose)} tokens; "
                          f"it needs {2 * length})")
     contexts = []
     for fmt in FORMATS:
         for _ in range(per_format):
-            source = tokenize(tokenizer, "\n" + _source_text(fmt, words, documents, rng) + "\n")[: length // 8]
+            source = tokenize(tokenizer, "\n" + source_text(fmt, words, documents, rng) + "\n")[: length // 8]
             depth = int(length * rng.uniform(0.05, 0.25))
             gap = length - depth - 2 * len(source)
             offset = rng.randrange(0, len(prose) - depth - gap)
