@@ -85,6 +85,15 @@ def render(payload: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def conversion_label(converted: dict) -> str:
+    """A conversion's row label from its manifest (not its folder's name): the budget, the storage and how the heads were chosen."""
+    plan, options = converted.get("budget_plan") or {}, converted.get("method_options") or {}
+    healing = converted.get("healing") or {}
+    healed = f", healed {(healing.get('config') or {}).get('tokens')} tokens" if healing else ""
+    return (f"convert --cache-budget {plan.get('budget', converted.get('cache_ratio')):g} ({(plan.get('storage') or 'full').split(':')[0]}, "
+            f"{plan.get('exact_heads', '?')} exact heads by {options.get('score', '?')}{healed})")
+
+
 def ruler_rows() -> list[dict]:
     """Every RULER cell of the original (under each cache option) and of the budget conversions; of a
     cell run more than once (another --out, more prompts), the run with the most prompts."""
@@ -95,7 +104,7 @@ def ruler_rows() -> list[dict]:
         for cell in run["cells"].values():
             if cell.get("n"):
                 name = (("original" if cell["option"] == "none" else f"original, {cell['option']}") if not converted
-                        else f"{path.parent.parent.name.removeprefix('smollm2-')} (slimkv convert --cache-budget)")
+                        else conversion_label(converted))
                 low, high = ruler.score_interval(cell, path.parent)
                 row = {"method": name, "task": cell["task"], "length": cell["length"], "score": cell["score"], "full": cell["full"], "n": cell["n"],
                        "full_low": cell["wilson95"][0], "full_high": cell["wilson95"][1], "low": low, "high": high,
@@ -138,7 +147,7 @@ def plot_ruler(rows: list[dict]):
     for ax, (task, length) in zip(axes[0], keys):
         for r in (r for r in rows if (r["task"], r["length"]) == (task, length)):
             ax.errorbar([r["ratio"]], [r["score"]], yerr=[[r["score"] - r["low"]], [r["high"] - r["score"]]], fmt="o", capsize=3)
-            ax.annotate(r["method"].replace(" (slimkv convert --cache-budget)", ""), (r["ratio"], r["score"]), fontsize=7, xytext=(3, 3),
+            ax.annotate(r["method"].replace("convert --cache-budget ", "budget "), (r["ratio"], r["score"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
         ax.set(xscale="log", xlabel="cache bytes / bfloat16 original's", ylabel="score (lm-eval)", title=f"{task}, {length} tokens", ylim=(-0.05, 1.05))
     return figure
