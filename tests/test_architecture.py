@@ -101,3 +101,12 @@ def test_no_import_cycles():
         if state.get(start) is None:
             visit(start, [start])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+MAX_MODULE_LINES = 450  # a module a newcomer reads in one sitting (docs/architecture.md)
+
+
+def test_every_module_is_short_enough_to_read_in_one_sitting():
+    long = {str(path.relative_to(PACKAGE)): n for path in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"

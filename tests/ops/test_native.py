@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from slimkv.ops import native
+from slimkv.ops import native, native_build
 from slimkv.ops.attention import decode_attention, matmul_decode_attention, reference_attention
 
 LIBRARY = native.decode_kernel()
@@ -207,14 +207,14 @@ def test_shared_values_split_over_threads_give_the_same_result(isa, dtype, monke
 
 
 def test_runnable_isas_follow_the_cpu_flags(monkeypatch):
-    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "sse2"})
+    monkeypatch.setattr(native_build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(native_build, "_cpu_flags", lambda: {"avx2", "fma", "sse2"})
     assert native.runnable_isas() == ["avx2", "portable"]
-    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw"})
+    monkeypatch.setattr(native_build, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw"})
     assert native.runnable_isas() == ["avx512", "avx2", "portable"]
-    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
+    monkeypatch.setattr(native_build, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
     assert native.runnable_isas() == ["avx512-bf16", "avx512", "avx2", "portable"]
-    monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(native_build.platform, "machine", lambda: "aarch64")
     assert native.runnable_isas() == ["portable"]
 
 
@@ -400,7 +400,7 @@ def test_a_damaged_cached_build_is_built_again(monkeypatch, tmp_path):
 def test_a_failing_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
     bad = tmp_path / "broken.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(native, "SOURCE", bad)
+    monkeypatch.setattr(native_build, "SOURCE", bad)
     cc = native.compiler()
     if cc is None:
         pytest.skip("no C compiler on this machine: there is no build to fail (the fallback without one is tested above)")

@@ -1,0 +1,137 @@
+"""Building and loading slimkv's native kernel library: the C compiler, the CPU's instruction-set
+paths (``ISAS``, ``runnable_isas``), the build cache keyed by source, flags, compiler and CPU, and
+the ctypes signatures of every entry point. ``slimkv.ops.native`` loads it once per dtype and wraps
+its calls; this module holds what happens before the first call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"  # includes the headers beside it (decode_avx2.h, decode_avx512.h)
+FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
+ARCH_FLAGS = (("-march=native",), ())  # tried in order: this CPU's vector units, then the compiler's default target
+ISAS = {"avx512-bf16": ("-march=native",), "avx512": ("-march=native", "-mno-avx512bf16"), "avx2": ("-march=native", "-mno-avx512f"),
+        "portable": ("-DSLIMKV_PORTABLE",)}
+"""Named instruction-set path -> the flags that build it on a CPU that has it (``runnable_isas``).
+"avx512-bf16" differs from "avx512" in bfloat16 builds only (their logits by AVX512-BF16 dot
+products); a float32 build of it is the avx512 path and says so."""
+ISA_CPU_FLAGS = {"avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16"), "avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}
+"""Named path -> the /proc/cpuinfo flags a CPU needs to run it."""
+ENTRIES = {torch.float32: ((), "slimkv_decode_attention_f32"), torch.bfloat16: (("-DSLIMKV_BF16",), "slimkv_decode_attention_bf16")}
+"""Cache element type -> (the build's extra flags, its entry point)."""
+QUANTIZED_ENTRIES = {torch.float32: "slimkv_decode_quantized_f32", torch.bfloat16: "slimkv_decode_quantized_bf16"}
+"""Cache element type -> the entry point that reads int8 / int4 codes in place (csrc/decode_quantized.h)."""
+LINEAR_ENTRIES = {torch.float32: "slimkv_decode_linear_f32", torch.bfloat16: "slimkv_decode_linear_bf16"}
+"""Weight element type -> the entry point for one row through a linear layer (csrc/decode_linear.h)."""
+PROJECT_ENTRIES = {torch.float32: "slimkv_decode_project_f32", torch.bfloat16: "slimkv_decode_project_bf16"}
+"""Weight element type -> the entry point for one row through several linear layers (csrc/decode_linear.h)."""
+NORM_ENTRIES = {torch.float32: "slimkv_rms_norm_row_f32", torch.bfloat16: "slimkv_rms_norm_row_bf16"}
+"""Gain element type -> the entry point for one row's RMS norm (csrc/decode_linear.h)."""
+QUANTIZE_ENTRIES = {torch.float32: "slimkv_quantize_rows_f32", torch.bfloat16: "slimkv_quantize_rows_bf16"}
+"""Cache element type -> the entry point that quantizes rows into codes (csrc/quantize_rows.h)."""
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC`` or the first of cc, gcc, clang on PATH (None: none)."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_identity() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags (read once per process)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags (x86 ``flags``; empty where /proc/cpuinfo has none)."""
+    for line in _cpu_identity().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def runnable_isas() -> list[str]:
+    """The named paths (``ISAS``) this CPU can run, best first: x86 flags decide; "portable" always."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    flags = _cpu_flags()
+    return [isa for isa, needs in ISA_CPU_FLAGS.items() if not needs or (x86 and all(f in flags for f in needs))]
+
+
+def _sources() -> bytes:
+    """The kernel's source and the headers it includes, as one key for the build cache."""
+    return b"\0".join(path.read_bytes() for path in [SOURCE, *sorted(SOURCE.parent.glob("*.h"))])
+
+
+def build(cc: str, folder: Path, dtype: torch.dtype = torch.float32, isa: str | None = None, extra_flags: Sequence[str] = ()) -> Path:
+    """Compile the kernel for caches of ``dtype`` into ``folder`` (atomically: a temporary file
+    renamed into place), or return the build already there. ``isa`` None builds the CPU's best
+    path (``ARCH_FLAGS`` in order), else the named one of ``ISAS`` (the caller checks that the CPU
+    can run it: ``runnable_isas``). RuntimeError with the compiler's message when every flag set fails."""
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"isa {isa!r} is not allowed; allowed values: {', '.join(ISAS)}")
+    source = _sources()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    errors = []
+    for arch in ARCH_FLAGS if isa is None else (ISAS[isa],):
+        flags = (*FLAGS, *arch, *ENTRIES[dtype][0], *extra_flags)
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()])).hexdigest()[:16]
+        target = folder / f"decode_attention-{key}.so"
+        if target.is_file():
+            return target
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(handle)
+        result = subprocess.run([cc, *flags, "-o", temporary, str(SOURCE)], capture_output=True, text=True, check=False)
+        if result.returncode == 0:
+            os.replace(temporary, target)
+            return target
+        os.unlink(temporary)
+        errors.append(f"{cc} {' '.join(flags)}: {result.stderr.strip()[:400]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
+    """A built kernel library with its entry point's and ``slimkv_kernel_isa``'s signatures set."""
+    library = ctypes.CDLL(str(path))
+    function = getattr(library, ENTRIES[dtype][1])
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [pointer, ctypes.c_int, pointer, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    function.restype = ctypes.c_int
+    quantized = getattr(library, QUANTIZED_ENTRIES[dtype])
+    quantized.argtypes, quantized.restype = function.argtypes, ctypes.c_int
+    linear = getattr(library, LINEAR_ENTRIES[dtype])
+    linear.argtypes, linear.restype = [pointer, pointer, pointer, pointer, i64, i64, ctypes.c_int], ctypes.c_int
+    project = getattr(library, PROJECT_ENTRIES[dtype])
+    project.argtypes, project.restype = [pointer, pointer, i64, ctypes.c_int, pointer, pointer, pointer, pointer, ctypes.c_int], ctypes.c_int  # y: one buffer
+    norm = getattr(library, NORM_ENTRIES[dtype])
+    norm.argtypes, norm.restype = [pointer, pointer, pointer, i64, ctypes.c_float], ctypes.c_int
+    quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
+    quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
+    library.slimkv_kernel_isa.argtypes = []
+    library.slimkv_kernel_isa.restype = ctypes.c_char_p
+    return library
+
+
+def library_isa(library: ctypes.CDLL) -> str:
+    """The instruction-set path a loaded kernel library was compiled with: "avx512-bf16", "avx512", "avx2" or "portable"."""
+    return library.slimkv_kernel_isa().decode()
