@@ -21,14 +21,19 @@ import json
 from pathlib import Path
 
 import torch
+from hybrid_heads import (  # benchmarks/hybrid_heads.py, beside this script: the same contexts
+    FORMATS,
+    SEED,
+    TEXT,
+    held_out_contexts,
+)
 
 from slimkv.common.files import save_figure, write_text
 from slimkv.common.markdown import markdown_table
 from slimkv.common.plotting import new_figure
 from slimkv.common.results import results_dir, results_path
 from slimkv.common.timing import write_results
-from slimkv.convert.roles import copy_accuracy, copy_contexts
-from slimkv.data.texts import evaluation_text
+from slimkv.convert.roles import copy_accuracy
 from slimkv.eval.models import load_language_model
 from slimkv.eval.ppl import perplexity_report
 from slimkv.pretrained import SMOLLM2, fetch_smollm2
@@ -37,9 +42,6 @@ from slimkv.retrieval.grid import parse_lengths
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NAME = "heal_retrieval_smollm2"
-TEXT = "austen"
-FORMATS = ("word-list", "json-records")
-SEED = 777
 PPL_TEXTS = ("shakespeare-val", "austen")
 SEQ_LEN, MAX_TOKENS = 4096, 8192
 ORIGINAL = "original"
@@ -142,21 +144,22 @@ def main() -> None:
     fetch_smollm2()
     settings = {"text": TEXT, "formats": list(FORMATS), "contexts": args.contexts, "seed": SEED, "lengths": parse_lengths(args.lengths),
                 "ppl_texts": list(PPL_TEXTS), "seq_len": SEQ_LEN, "max_tokens": MAX_TOKENS}
-    previous = json.loads(path.read_text()) if path.is_file() else {"models": {}, "copy": [], "ppl": []}
+    empty = {"models": {}, "copy": [], "ppl": []}
+    previous = json.loads(path.read_text()) if path.is_file() else empty
+    if {k: v for k, v in previous.get("settings", settings).items() if k != "lengths"} != {k: v for k, v in settings.items() if k != "lengths"}:
+        previous = empty  # measured with other contexts or windows: nothing carries over
     info = {label: {"folder": folder, "healing": healing_of(folder)} for label, folder in models.items()}
-    kept = {label for label, entry in previous["models"].items() if info.get(label) == entry} | {ORIGINAL}
-    payload = {"settings": settings, "models": {**{k: v for k, v in previous["models"].items() if k not in info}, **info},
-               "copy": [r for r in previous["copy"] if r["model"] in kept | (set(previous["models"]) - set(info))],
-               "ppl": [r for r in previous["ppl"] if r["model"] in kept | (set(previous["models"]) - set(info))]}
-    text = evaluation_text(TEXT)
-    documents = [text[i:i + 5000] for i in range(0, min(len(text), 2_000_000), 5000)]
+    stale = {label for label in info if previous["models"].get(label) != info[label]}  # a label now naming another folder or weights
+    payload = {"settings": settings, "models": {**previous["models"], **info},
+               "copy": [r for r in previous["copy"] if r["model"] not in stale],
+               "ppl": [r for r in previous["ppl"] if r["model"] not in stale]}
     for label, folder in {ORIGINAL: SMOLLM2, **models}.items():
         loaded = None
         for length in settings["lengths"]:
             if any(r["model"] == label and r["length"] == length for r in payload["copy"]):
                 continue
             loaded = loaded or load_language_model(str(folder))
-            contexts = [c for c in copy_contexts(loaded.tokenizer, documents, length, args.contexts, SEED) if c.format in FORMATS]
+            contexts = held_out_contexts(loaded.tokenizer, length, args.contexts)
             storage = getattr(loaded.model.config, "cache_storage", None) if label != ORIGINAL else None
             measured = copy_accuracy(loaded.model, contexts, storage=storage)
             payload["copy"].append({"model": label, "length": length, **measured})

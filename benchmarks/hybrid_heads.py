@@ -17,6 +17,7 @@ already there with the same settings.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -41,6 +42,18 @@ TEXT = "austen"
 FORMATS = ("word-list", "json-records")
 SEED = 777
 ORIGINAL = "original"
+
+
+@functools.lru_cache(maxsize=1)
+def held_out_documents() -> tuple[str, ...]:
+    """The held-out text the copy contexts are built from, in 5,000-character documents (read once)."""
+    text = evaluation_text(TEXT)
+    return tuple(text[i:i + 5000] for i in range(0, min(len(text), 2_000_000), 5000))
+
+
+def held_out_contexts(tokenizer, length: int, per_format: int) -> list:
+    """``per_format`` held-out copy contexts of ``length`` tokens in each of ``FORMATS`` (the same for every script that uses them)."""
+    return [c for c in copy_contexts(tokenizer, list(held_out_documents()), length, per_format, SEED) if c.format in FORMATS]
 
 
 def parse() -> argparse.Namespace:
@@ -102,14 +115,12 @@ def main() -> None:
         options = ConvertOptions(f"hybrid:score={score}", cache_budget=args.budget)
         manifest = finished_conversion(out, options) or convert_pretrained(SMOLLM2, options, out)[1]
         folders[f"score={score}"] = (out, sum(len(layer["full_heads"]) for layer in manifest["layers"]) if "layers" in manifest else None)
-    text = evaluation_text(TEXT)
-    documents = [text[i:i + 5000] for i in range(0, min(len(text), 2_000_000), 5000)]
     for name, (folder, heads) in {ORIGINAL: (SMOLLM2, None), **folders}.items():
         loaded = load_language_model(str(folder))
         for length in lengths:
             if (name, length) in rows:
                 continue
-            contexts = [c for c in copy_contexts(loaded.tokenizer, documents, length, args.contexts, SEED) if c.format in FORMATS]
+            contexts = held_out_contexts(loaded.tokenizer, length, args.contexts)
             storage = loaded.model.config.cache_storage if args.through_cache and name != ORIGINAL else None
             measured = copy_accuracy(loaded.model, contexts, storage=storage)
             rows[(name, length)] = {"model": name, "length": length, "exact_heads": heads, **measured}

@@ -73,7 +73,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(script: str) -> ModuleType:
-    """A script of ``benchmarks/`` (not a package) imported as a module, for tests of its rendering."""
+    """A script of ``benchmarks/`` (not a package) imported as a module, for tests of its rendering; as when the
+    script runs, ``benchmarks/`` is on the path, so it can import the scripts beside it."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_under_test", BENCHMARKS / script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
