@@ -25,7 +25,8 @@ from slimkv.convert.source import Shape, Source, gqa_state
 from slimkv.data.texts import calibration_sources
 
 # score "combined" by default: on held-out copy contexts (Austen, word lists and JSON records, 30 of SmolLM2's 90 KV heads exact)
-# its heads copied better than copy_mass's at 2K, 4K and 8K, and than window_loss's at 2K (docs/conversion.md, hybrid)
+# its heads copied best on average over 2K and 8K, clearly above copy_mass's at 8K and even with window_loss's there
+# (benchmarks/results/convert/convert_hybrid_heads_smollm2.md; docs/conversion.md, hybrid)
 METHOD_OPTIONS = {"window": 256, "sink_len": 4, "at": None, "score": "combined", "roles_seq_len": None, "roles_contexts": 2}
 MAX_AT = 8192
 COMBINED = "combined"  # the two role scores' rankings taken in turn (ranked_heads)
