@@ -49,6 +49,9 @@
  * narrower rows (NEAR_PREFETCH: without it an Intel Xeon's one-core read rate dropped 30% there).
  *
  * Threads: the (batch, kv_head) pairs are split over ``threads`` POSIX threads (1: the caller's).
+ * When there are fewer pairs than threads (MQA, MLA, LRKV at batch 1) and enough keys, each pair's
+ * keys are cut into ranges (key splits, as flash decoding does): each thread attends one range, and
+ * the ranges' normalised outputs are merged by their softmax statistics (running max and sum).
  *
  * Quantized caches (int8 / int4 codes with per-group scales and minima, slimkv/ops/quantize.py)
  * have their own entry point, QUANTIZED_ENTRY (decode_quantized.h), which reads the codes in place;
@@ -78,6 +81,9 @@
 #define NEAR_PREFETCH 1 /* the AVX2 tiles prefetch rows Ahead leaves alone (narrow rows) PREFETCH_BLOCKS blocks ahead, key by key (0: not) */
 #endif
 #define MAX_SEGMENTS 4
+#ifndef MIN_SPLIT_KEYS
+#define MIN_SPLIT_KEYS 1024 /* a key split is at least this many keys (a shorter one costs more to start and merge than it saves) */
+#endif
 #define FIELDS 10 /* integers per segment in the entry point's ``fields`` */
 
 /* The element type of the cached keys and values: float32, or bfloat16 when built with
@@ -123,6 +129,7 @@ typedef struct {
     int shared; /* every segment's values are shared by all heads (value head stride 0: the latent kind) */
     float scale;
     int status;
+    float *stats_max, *stats_sum; /* key splits: the item's softmax statistics per query row, kept for the merge (NULL: not split) */
 } Job;
 
 /* exp(x) for x <= 0, to a few ulp: Cody-Waite reduction to |r| <= ln2/2, then Cephes' degree-6
@@ -359,6 +366,12 @@ static void *run_job(void *arg) {
                     b, h, heads, job->groups, job->dim, job->v_dim, job->scale, acc, run_max, run_sum, qs);
     }
 done:
+    if (job->stats_max) { /* a key split runs one item: keep its rows' statistics */
+        ITEM_SPAN(job, job->first, b, h, heads)
+        const int64_t base = (b * job->kv_heads + h) * job->groups;
+        memcpy(job->stats_max + base, run_max, sizeof(float) * (size_t)(heads * job->groups));
+        memcpy(job->stats_sum + base, run_sum, sizeof(float) * (size_t)(heads * job->groups));
+    }
     free(acc);
     job->status = 0;
     return NULL;
@@ -367,6 +380,76 @@ done:
 #include "decode_quantized.h"
 #include "decode_linear.h"
 #include "quantize_rows.h"
+
+/* Runs ``jobs[0..threads)``: jobs[0] on the caller's thread, the others on POSIX threads (or here,
+ * when one cannot start). Returns the jobs' statuses or-ed. */
+static int run_jobs(Job *jobs, int threads) {
+    pthread_t ids[64];
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&ids[t], NULL, run_job, &jobs[t]) != 0) break;
+        started = t;
+    }
+    for (int t = started + 1; t < threads; t++) run_job(&jobs[t]); /* threads that could not start: run here */
+    run_job(&jobs[0]);
+    int status = jobs[0].status;
+    for (int t = 1; t <= started; t++) {
+        pthread_join(ids[t], NULL);
+        status |= jobs[t].status;
+    }
+    for (int t = started + 1; t < threads; t++) status |= jobs[t].status;
+    return status;
+}
+
+/* Key splits: ``splits`` ranges of every item's keys (the segments read as one), one job per (range,
+ * item); range 0 writes ``out``, the others scratch copies of it. Each output row is then the ranges'
+ * rows weighted by their share of the softmax's sum: s_j exp(m_j - M) over the same summed over j. */
+static int split_keys(const Segment *segments, int n_segments, int64_t total_keys, float *out, int64_t batch, int64_t kv_heads,
+                      int64_t groups, int64_t dim, int64_t v_dim, float scale, int64_t items, int64_t parts, int shared, int64_t splits) {
+    const int64_t rows = batch * kv_heads * groups;
+    float *scratch = malloc(sizeof(float) * (size_t)((splits - 1) * rows * v_dim + 2 * splits * rows));
+    if (!scratch) return 1;
+    float *stats = scratch + (splits - 1) * rows * v_dim; /* range j: its rows' maxima at 2j * rows, their sums at (2j + 1) * rows */
+    Segment ranges[64][MAX_SEGMENTS];
+    Job jobs[64];
+    int n_jobs = 0;
+    for (int64_t j = 0; j < splits; j++) {
+        const int64_t lo = total_keys * j / splits / BLOCK_KEYS * BLOCK_KEYS;
+        const int64_t hi = j + 1 == splits ? total_keys : total_keys * (j + 1) / splits / BLOCK_KEYS * BLOCK_KEYS;
+        int n = 0;
+        int64_t start = 0; /* segment s's first key among the keys read as one */
+        for (int s = 0; s < n_segments; start += segments[s].keys, s++) {
+            const int64_t from = lo > start ? lo - start : 0, to = hi < start + segments[s].keys ? hi - start : segments[s].keys;
+            if (to <= from) continue;
+            Segment seg = segments[s];
+            seg.k += from * seg.k_stride_t;
+            seg.v += from * seg.v_stride_t;
+            seg.keys = to - from;
+            ranges[j][n++] = seg;
+        }
+        float *range_out = j == 0 ? out : scratch + (j - 1) * rows * v_dim;
+        for (int64_t i = 0; i < items; i++)
+            jobs[n_jobs++] = (Job){range_out, ranges[j], n, kv_heads, groups, dim, v_dim, i, i + 1, parts, shared, scale, 1,
+                                   stats + 2 * j * rows, stats + (2 * j + 1) * rows};
+    }
+    const int status = run_jobs(jobs, n_jobs);
+    for (int64_t r = 0; status == 0 && r < rows; r++) {
+        float top = -INFINITY, weights[64], total = 0.0f;
+        for (int64_t j = 0; j < splits; j++) top = stats[2 * j * rows + r] > top ? stats[2 * j * rows + r] : top;
+        for (int64_t j = 0; j < splits; j++) {
+            weights[j] = stats[(2 * j + 1) * rows + r] * exp_nonpositive(stats[2 * j * rows + r] - top);
+            total += weights[j];
+        }
+        float *row = out + r * v_dim;
+        for (int64_t e = 0; e < v_dim; e++) row[e] *= weights[0] / total;
+        for (int64_t j = 1; j < splits; j++) {
+            const float w = weights[j] / total, *from = scratch + (j - 1) * rows * v_dim + r * v_dim;
+            for (int64_t e = 0; e < v_dim; e++) row[e] += w * from[e];
+        }
+    }
+    free(scratch);
+    return status;
+}
 
 /* ``fields`` holds FIELDS integers per segment: the query, key and value pointers, the key count,
  * the keys' batch, head and row strides and the values' batch, head and row strides (in elements).
@@ -395,23 +478,12 @@ int ENTRY(const int64_t *fields, int n_segments, float *out, int64_t batch, int6
         if (parts > kv_heads) parts = kv_heads;
     }
     const int64_t items = batch * parts;
+    int64_t splits = threads > items ? threads / items : 1;
+    if (splits > total_keys / MIN_SPLIT_KEYS) splits = total_keys / MIN_SPLIT_KEYS;
+    if (splits > 1) return split_keys(segments, n_segments, total_keys, out, batch, kv_heads, groups, dim, v_dim, scale, items, parts, shared, splits);
     if (threads > items) threads = (int)items;
     Job jobs[64];
-    pthread_t ids[64];
     for (int t = 0; t < threads; t++)
-        jobs[t] = (Job){out, segments, n_segments, kv_heads, groups, dim, v_dim, items * t / threads, items * (t + 1) / threads, parts, shared, scale, 1};
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&ids[t], NULL, run_job, &jobs[t]) != 0) break;
-        started = t;
-    }
-    for (int t = started + 1; t < threads; t++) run_job(&jobs[t]); /* threads that could not start: run here */
-    run_job(&jobs[0]);
-    int status = jobs[0].status;
-    for (int t = 1; t <= started; t++) {
-        pthread_join(ids[t], NULL);
-        status |= jobs[t].status;
-    }
-    for (int t = started + 1; t < threads; t++) status |= jobs[t].status;
-    return status;
+        jobs[t] = (Job){out, segments, n_segments, kv_heads, groups, dim, v_dim, items * t / threads, items * (t + 1) / threads, parts, shared, scale, 1, NULL, NULL};
+    return run_jobs(jobs, threads);
 }

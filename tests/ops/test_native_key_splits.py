@@ -1,0 +1,75 @@
+"""Key splits in the native decode kernel (csrc/decode_attention.c, ``split_keys``): with fewer
+(batch, kv_head) work items than threads, each item's keys are cut into ranges attended on separate
+threads and merged by their softmax statistics. Every path and cache layout against the reference."""
+
+import math
+
+import pytest
+import torch
+
+from slimkv.ops import native
+from slimkv.ops.attention import reference_attention
+from tests.ops.test_native import DTYPES, ISAS, _isa_cache, _tolerance, needs_kernel
+
+
+@pytest.fixture
+def many_threads(monkeypatch):
+    """Every call may use 16 threads (more threads than work items in every layout below)."""
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(16)
+    yield
+    torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["mqa64", "gqa32x9", "mha-odd", "mla288", "mla-odd", "lrkv192", "latent-shared-odd"])
+def test_key_splits_match_the_reference_on_every_path_and_layout(isa, dtype, layout, many_threads):
+    """4,100 keys (4 ranges of at least 1,024 keys, boundaries on 64-key blocks, a ragged last one):
+    MQA/GQA rows, MHA's odd widths, MLA's rows with the values inside, LRKV's [k | v] rows, the
+    latent kind's shared values (items are shares of the heads there)."""
+    dtype = DTYPES[dtype]
+    q, k, v = _isa_cache(layout, 4100, dtype, seed=3)
+    out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(q.shape[-1]), native.isa_kernel(dtype, isa))
+    torch.testing.assert_close(out.float(), reference_attention(q.float(), k.float(), v.float()), **_tolerance(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_key_splits_cross_segment_boundaries_under_one_softmax(isa, dtype, many_threads):
+    """KVM's regions: four segments with their own queries; the ranges start and end inside and
+    between segments, and one range holds parts of three."""
+    dtype = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(7)
+    lengths = (1500, 37, 2600, 64)
+    segments = [(torch.randn(1, 1, n, 64, generator=gen).to(dtype), torch.randn(1, 1, n, 64, generator=gen).to(dtype)) for n in lengths]
+    q = torch.randn(1, 4, 1, 64, generator=gen)
+    queries = [(q * (0.5 + torch.rand(4, generator=gen)).view(1, -1, 1, 1)).to(dtype) for _ in lengths]
+    out = native.native_decode_attention(queries, segments, 0.125, native.isa_kernel(dtype, isa))
+    logits = torch.cat([qi.float() @ k.float().expand(1, 4, -1, -1).transpose(-1, -2) for qi, (k, _) in zip(queries, segments)], dim=-1) * 0.125
+    expected = logits.softmax(-1) @ torch.cat([v.float().expand(1, 4, -1, -1) for _, v in segments], dim=2)
+    torch.testing.assert_close(out.float(), expected, **_tolerance(dtype))
+
+
+@needs_kernel
+def test_a_split_call_sums_in_another_order_than_one_thread(monkeypatch):
+    """The split path really runs (its merge adds the ranges in another order, so float32 bits move),
+    and below two ranges' worth of keys it does not (the same bits as one thread)."""
+    q, k, v = _isa_cache("mqa64", 4100, torch.float32, seed=1)
+    short = (k[:, :, :2000], v[:, :, :2000])
+    one = native.native_decode_attention([q], [(k, v)], 0.125, native.decode_kernel())
+    one_short = native.native_decode_attention([q], [short], 0.125, native.decode_kernel())
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        split = native.native_decode_attention([q], [(k, v)], 0.125, native.decode_kernel())
+        unsplit_short = native.native_decode_attention([q], [short], 0.125, native.decode_kernel())
+    finally:
+        torch.set_num_threads(before)
+    assert not torch.equal(one, split)
+    torch.testing.assert_close(split, one, rtol=1e-5, atol=2e-6)
+    assert torch.equal(one_short, unsplit_short)
