@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from slimkv.common.buffer import GrowableBuffer
+from slimkv.common.buffer import GrowableBuffer, state_bytes
 from slimkv.ops.quantize import FULL, KVStorage, QuantizedBuffer
 
 BUFFERS = (GrowableBuffer, QuantizedBuffer)
@@ -50,12 +50,10 @@ class AttentionCache:
         """The objects that hold live state (for ``nbytes``)."""
         return iter(())
 
-    def nbytes(self) -> int:
-        """Bytes of the live state (the used part of each buffer, not its spare capacity)."""
-        total = 0
-        for t in self.tensors():
-            total += t.nbytes() if isinstance(t, BUFFERS) else t.numel() * t.element_size()
-        return total
+    def nbytes(self, float_size: int | None = None) -> int:
+        """Bytes of the live state (the used part of each buffer, not its spare capacity); with
+        ``float_size``, floating elements counted at that size (``slimkv.common.buffer.element_bytes``)."""
+        return sum(state_bytes(t, float_size) for t in self.tensors())
 
     def mark(self) -> Any:
         """A mark of the current state; ``rollback(mark)`` undoes every change made after it (a call

@@ -18,6 +18,21 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def element_bytes(dtype: torch.dtype, float_size: int | None = None) -> int:
+    """Bytes per element of ``dtype`` as stored, or ``float_size`` for a floating dtype when given:
+    a float32 cache counted as the bfloat16 cache it stands for (``float_size=2``; its codes are
+    the same, its scales and full-precision rows are in the cache's dtype)."""
+    return float_size if float_size is not None and dtype.is_floating_point else dtype_bytes(dtype)
+
+
+def state_bytes(part: torch.Tensor | GrowableBuffer, float_size: int | None = None) -> int:
+    """Bytes of one part of a cache's live state: a tensor, or anything with ``nbytes(float_size)``
+    (a buffer's live rows, a quantized buffer's codes, scales and rows)."""
+    if isinstance(part, torch.Tensor):
+        return part.numel() * element_bytes(part.dtype, float_size)
+    return part.nbytes(float_size)
+
+
 class GrowableBuffer:
     """A (batch, heads, length, dim) tensor that grows along ``length`` without per-token copies."""
 
@@ -70,9 +85,10 @@ class GrowableBuffer:
         a later compaction writes only into dropped slots or into new storage)."""
         self._storage, self._start, self._end = mark
 
-    def nbytes(self) -> int:
+    def nbytes(self, float_size: int | None = None) -> int:
+        """Bytes of the live rows (``float_size``: see ``element_bytes``)."""
         b, h, d = self.shape
-        return b * h * len(self) * d * self._storage.element_size()
+        return b * h * len(self) * d * element_bytes(self.dtype, float_size)
 
     def _make_room(self, n: int) -> None:
         live = len(self)

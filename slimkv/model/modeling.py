@@ -52,9 +52,9 @@ class SlimKVCache:
         """Tokens seen so far (the name ``transformers`` generation asks for)."""
         return self.layers[layer_idx].seq_len
 
-    def nbytes(self) -> int:
-        """Bytes of live state summed over layers."""
-        return sum(c.nbytes() for c in self.layers)
+    def nbytes(self, float_size: int | None = None) -> int:
+        """Bytes of live state summed over layers (``float_size``: ``slimkv.common.buffer.element_bytes``)."""
+        return sum(c.nbytes(float_size) for c in self.layers)
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -201,6 +201,6 @@ class QuantizedBuffer:
             part.restore(part_mark)
         self.stored = mark[-1]
 
-    def nbytes(self) -> int:
-        """Bytes held: codes, scales, minima and the residual rows."""
-        return sum(part.nbytes() for part in self._parts())
+    def nbytes(self, float_size: int | None = None) -> int:
+        """Bytes held: codes, scales, minima and the residual rows (``float_size``: ``slimkv.common.buffer.element_bytes``)."""
+        return sum(part.nbytes(float_size) for part in self._parts())

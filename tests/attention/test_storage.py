@@ -99,3 +99,42 @@ def test_perplexity_of_a_quantized_model_is_scored_through_its_cache():
         assert cache_chunk(model) == 8
         quantized = perplexity_of_ids(model, ids, 45, cache_chunk=cache_chunk(model))
     assert quantized["through_cache_in_calls_of"] == 8 and quantized["ppl"] != plain["ppl"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_a_float32_cache_counted_at_two_bytes_is_the_bfloat16_cache(case):
+    """``nbytes(float_size=2)`` of a float32 model's cache equals the live bytes of the same model in
+    bfloat16 after the same tokens, in every storage: the codes and row counts do not depend on the
+    dtype (what lets a conversion measure its bfloat16 cache with a float32 prefill)."""
+    kind, opts = case
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=50, d_model=D_MODEL, n_layers=2, n_heads=N_HEADS, attention=kind, attention_options=opts)
+    model = SlimKVForCausalLM(config).eval()
+    bf16 = SlimKVForCausalLM(config).to(torch.bfloat16).eval()
+    bf16.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 50, (1, 90))
+    for storage in ("full", "int8:group=4,residual=8,block=4", "int4:group=4,residual=16"):
+        caches = model.new_cache(1, storage=storage), bf16.new_cache(1, storage=storage)
+        with torch.no_grad():
+            for start, stop in ((0, 37), (37, 38), (38, 90)):
+                model(ids[:, start:stop], cache=caches[0])
+                bf16(ids[:, start:stop], cache=caches[1])
+        assert caches[0].nbytes(float_size=2) == caches[1].nbytes(), storage
+        assert caches[0].nbytes(float_size=4) == caches[0].nbytes() >= caches[1].nbytes()  # swa window=1 holds nothing between calls
+
+
+def test_conversion_measures_the_bfloat16_cache_without_a_bfloat16_prefill():
+    from slimkv.convert.pipeline import measured_cache_bytes
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=50, d_model=D_MODEL, n_layers=2, n_heads=N_HEADS, attention="gqa", attention_options={"n_kv_heads": 2},
+                         cache_storage="int4:group=4,residual=8")
+    model = SlimKVForCausalLM(config).eval()
+    bf16 = SlimKVForCausalLM(config).to(torch.bfloat16).eval()
+    bf16.load_state_dict(model.state_dict())
+    sizes = measured_cache_bytes(model, [40, 100], torch.bfloat16)
+    cache = bf16.new_cache(1)
+    with torch.no_grad():
+        bf16(torch.zeros(1, 40, dtype=torch.long), cache=cache)
+        assert sizes[40] == cache.nbytes()
+        bf16(torch.zeros(1, 60, dtype=torch.long), cache=cache)
+    assert sizes[100] == cache.nbytes() and next(model.parameters()).dtype == torch.float32

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from slimkv.common.buffer import GrowableBuffer, dtype_bytes
+from slimkv.common.buffer import GrowableBuffer, dtype_bytes, state_bytes
 from slimkv.ops.kvm.core import KVMParams, Rows, check_inputs, decode_token, process
 from slimkv.ops.kvm.settings import KVMSettings
 from slimkv.ops.norm import compute_dtype
@@ -38,8 +38,9 @@ class KVMState:
         """Everything that holds live state (the window buffers and the row tensors)."""
         return [*self.buffers(), *self.rows.tensors()]
 
-    def nbytes(self) -> int:
-        return sum(t.nbytes() if isinstance(t, GrowableBuffer) else t.numel() * t.element_size() for t in self.tensors())
+    def nbytes(self, float_size: int | None = None) -> int:
+        """Bytes of the live state (``float_size``: ``slimkv.common.buffer.element_bytes``)."""
+        return sum(state_bytes(t, float_size) for t in self.tensors())
 
 
     def append_window(self, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None) -> tuple:
