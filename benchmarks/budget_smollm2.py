@@ -86,10 +86,15 @@ def render(payload: dict) -> str:
 
 
 def conversion_label(converted: dict) -> str:
-    """A conversion's row label from its manifest (not its folder's name): the budget, the storage and how the heads were chosen."""
+    """A conversion's row label from its manifest (not its folder's name): a planned one's budget, storage
+    and how the heads were chosen; any other its method, cache ratio and storage, as the command spells them."""
     plan, options = converted.get("budget_plan") or {}, converted.get("method_options") or {}
     healing = converted.get("healing") or {}
     healed = f", healed {(healing.get('config') or {}).get('tokens')} tokens" if healing else ""
+    if not plan:
+        ratio = f" --cache-ratio {converted['cache_ratio']:g}" if converted.get("cache_ratio") is not None else ""
+        storage = (converted.get("cache_storage") or "full").split(":")[0]
+        return f"convert --to {converted.get('method', '?')}{ratio}" + (f" --cache-storage {storage}" if storage != "full" else "") + healed
     return (f"convert --cache-budget {plan.get('budget', converted.get('cache_ratio')):g} ({(plan.get('storage') or 'full').split(':')[0]}, "
             f"{plan.get('exact_heads', '?')} exact heads by {options.get('score', '?')}{healed})")
 
