@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from slimkv.common.paths import cache_dir
-from slimkv.data.debian import deb_member, deb_members, fetch_package_texts, package_files
+from slimkv.data.debian import MANIFEST, deb_member, deb_members, fetch_package_texts, package_files
 
 Z_MAGIC = b"\x1f\x9d"
 LZW_CLEAR = 256
@@ -129,10 +129,28 @@ def bible_books(text: str) -> list[str]:
     return ["\n".join(lines) for lines in books.values()]
 
 
+_PARSED: dict[tuple[str, int], tuple[str, ...]] = {}  # (package folder, its manifest's mtime) -> documents: ``parsed_once``
+
+
+def parsed_once(folder: Path, parse: Callable[[Path], list[str]]) -> list[str]:
+    """``parse(folder)``: the documents of a package folder, parsed once per process while the folder
+    stays as it is (keyed by its path and its manifest's modification time; a rebuilt folder is parsed
+    again). A conversion reads its calibration sources several times (checks, calibration, head
+    roles); the reST and HTML parsing took seconds each time. Each call returns a new list; a folder
+    without a manifest (not one ``fetch_package_texts`` made) is parsed every time."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return list(parse(folder))
+    key = (str(folder.resolve()), manifest.stat().st_mtime_ns)
+    if key not in _PARSED:
+        _PARSED[key] = tuple(parse(folder))
+    return list(_PARSED[key])
+
+
 def kjv_documents() -> list[str]:
     """The King James Bible, one document per book (66)."""
     folder = fetch_package_texts(_source_dir("kjv"), KJV_PACKAGE, _build_kjv, KJV_LICENSE)
-    return bible_books(package_files(folder)[0].read_text(encoding="utf-8"))
+    return parsed_once(folder, lambda f: bible_books(package_files(f)[0].read_text(encoding="utf-8")))
 
 
 # --- devil: dict-devil -----------------------------------------------------------------------
@@ -183,8 +201,7 @@ def devil_chunks(entries: list[str], size: int = ENTRIES_PER_DOCUMENT) -> list[s
 def devil_documents() -> list[str]:
     """The Devil's Dictionary, in chunks of 50 entries (A to Z)."""
     folder = fetch_package_texts(_source_dir("devil"), DEVIL_PACKAGE, _build_devil, DEVIL_LICENSE)
-    data, index = (folder / "devil.dict").read_bytes(), (folder / "devil.index").read_text(encoding="utf-8")
-    return devil_chunks(dictd_entries(data, index))
+    return parsed_once(folder, lambda f: devil_chunks(dictd_entries((f / "devil.dict").read_bytes(), (f / "devil.index").read_text(encoding="utf-8"))))
 
 
 # --- pydoc: python3.11-doc -------------------------------------------------------------------
@@ -254,8 +271,8 @@ def pydoc_documents() -> list[str]:
     """The Python 3.11 documentation, one document per reST file, files under 2,000 characters
     (once plain) dropped."""
     folder = fetch_package_texts(_source_dir("pydoc"), PYDOC_PACKAGE, _build_pydoc, PYDOC_LICENSE)
-    texts = (rst_to_text(path.read_text(encoding="utf-8")) for path in package_files(folder))
-    return [text for text in texts if len(text) >= PYDOC_MIN_CHARS]
+    return parsed_once(folder, lambda f: [text for text in (rst_to_text(path.read_text(encoding="utf-8")) for path in package_files(f))
+                                          if len(text) >= PYDOC_MIN_CHARS])
 
 
 # --- handbook: debian-handbook (HTML) --------------------------------------------------------
@@ -332,8 +349,9 @@ def handbook_documents() -> list[str]:
     """The Debian Administrator's Handbook, one document per page of at least HANDBOOK_MIN_CHARS
     characters, pages sorted by file name (the table of contents, ``index.html``, left out)."""
     folder = fetch_package_texts(_source_dir("handbook"), HANDBOOK_PACKAGE, _build_handbook, HANDBOOK_LICENSE)
-    texts = ("\n".join(html_paragraphs(path.read_text(encoding="utf-8"))) for path in package_files(folder) if path.name != "index.html")
-    return [text for text in texts if len(text) >= HANDBOOK_MIN_CHARS]
+    return parsed_once(folder, lambda f: [text for text in ("\n".join(html_paragraphs(path.read_text(encoding="utf-8")))
+                                                             for path in package_files(f) if path.name != "index.html")
+                                          if len(text) >= HANDBOOK_MIN_CHARS])
 
 
 # --- held-out splits ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import random
 import shutil
 import subprocess
@@ -535,3 +536,21 @@ def test_a_mix_with_more_sources_than_windows_is_refused_naming_the_tokens_it_ne
     """Each source of a mix gets a share of the windows; with fewer windows than sources one would get none."""
     with pytest.raises(ValueError, match=r"gives 4 windows, fewer than the 5 sources of the mix .*at least 80"):
         check_calibration_size(WordTokenizer(), calibration_sources("shakespeare,kjv,devil,pydoc,handbook"), 64, 16)
+
+
+def test_a_package_folder_is_parsed_once_until_it_changes(tmp_path):
+    from slimkv.data.corpora import MANIFEST, parsed_once
+    calls = []
+    parse = lambda folder: calls.append(folder) or ["a", "b"]  # noqa: E731
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert parsed_once(bare, parse) == parsed_once(bare, parse) == ["a", "b"] and len(calls) == 2  # no manifest: parsed each time
+    folder = tmp_path / "package"
+    folder.mkdir()
+    (folder / MANIFEST).write_text("{}", encoding="utf-8")
+    first = parsed_once(folder, parse)
+    first.append("changed by a caller")
+    assert parsed_once(folder, parse) == ["a", "b"] and len(calls) == 3  # parsed once; each call gets its own list
+    os.utime(folder / MANIFEST, ns=(1, 1))  # the folder rebuilt
+    parsed_once(folder, parse)
+    assert len(calls) == 4
