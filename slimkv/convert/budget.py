@@ -13,7 +13,7 @@ precision, rows past the residual window as codes with a scale and a minimum per
 * which heads: the highest measured retrieval scores (``convert.hybrid``).
 
 The plan is said before any weights load; the conversion's manifest records it and the cache
-measured on a live bfloat16 cache beside it.
+measured on a live cache beside it (its floating elements at bfloat16's size: the bytes of a bfloat16 cache).
 """
 
 from __future__ import annotations

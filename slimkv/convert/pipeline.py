@@ -284,7 +284,8 @@ def cache_bytes_table(model: SlimKVForCausalLM, shape: Shape, *, progress: bool 
     """Cache bytes of the converted model and of the original at contexts from 1K to the model's
     position limit. Full storage: float32, analytic (the state of a bounded kind stops growing
     here). Quantized storage: bfloat16 (the dtype it is served in; its scales are stored in it),
-    measured on a live cache of a bfloat16 copy, prefilled in 1K chunks, up to 8K."""
+    measured on the model's live cache prefilled in 1K chunks up to 8K, its floating elements
+    counted at bfloat16's size (``measured_cache_bytes``: the bytes a bfloat16 cache holds)."""
     contexts = [n for n in (1024, 2048, 4096, 8192, 16384, 32768) if n <= shape.max_position_embeddings] or [shape.max_position_embeddings]
     if model.config.cache_storage == "full":
         rows = [(n, model.cache_bytes(n), n * shape.cache_elements * shape.n_layers * 4) for n in contexts]
