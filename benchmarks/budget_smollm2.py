@@ -99,17 +99,23 @@ def conversion_label(converted: dict) -> str:
             f"{plan.get('exact_heads', '?')} exact heads by {options.get('score', '?')}{healed})")
 
 
+def compression_label(compressed: dict) -> str:
+    """A ``slimkv compress`` output's row label from its identity: the method and the weight ratio removed."""
+    return f"compress --method {compressed.get('method', '?')} --ratio {compressed.get('ratio', '?'):g} (weights; the cache is the original's)"
+
+
 def ruler_rows() -> list[dict]:
     """Every RULER cell of the original (under each cache option) and of the budget conversions; of a
     cell run more than once (another --out, more prompts), the run with the most prompts."""
     rows: dict[tuple, dict] = {}
     for path in sorted((RESULTS / "ruler").glob("smollm2*/*/ruler.json")):
         run = json.loads(path.read_text())
-        converted = (run["settings"].get("identity") or {}).get("converted")
+        identity = run["settings"].get("identity") or {}
+        converted, compressed = identity.get("converted"), identity.get("compressed")
         for cell in run["cells"].values():
             if cell.get("n"):
-                name = (("original" if cell["option"] == "none" else f"original, {cell['option']}") if not converted
-                        else conversion_label(converted))
+                name = (conversion_label(converted) if converted else compression_label(compressed) if compressed
+                        else "original" if cell["option"] == "none" else f"original, {cell['option']}")
                 low, high = ruler.score_interval(cell, path.parent)
                 row = {"method": name, "task": cell["task"], "length": cell["length"], "score": cell["score"], "full": cell["full"], "n": cell["n"],
                        "full_low": cell["wilson95"][0], "full_high": cell["wilson95"][1], "low": low, "high": high,

@@ -37,3 +37,11 @@ def test_rows_are_labelled_from_the_manifest_as_the_command_spells_them(script):
     assert (script.conversion_label({"method": "latent", "cache_ratio": 0.5, "cache_storage": "int4:group=32,residual=128", "budget_plan": None})
             == "convert --to latent --cache-ratio 0.5 --cache-storage int4")
     assert script.conversion_label({"method": "kvm", "cache_ratio": None, "cache_storage": "full"}) == "convert --to kvm"
+    assert (script.compression_label({"method": "latentllm", "ratio": 0.2})
+            == "compress --method latentllm --ratio 0.2 (weights; the cache is the original's)")
+
+
+def test_no_compressed_or_converted_model_is_labelled_the_original(script):
+    for row in script.ruler_rows():
+        if row["method"] == "original":
+            assert row["ratio"] == 2.0  # the float32 original's own cache, against its bfloat16 bytes
