@@ -74,6 +74,7 @@ $(RULER_STAMP): pyproject.toml requirements.lock benchmarks/ruler/requirements.t
 # transformers' int4 quantized cache and the planner's --cache-budget 0.25 conversion (each run resumes).
 RULER_QUICK := runs/ruler-quick
 ruler-quick: $(RULER_STAMP)
+	$(RULER_VENV)/bin/slimkv models fetch smollm2
 	$(RULER_VENV)/bin/slimkv eval ruler --model smollm2 --out $(RULER_QUICK)/original --tasks niah_single_1 --lengths 2k \
 		--caches none,quanto-int4 --limit 10 --threads 2
 	test -f $(RULER_QUICK)/budget0.25/slimkv_conversion.json || \
