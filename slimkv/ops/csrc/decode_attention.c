@@ -132,6 +132,22 @@ typedef struct {
     float *stats_max, *stats_sum; /* key splits: the item's softmax statistics per query row, kept for the merge (NULL: not split) */
 } Job;
 
+/* Runs ``work`` on each of ``count`` jobs (``jobs``: an array of ``job_size``-byte structs, at most
+ * 64): job 0 on the caller's thread, the others on POSIX threads (or here, when one cannot start).
+ * Every job is done when it returns. The one thread runner of every entry point in this library. */
+static void run_on_threads(void *(*work)(void *), void *jobs, size_t job_size, int count) {
+    pthread_t ids[64];
+    char *base = jobs;
+    int started = 0;
+    for (int t = 1; t < count; t++) {
+        if (pthread_create(&ids[t], NULL, work, base + (size_t)t * job_size) != 0) break;
+        started = t;
+    }
+    for (int t = started + 1; t < count; t++) work(base + (size_t)t * job_size); /* threads that could not start: run here */
+    work(base);
+    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
+}
+
 /* exp(x) for x <= 0, to a few ulp: Cody-Waite reduction to |r| <= ln2/2, then Cephes' degree-6
  * polynomial, then 2^n from the exponent bits. Written so the compiler vectorizes it. */
 static inline float exp_nonpositive(float x) {
@@ -381,23 +397,11 @@ done:
 #include "decode_linear.h"
 #include "quantize_rows.h"
 
-/* Runs ``jobs[0..threads)``: jobs[0] on the caller's thread, the others on POSIX threads (or here,
- * when one cannot start). Returns the jobs' statuses or-ed. */
+/* Runs ``jobs[0..threads)`` (``run_on_threads``); returns their statuses or-ed. */
 static int run_jobs(Job *jobs, int threads) {
-    pthread_t ids[64];
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&ids[t], NULL, run_job, &jobs[t]) != 0) break;
-        started = t;
-    }
-    for (int t = started + 1; t < threads; t++) run_job(&jobs[t]); /* threads that could not start: run here */
-    run_job(&jobs[0]);
-    int status = jobs[0].status;
-    for (int t = 1; t <= started; t++) {
-        pthread_join(ids[t], NULL);
-        status |= jobs[t].status;
-    }
-    for (int t = started + 1; t < threads; t++) status |= jobs[t].status;
+    run_on_threads(run_job, jobs, sizeof *jobs, threads);
+    int status = 0;
+    for (int t = 0; t < threads; t++) status |= jobs[t].status;
     return status;
 }
 

@@ -43,17 +43,9 @@ int LINEAR_ENTRY(const elem_t *w, const float *x, const elem_t *bias, float *y, 
     if (threads > 64) threads = 64;
     if (threads > out_f / 4) threads = out_f / 4 > 0 ? (int)(out_f / 4) : 1;
     LinearJob jobs[64];
-    pthread_t ids[64];
     for (int t = 0; t < threads; t++) /* whole groups of four rows per thread */
         jobs[t] = (LinearJob){w, bias, x, y, in_f, out_f / 4 * t / threads * 4, t + 1 == threads ? out_f : out_f / 4 * (t + 1) / threads * 4};
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&ids[t], NULL, run_linear_job, &jobs[t]) != 0) break;
-        started = t;
-    }
-    for (int t = started + 1; t < threads; t++) run_linear_job(&jobs[t]);
-    run_linear_job(&jobs[0]);
-    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
+    run_on_threads(run_linear_job, jobs, sizeof *jobs, threads);
     return 0;
 }
 

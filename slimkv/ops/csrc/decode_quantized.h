@@ -358,21 +358,10 @@ int QUANTIZED_ENTRY(const int64_t *fields, int n_segments, float *out, int64_t b
     const int64_t items = batch * kv_heads;
     if (threads > items) threads = (int)items;
     QJob jobs[64];
-    pthread_t ids[64];
     for (int t = 0; t < threads; t++)
         jobs[t] = (QJob){out, segments, n_segments, kv_heads, groups, dim, v_dim, bits, group, items * t / threads, items * (t + 1) / threads, scale, 1};
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&ids[t], NULL, run_quantized_job, &jobs[t]) != 0) break;
-        started = t;
-    }
-    for (int t = started + 1; t < threads; t++) run_quantized_job(&jobs[t]);
-    run_quantized_job(&jobs[0]);
-    int status = jobs[0].status;
-    for (int t = 1; t <= started; t++) {
-        pthread_join(ids[t], NULL);
-        status |= jobs[t].status;
-    }
-    for (int t = started + 1; t < threads; t++) status |= jobs[t].status;
+    run_on_threads(run_quantized_job, jobs, sizeof *jobs, threads);
+    int status = 0;
+    for (int t = 0; t < threads; t++) status |= jobs[t].status;
     return status;
 }
