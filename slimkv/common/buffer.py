@@ -14,8 +14,8 @@ MIN_CAPACITY = 64
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element of ``dtype`` (no tensor made: ``nbytes`` asks for it per buffer)."""
+    return dtype.itemsize
 
 
 def element_bytes(dtype: torch.dtype, float_size: int | None = None) -> int:
