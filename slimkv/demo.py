@@ -18,20 +18,26 @@ KV cache, the LatentLLM compression demo and a small recall frontier (``DEMO_PAR
 5. Maps recall against cache size for a few kinds (``DEMO_RECALL_ENTRIES``, one seed, a short
    MQAR recipe; ``slimkv eval recall`` runs the full sweep), into ``OUT/recall``.
 
-Finished runs in the output folder are reused; interrupted ones resume from their checkpoint.
+With two or more workers (the default) the parts run in the order convert, retrieval, compress,
+compare, recall: the compare and recall runs train ahead in a background process while SmolLM2
+works here on the other thread (``TrainingAhead``), and their reports follow. Finished runs in the
+output folder are reused; interrupted ones resume from their checkpoint.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from slimkv.attention import ATTENTION_KINDS, kind_spec
-from slimkv.bench.compare import run_compare
-from slimkv.bench.entries import parse_entries
+from slimkv.bench.compare import compare_calls, compare_run, run_compare
+from slimkv.bench.entries import config_for, parse_entries
 from slimkv.common.files import check_folder_target, write_json
-from slimkv.common.workers import check_workers
+from slimkv.common.workers import check_workers, worker_pool
 from slimkv.compress import demo_compression
 from slimkv.convert.manifest import finished_conversion
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
@@ -42,13 +48,15 @@ from slimkv.eval.ppl import format_table as format_ppl
 from slimkv.eval.ppl import perplexity_report
 from slimkv.pretrained import SMOLLM2, fetch_smollm2
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
-from slimkv.recall.frontier import check_entries, run_recall
+from slimkv.recall.frontier import check_entries, recall_calls, recall_run, run_recall
 from slimkv.recall.recipe import RecallRecipe
 from slimkv.retrieval import models as retrieval
 from slimkv.retrieval.prompts import TASKS
 from slimkv.train.config import TrainConfig
 
 DEMO_PARTS = ("compare", "convert", "retrieval", "compress", "recall")
+SMOLLM2_PARTS = ("convert", "retrieval", "compress")  # one process, torch's threads
+TRAINING_PARTS = ("compare", "recall")  # small runs in worker processes of one thread each
 # the conversion demo: the planner's hybrid at a quarter of the bfloat16 bytes at 8K (slimkv.convert.budget); one copy context per format keeps it short
 DEMO_CONVERSION = ("hybrid:roles_contexts=1", 0.25)
 DEMO_CONVERSION_CALIB_TOKENS = 2560
@@ -94,7 +102,8 @@ def run_demo(
     parts: tuple[str, ...] = DEMO_PARTS,
     workers: int = DEMO_WORKERS,
 ) -> dict[str, Any]:
-    """Run the demo's ``parts`` in order (``DEMO_PARTS``); returns the comparison's report.
+    """Run the demo's ``parts`` in order (``DEMO_PARTS``; with ``workers`` > 1 the SmolLM2 parts
+    first, the small runs training ahead beside them); returns the comparison's report.
 
     ``kinds``: a subset of ``demo_entries()`` (default all of them). ``workers``: runs the
     compare and recall parts train at once (``slimkv.common.workers``)."""
@@ -118,20 +127,104 @@ def run_demo(
         "compress": lambda: run_compression_demo(out_dir / "compression"),
         "recall": lambda: run_recall_demo(out_dir / "recall", progress, workers),
     }
+    order = [part for part in DEMO_PARTS if part in parts]
+    ahead = None
+    if workers > 1 and set(order) & set(SMOLLM2_PARTS) and set(order) & set(TRAINING_PARTS):
+        order = [p for p in order if p in SMOLLM2_PARTS] + [p for p in order if p in TRAINING_PARTS]
+        ahead = TrainingAhead(workers)
     report: dict[str, Any] = {}
     timings: dict[str, dict[str, float]] = {}
-    for part in (part for part in DEMO_PARTS if part in parts):
-        wall, monotonic = time.time(), time.perf_counter()
-        result = run_part[part]()
-        if part == "compare":
-            report = result
-        timings[part] = {"wall_clock_s": time.time() - wall, "perf_counter_s": time.perf_counter() - monotonic}
-    total = {clock: sum(t[clock] for t in timings.values()) for clock in ("wall_clock_s", "perf_counter_s")}
-    write_json(out_dir / DEMO_TIMINGS, {"parts": timings, "total": total})
+    try:
+        if ahead is not None:
+            if "recall" in order:
+                ahead.submit(recall_run, recall_demo_calls(out_dir / "recall"))
+            if "compare" in order:
+                ahead.submit(compare_run, compare_demo_calls(entries, recipe, out_dir, eval_tokens, progress))
+        for part in order:
+            if part in TRAINING_PARTS and ahead is not None:
+                settling, ahead = ahead, None
+                timings["ahead"] = settling.settle()
+            wall, monotonic = time.time(), time.perf_counter()
+            result = run_part[part]()
+            if part == "compare":
+                report = result
+            timings[part] = {"wall_clock_s": time.time() - wall, "perf_counter_s": time.perf_counter() - monotonic}
+    finally:
+        if ahead is not None:  # a SmolLM2 part failed or was interrupted
+            ahead.close()
+    parts_timed = {part: t for part, t in timings.items() if part in DEMO_PARTS}
+    total = {clock: sum(t[clock] for t in parts_timed.values()) for clock in ("wall_clock_s", "perf_counter_s")}
+    write_json(out_dir / DEMO_TIMINGS, {"parts": parts_timed, "total": total, **({"ahead": timings["ahead"]} if "ahead" in timings else {})})
     print("\ndemo time by part (wall clock; perf_counter in brackets): "
-          + ", ".join(f"{part} {t['wall_clock_s']:.0f} s ({t['perf_counter_s']:.0f})" for part, t in timings.items())
+          + ", ".join(f"{part} {t['wall_clock_s']:.0f} s ({t['perf_counter_s']:.0f})" for part, t in parts_timed.items())
           + f"; total {total['wall_clock_s']:.0f} s ({total['perf_counter_s']:.0f}); reports in {out_dir.resolve()}", flush=True)
     return report
+
+
+class TrainingAhead:
+    """The compare and recall parts' small trainings, started before the SmolLM2 parts in
+    ``workers - 1`` background processes of one torch thread each while this process works on
+    SmolLM2 on the threads left (a SmolLM2 part gains ~1.4x from a second thread; a small training
+    run gains little, so sharing the cores this way saves ~1.5 minutes on 2 cores: docs/timings.md).
+
+    ``settle`` cancels the runs not yet started, waits for those running and gives this process its
+    threads back; the compare and recall parts then reuse every finished run (their run folders'
+    markers, as on any rerun) and train the rest on all workers. Results are those of the serial
+    demo: a run depends only on its arguments."""
+
+    def __init__(self, workers: int) -> None:
+        self.threads = torch.get_num_threads()
+        self.pool = worker_pool(workers - 1)
+        self.futures: list[Future] = []
+        self.started = time.perf_counter()
+        torch.set_num_threads(max(1, self.threads - (workers - 1)))
+        print(f"training the compare and recall runs ahead in {workers - 1} background process(es) of one torch thread while SmolLM2 "
+              f"runs here on {torch.get_num_threads()} thread(s); their reports follow the SmolLM2 parts, whose timings (prefill speedups) "
+              "are taken beside them", flush=True)
+
+    def submit(self, function: Any, calls: list[tuple[Any, ...]]) -> None:
+        """Queue ``function(*call)`` for every call."""
+        self.futures.extend(self.pool.submit(function, *call) for call in calls)
+
+    def settle(self) -> dict[str, Any]:
+        """Cancel what has not started, wait for what has (a run's error is raised here), restore
+        the threads; what happened."""
+        cancelled = sum(future.cancel() for future in self.futures)
+        try:
+            for future in self.futures:
+                if not future.cancelled():
+                    future.result()
+        finally:
+            self.close()
+        finished = len(self.futures) - cancelled
+        print(f"\n{finished} of {len(self.futures)} small runs trained ahead, beside the SmolLM2 parts "
+              f"({time.perf_counter() - self.started:.0f} s); the parts below reuse them", flush=True)
+        return {"runs": len(self.futures), "trained_ahead": finished, "wall_s": time.perf_counter() - self.started}
+
+    def close(self) -> None:
+        """Drop the runs not started, let running ones end (their folders stay resumable), restore the threads."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(self.threads)
+
+
+def compare_demo_calls(entries: list, recipe: TrainConfig, out_dir: Path, eval_tokens: int | None, progress: bool) -> list[tuple[Any, ...]]:
+    """The compare part's runs as ``run_compare`` will look for them (the dataset prepared first)."""
+    prepare_shakespeare(progress=progress)
+    configs = {(e.label, recipe.seed): config_for(e, recipe, recipe.seed) for e in entries}
+    return compare_calls(configs, out_dir, eval_tokens=DEMO_EVAL_TOKENS if eval_tokens is None else eval_tokens, other_text=None, progress=False)[2]
+
+
+def recall_demo_setup() -> tuple[list, RecallRecipe]:
+    """The recall part's entries and recipe."""
+    recipe = RecallRecipe(steps=DEMO_RECALL_STEPS, eval_every=DEMO_RECALL_STEPS, checkpoint_every=0)
+    return parse_entries(list(DEMO_RECALL_ENTRIES), recipe, check=lambda e: check_entries([e], recipe)), recipe
+
+
+def recall_demo_calls(out_dir: Path) -> list[tuple[Any, ...]]:
+    """The recall part's runs as ``run_recall`` will look for them."""
+    entries, recipe = recall_demo_setup()
+    check_folder_target(out_dir)
+    return recall_calls(entries, recipe, [DEMO_SEED], out_dir, progress=False)[2]
 
 
 def run_compare_demo(entries: list, recipe: TrainConfig, out_dir: Path, eval_tokens: int | None, progress: bool, workers: int = 1) -> dict[str, Any]:
@@ -199,9 +292,8 @@ def run_compression_demo(out_dir: Path) -> None:
 
 def run_recall_demo(out_dir: Path, progress: bool, workers: int = 1) -> dict[str, Any]:
     """A few kinds on the MQAR recall task, one seed, a short recipe: accuracy against live cache bytes."""
-    recipe = RecallRecipe(steps=DEMO_RECALL_STEPS, eval_every=DEMO_RECALL_STEPS, checkpoint_every=0)
+    entries, recipe = recall_demo_setup()
     print(f"\n== recall demo (MQAR, {len(DEMO_RECALL_ENTRIES)} entries x 1 seed, {recipe.steps} steps) into {out_dir}", flush=True)
-    entries = parse_entries(list(DEMO_RECALL_ENTRIES), recipe, check=lambda e: check_entries([e], recipe))
     report = run_recall(entries, recipe, [DEMO_SEED], out_dir, title="slimkv demo: recall against cache size (one seed, short recipe)", progress=progress,
                         workers=workers)
     print("(one seed and a short recipe: `slimkv eval recall` trains every kind at several cache sizes over 3 seeds)", flush=True)

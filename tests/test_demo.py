@@ -44,15 +44,6 @@ def test_a_bad_worker_count_is_refused_before_work(tmp_path):
     assert not (tmp_path / "demo").exists()
 
 
-def test_recall_demo_runs_on_a_tiny_recipe(tmp_path, monkeypatch):
-    monkeypatch.setattr("slimkv.demo.DEMO_RECALL_STEPS", 3)
-    monkeypatch.setattr("slimkv.demo.DEMO_RECALL_ENTRIES", ("mha", "swa:window=16"))
-    report = run_demo(tmp_path / "demo", parts=("recall",), progress=False)
-    assert report == {} and (tmp_path / "demo" / "recall" / "report.md").is_file()
-    recall = (tmp_path / "demo" / "recall" / "report.json").read_text()
-    assert '"swa:window=16"' in recall
-
-
 def test_recall_demo_entries_build():
     recipe = RecallRecipe()
     entries = parse_entries(list(DEMO_RECALL_ENTRIES), recipe, check=lambda e: check_entries([e], recipe))
@@ -80,3 +71,25 @@ def test_retrieval_demo_asks_the_original_and_the_conversion(tmp_path, monkeypat
     timings = json.loads((tmp_path / "demo" / "demo_timings.json").read_text())
     assert list(timings["parts"]) == ["retrieval"] and timings["total"]["wall_clock_s"] > 0
     assert "original: pass key found (mean over depths) at 400 tokens" in capsys.readouterr().out
+
+
+def test_small_runs_train_ahead_beside_the_smollm2_parts(tmp_path, monkeypatch, capsys):
+    """The recall part on a tiny recipe; with 2 workers its runs train in a background process while
+    the retrieval part runs here, and the recall part then reuses them, with the numbers of a
+    serial demo."""
+    monkeypatch.setattr("slimkv.demo.DEMO_RECALL_STEPS", 3)
+    monkeypatch.setattr("slimkv.demo.DEMO_RECALL_ENTRIES", ("mha", "swa:window=16"))
+    monkeypatch.setattr("slimkv.demo.run_retrieval_demo", lambda *args: print("retrieval part here"))
+    threads = torch.get_num_threads()
+    run_demo(tmp_path / "ahead", parts=("recall", "retrieval"), progress=False, workers=2)
+    out = capsys.readouterr().out
+    assert out.index("retrieval part here") < out.index("== recall demo") and torch.get_num_threads() == threads
+    timings = json.loads((tmp_path / "ahead" / "demo_timings.json").read_text())
+    assert list(timings["parts"]) == ["retrieval", "recall"] and timings["ahead"]["runs"] == 2
+    ahead = json.loads((tmp_path / "ahead" / "recall" / "report.json").read_text())
+    assert [run["reused"] for run in ahead["runs"]] == [True] * timings["ahead"]["trained_ahead"] + [False] * (2 - timings["ahead"]["trained_ahead"])
+    assert run_demo(tmp_path / "serial", parts=("recall",), progress=False, workers=1) == {}
+    assert (tmp_path / "serial" / "recall" / "report.md").is_file()
+    serial = json.loads((tmp_path / "serial" / "recall" / "report.json").read_text())
+    assert [run["label"] for run in serial["runs"]] == ["mha", "swa:window=16"]
+    assert [run["lengths"] for run in ahead["runs"]] == [run["lengths"] for run in serial["runs"]]

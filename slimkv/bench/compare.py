@@ -106,6 +106,18 @@ def compare_run(cfg: TrainConfig, run_dir: Path, heading: str, eval_tokens: int 
     return {"busy": False, "row": row, "reused": reused, "seconds": time.perf_counter() - started}
 
 
+def compare_calls(configs: dict[tuple[str, int], TrainConfig], out_dir: Path, *, eval_tokens: int | None, other_text: str | None,
+                  progress: bool) -> tuple[list[Path], list[str], list[tuple[Any, ...]]]:
+    """The runs of a comparison, in order: each (label, seed)'s folder, its heading and the
+    arguments of ``compare_run`` (a caller may train them ahead, as the demo does; ``run_compare``
+    then reuses them)."""
+    labels = list(configs)
+    run_dirs = [out_dir / "runs" / run_slug(label) / f"seed{seed}" for label, seed in labels]
+    headings = [f"[{i}/{len(labels)}] {label} seed {seed}" for i, (label, seed) in enumerate(labels, 1)]
+    calls = [(cfg, run_dir, heading, eval_tokens, other_text, progress) for cfg, run_dir, heading in zip(configs.values(), run_dirs, headings)]
+    return run_dirs, headings, calls
+
+
 def measure_decode(entries: list[Entry], recipe: TrainConfig, contexts: list[int], *, repeats: int = 5, rounds: int = 3) -> dict[str, Any]:
     """Per-token decode latency of one layer of each kind of each entry at the recipe's width
     (untrained weights, random inputs: latency does not depend on training), interleaved, at
@@ -170,9 +182,7 @@ def run_compare(
     if workers > 1:
         print(workers_note(workers), flush=True)
     labels = list(configs)
-    run_dirs = [out_dir / "runs" / run_slug(label) / f"seed{seed}" for label, seed in labels]
-    headings = [f"[{i}/{total}] {label} seed {seed}" for i, (label, seed) in enumerate(labels, 1)]
-    calls = [(cfg, run_dir, heading, eval_tokens, other_text, progress and workers == 1) for cfg, run_dir, heading in zip(configs.values(), run_dirs, headings)]
+    run_dirs, headings, calls = compare_calls(configs, out_dir, eval_tokens=eval_tokens, other_text=other_text, progress=progress and workers == 1)
     outcomes: list[dict[str, Any]] = [{} for _ in calls]  # by index, whatever order the runs finish in
     for index, outcome in run_each(compare_run, calls, workers):
         outcomes[index] = outcome

@@ -35,6 +35,12 @@ def _one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
+def worker_pool(workers: int) -> ProcessPoolExecutor:
+    """``workers`` spawned processes on one torch thread each (the processes ``run_each`` trains in)."""
+    check_workers(workers)
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_one_torch_thread)
+
+
 def run_each(function: Callable[..., Result], calls: Sequence[tuple[Any, ...]], workers: int) -> Iterator[tuple[int, Result]]:
     """(index into ``calls``, ``function(*calls[index])``) for every call, as each finishes.
 
@@ -48,8 +54,7 @@ def run_each(function: Callable[..., Result], calls: Sequence[tuple[Any, ...]], 
         return
     if not calls:
         return
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(calls)), mp_context=context, initializer=_one_torch_thread) as pool:
+    with worker_pool(min(workers, len(calls))) as pool:
         futures = {pool.submit(function, *arguments): index for index, arguments in enumerate(calls)}
         try:
             for future in as_completed(futures):

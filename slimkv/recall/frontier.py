@@ -107,13 +107,10 @@ def run_recall(entries: list[Entry], recipe: RecallRecipe, seeds: list[int], out
     check_folder_target(out_dir)
     check_writable(out_dir)
     started = time.perf_counter()
-    total = len(entries) * len(seeds)
     if workers > 1:
         print(workers_note(workers), flush=True)
     pairs = [(e, s) for e in entries for s in seeds]
-    run_dirs = [out_dir / "runs" / run_slug(entry.label) / f"seed{seed}" for entry, seed in pairs]
-    headings = [f"[{i}/{total}] {entry.label} seed {seed}" for i, (entry, seed) in enumerate(pairs, 1)]
-    calls = [(entry.spec(), recipe, seed, run_dir, heading, progress and workers == 1) for (entry, seed), run_dir, heading in zip(pairs, run_dirs, headings)]
+    run_dirs, headings, calls = recall_calls(entries, recipe, seeds, out_dir, progress=progress and workers == 1)
     outcomes: list[dict[str, Any]] = [{} for _ in calls]  # by index, whatever order the runs finish in
     for index, outcome in run_each(recall_run, calls, workers):
         outcomes[index] = outcome
@@ -147,6 +144,18 @@ def run_recall(entries: list[Entry], recipe: RecallRecipe, seeds: list[int], out
     print(render_markdown(report).split("\n## Accuracy by")[0])
     print(f"wall time {report['wall_seconds']:.0f} s; wrote {out_dir / 'report.json'}, " + ", ".join(map(str, written)))
     return report
+
+
+def recall_calls(entries: list[Entry], recipe: RecallRecipe, seeds: list[int], out_dir: Path, *,
+                 progress: bool) -> tuple[list[Path], list[str], list[tuple[Any, ...]]]:
+    """The runs of a sweep, entry by entry and seed by seed: each one's folder, its heading and the
+    arguments of ``recall_run`` (a caller may train them ahead, as the demo does; ``run_recall``
+    then reuses them)."""
+    pairs = [(e, s) for e in entries for s in seeds]
+    run_dirs = [out_dir / "runs" / run_slug(entry.label) / f"seed{seed}" for entry, seed in pairs]
+    headings = [f"[{i}/{len(pairs)}] {entry.label} seed {seed}" for i, (entry, seed) in enumerate(pairs, 1)]
+    calls = [(entry.spec(), recipe, seed, run_dir, heading, progress) for (entry, seed), run_dir, heading in zip(pairs, run_dirs, headings)]
+    return run_dirs, headings, calls
 
 
 def recall_run(spec: AttentionSpec, recipe: RecallRecipe, seed: int, run_dir: Path, heading: str, progress: bool) -> dict[str, Any]:
