@@ -121,13 +121,14 @@ def run_demo(
     entries = parse_entries(specs, recipe)
     out_dir = Path(out_dir)
     run_part = {
-        "compare": lambda: run_compare_demo(entries, recipe, out_dir, eval_tokens, progress, workers),
+        "compare": lambda: run_compare_demo(entries, recipe, out_dir, eval_tokens, progress, part_workers["compare"]),
         "convert": lambda: run_conversion_demo(out_dir / "conversion", progress),
         "retrieval": lambda: run_retrieval_demo(out_dir / "retrieval", out_dir / "conversion", progress),
         "compress": lambda: run_compression_demo(out_dir / "compression"),
-        "recall": lambda: run_recall_demo(out_dir / "recall", progress, workers),
+        "recall": lambda: run_recall_demo(out_dir / "recall", progress, part_workers["recall"]),
     }
     order = [part for part in DEMO_PARTS if part in parts]
+    part_workers = dict.fromkeys(TRAINING_PARTS, workers)
     ahead = None
     if workers > 1 and set(order) & set(SMOLLM2_PARTS) and set(order) & set(TRAINING_PARTS):
         order = [p for p in order if p in SMOLLM2_PARTS] + [p for p in order if p in TRAINING_PARTS]
@@ -137,13 +138,15 @@ def run_demo(
     try:
         if ahead is not None:
             if "recall" in order:
-                ahead.submit(recall_run, recall_demo_calls(out_dir / "recall"))
+                ahead.submit("recall", recall_run, recall_demo_calls(out_dir / "recall"))
             if "compare" in order:
-                ahead.submit(compare_run, compare_demo_calls(entries, recipe, out_dir, eval_tokens, progress))
+                ahead.submit("compare", compare_run, compare_demo_calls(entries, recipe, out_dir, eval_tokens, progress))
         for part in order:
             if part in TRAINING_PARTS and ahead is not None:
                 settling, ahead = ahead, None
                 timings["ahead"] = settling.settle()
+                for name, left in timings["ahead"]["left"].items():  # no worker processes to start for runs all trained
+                    part_workers[name] = workers if left else 1
             wall, monotonic = time.time(), time.perf_counter()
             result = run_part[part]()
             if part == "compare":
@@ -175,31 +178,34 @@ class TrainingAhead:
     def __init__(self, workers: int) -> None:
         self.threads = torch.get_num_threads()
         self.pool = worker_pool(workers - 1)
-        self.futures: list[Future] = []
+        self.futures: dict[str, list[Future]] = {}
         self.started = time.perf_counter()
         torch.set_num_threads(max(1, self.threads - (workers - 1)))
         print(f"training the compare and recall runs ahead in {workers - 1} background process(es) of one torch thread while SmolLM2 "
               f"runs here on {torch.get_num_threads()} thread(s); their reports follow the SmolLM2 parts, whose timings (prefill speedups) "
               "are taken beside them", flush=True)
 
-    def submit(self, function: Any, calls: list[tuple[Any, ...]]) -> None:
-        """Queue ``function(*call)`` for every call."""
-        self.futures.extend(self.pool.submit(function, *call) for call in calls)
+    def submit(self, part: str, function: Any, calls: list[tuple[Any, ...]]) -> None:
+        """Queue ``function(*call)`` for every call of ``part``."""
+        self.futures[part] = [self.pool.submit(function, *call) for call in calls]
 
     def settle(self) -> dict[str, Any]:
         """Cancel what has not started, wait for what has (a run's error is raised here), restore
         the threads; what happened."""
-        cancelled = sum(future.cancel() for future in self.futures)
+        futures = [future for part in self.futures.values() for future in part]
+        for future in futures:
+            future.cancel()
         try:
-            for future in self.futures:
+            for future in futures:
                 if not future.cancelled():
                     future.result()
         finally:
             self.close()
-        finished = len(self.futures) - cancelled
-        print(f"\n{finished} of {len(self.futures)} small runs trained ahead, beside the SmolLM2 parts "
+        left = {part: sum(future.cancelled() for future in part_futures) for part, part_futures in self.futures.items()}
+        finished = len(futures) - sum(left.values())
+        print(f"\n{finished} of {len(futures)} small runs trained ahead, beside the SmolLM2 parts "
               f"({time.perf_counter() - self.started:.0f} s); the parts below reuse them", flush=True)
-        return {"runs": len(self.futures), "trained_ahead": finished, "wall_s": time.perf_counter() - self.started}
+        return {"runs": len(futures), "trained_ahead": finished, "left": left, "wall_s": time.perf_counter() - self.started}
 
     def close(self) -> None:
         """Drop the runs not started, let running ones end (their folders stay resumable), restore the threads."""

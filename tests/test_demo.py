@@ -86,6 +86,7 @@ def test_small_runs_train_ahead_beside_the_smollm2_parts(tmp_path, monkeypatch, 
     assert out.index("retrieval part here") < out.index("== recall demo") and torch.get_num_threads() == threads
     timings = json.loads((tmp_path / "ahead" / "demo_timings.json").read_text())
     assert list(timings["parts"]) == ["retrieval", "recall"] and timings["ahead"]["runs"] == 2
+    assert timings["ahead"]["left"] == {"recall": 2 - timings["ahead"]["trained_ahead"]}
     ahead = json.loads((tmp_path / "ahead" / "recall" / "report.json").read_text())
     assert [run["reused"] for run in ahead["runs"]] == [True] * timings["ahead"]["trained_ahead"] + [False] * (2 - timings["ahead"]["trained_ahead"])
     assert run_demo(tmp_path / "serial", parts=("recall",), progress=False, workers=1) == {}
