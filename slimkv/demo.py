@@ -124,7 +124,7 @@ def run_demo(
         "compare": lambda: run_compare_demo(entries, recipe, out_dir, eval_tokens, progress, part_workers["compare"]),
         "convert": lambda: run_conversion_demo(out_dir / "conversion", progress),
         "retrieval": lambda: run_retrieval_demo(out_dir / "retrieval", out_dir / "conversion", progress),
-        "compress": lambda: run_compression_demo(out_dir / "compression"),
+        "compress": lambda: run_compression_demo(out_dir / "compression", progress),
         "recall": lambda: run_recall_demo(out_dir / "recall", progress, part_workers["recall"]),
     }
     order = [part for part in DEMO_PARTS if part in parts]
@@ -182,8 +182,8 @@ class TrainingAhead:
         self.started = time.perf_counter()
         torch.set_num_threads(max(1, self.threads - (workers - 1)))
         print(f"training the compare and recall runs ahead in {workers - 1} background process(es) of one torch thread while SmolLM2 "
-              f"runs here on {torch.get_num_threads()} thread(s); their reports follow the SmolLM2 parts, whose timings (prefill speedups) "
-              "are taken beside them", flush=True)
+              f"runs here on {torch.get_num_threads()} thread(s); their reports follow the SmolLM2 parts (whose seconds "
+              "are taken beside them)", flush=True)
 
     def submit(self, part: str, function: Any, calls: list[tuple[Any, ...]]) -> None:
         """Queue ``function(*call)`` for every call of ``part``."""
@@ -290,10 +290,10 @@ def run_retrieval_demo(out_dir: Path, conversion: Path, progress: bool) -> dict[
     return reports
 
 
-def run_compression_demo(out_dir: Path) -> None:
+def run_compression_demo(out_dir: Path, progress: bool = True) -> None:
     """The LatentLLM step: SmolLM2 at ratio 0.2 with rootcov and latentllm beside the dense model."""
     print(f"\n== compression demo (SmolLM2, ratio 0.2, rootcov and latentllm) into {out_dir}", flush=True)
-    demo_compression(out_dir, ratio=0.2, methods=("rootcov", "latentllm"), eval_tokens=DEMO_COMPRESSION_EVAL_TOKENS)
+    demo_compression(out_dir, ratio=0.2, methods=("rootcov", "latentllm"), eval_tokens=DEMO_COMPRESSION_EVAL_TOKENS, progress=progress)
 
 
 def run_recall_demo(out_dir: Path, progress: bool, workers: int = 1) -> dict[str, Any]:

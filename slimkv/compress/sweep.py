@@ -102,11 +102,11 @@ def parse_texts(text: str) -> list[str]:
 
 
 def _measure(model: torch.nn.Module, eval_ids: dict[str, torch.Tensor], seq_len: int, prefill_len: int, repeats: int,
-             dense: torch.nn.Module | None = None) -> dict[str, Any]:
+             dense: torch.nn.Module | None = None, progress: bool = True) -> dict[str, Any]:
     """Perplexity on every evaluation text, costs and prefill latency. ``ppl`` is the first (in-domain)
     text's. With ``dense``, the dense model is timed right before (``dense_latency``) so the speedup
     compares measurements taken under the same machine load."""
-    evals = {name: perplexity_of_ids(model, ids, seq_len, progress=True) for name, ids in eval_ids.items()}
+    evals = {name: perplexity_of_ids(model, ids, seq_len, progress=progress) for name, ids in eval_ids.items()}
     latency = dense_latency = None
     if repeats > 0:
         dense_latency = prefill_latency(dense, prefill_len, repeats=repeats) if dense is not None else None
@@ -120,7 +120,7 @@ def _measure(model: torch.nn.Module, eval_ids: dict[str, torch.Tensor], seq_len:
 def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, calib: str = DEFAULT_CALIB, calib_tokens: int = DEFAULT_CALIB_TOKENS,
               calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN, texts: tuple[str, ...] = DEFAULT_TEXTS, seq_len: int = 1024, max_tokens: int | None = 16384,
               prefill_len: int = 512, repeats: int = 5, seed: int = 0, options: dict[str, Any] | None = None,
-              dense: dict[str, Any] | None = None) -> dict[str, Any]:
+              dense: dict[str, Any] | None = None, progress: bool = True) -> dict[str, Any]:
     """Compress copies of ``base`` with every method label at every ratio; measure each and the dense model.
 
     Perplexity is measured on the first ``max_tokens`` tokens of each of ``texts`` (the first is the
@@ -137,7 +137,7 @@ def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, cal
     eval_ids = {name: torch.tensor(tokenize(base.tokenizer, text), dtype=torch.long)[:max_tokens] for name, text in eval_texts.items()}
     print(f"dense model: evaluating {', '.join(f'{ids.numel()} tokens of {name!r}' for name, ids in eval_ids.items())} ...", flush=True)
     if dense is None or set(dense["ppl_by_text"]) != set(texts):
-        dense = _measure(base.model, eval_ids, seq_len, prefill_len, repeats)
+        dense = _measure(base.model, eval_ids, seq_len, prefill_len, repeats, progress=progress)
     rows = []
     for label in methods:
         method, overrides = variant(label)
@@ -145,9 +145,10 @@ def run_sweep(base: LoadedModel, methods: list[str], ratios: list[float], *, cal
             row_options = CompressOptions(method=method, ratio=ratio, **{**(options or {}), **overrides})
             model = LoadedModel(copy.deepcopy(base.model), base.tokenizer, dict(base.identity))
             t0 = time.perf_counter()
-            manifest = compress_loaded(model, row_options, calib, calib_tokens, calib_seq_len=calib_seq_len, seed=seed, calibration=calibration)
+            manifest = compress_loaded(model, row_options, calib, calib_tokens, calib_seq_len=calib_seq_len, seed=seed, calibration=calibration,
+                                       progress=progress)
             compress_s = time.perf_counter() - t0
-            measured = _measure(model.model, eval_ids, seq_len, prefill_len, repeats, dense=base.model)
+            measured = _measure(model.model, eval_ids, seq_len, prefill_len, repeats, dense=base.model, progress=progress)
             row = {"method": label, "ratio": ratio, "achieved_ratio": manifest["achieved_ratio"], "compress_seconds": compress_s, **measured,
                    "budget": manifest["budget"], "options": manifest["options"], "allocation": manifest.get("allocation")}
             rows.append(row)
@@ -227,7 +228,8 @@ def write_sweep(result: dict, name: str, out_dir: str | Path) -> Path:
 
 
 def demo_compression(out_dir: str | Path, *, model: str = "smollm2", ratio: float = 0.2, methods: tuple[str, ...] = ("rootcov", "latentllm"),
-                     calib_tokens: int = 2560, calib_seq_len: int = 512, eval_tokens: int = 4096, seq_len: int = 1024, seed: int = 0) -> dict[str, Any]:
+                     calib_tokens: int = 2560, calib_seq_len: int = 512, eval_tokens: int = 4096, seq_len: int = 1024, seed: int = 0,
+                     progress: bool = True) -> dict[str, Any]:
     """The ``make demo`` step: compress SmolLM2 at ``ratio`` with each method, print perplexities beside
     the dense model's (same run, same held-out tokens), write ``compression_demo.{json,md,png}``.
 
@@ -242,7 +244,7 @@ def demo_compression(out_dir: str | Path, *, model: str = "smollm2", ratio: floa
           f"evaluation on the first {eval_tokens} tokens of the held-out plays (in domain) and of Austen's novels (out of domain; small so it runs in minutes on a CPU; "
           f"`slimkv compress-sweep` measures more)", flush=True)
     result = run_sweep(base, list(methods), [ratio], calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, seq_len=seq_len,
-                       max_tokens=eval_tokens, repeats=0, seed=seed)
+                       max_tokens=eval_tokens, repeats=0, seed=seed, progress=progress)
     table = markdown_table(result)
     print(table)
     rows = {row["method"]: row["ppl_by_text"] for row in result["rows"]}
