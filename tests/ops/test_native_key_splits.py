@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slimkv.ops import native
-from slimkv.ops.attention import reference_attention
+from slimkv.ops.attention import buffer_segments, reference_attention
 from tests.ops.test_native import DTYPES, ISAS, _isa_cache, _tolerance, needs_kernel
 
 
@@ -73,3 +73,42 @@ def test_a_split_call_sums_in_another_order_than_one_thread(monkeypatch):
     assert not torch.equal(one, split)
     torch.testing.assert_close(split, one, rtol=1e-5, atol=2e-6)
     assert torch.equal(one_short, unsplit_short)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["mqa32x8", "gqa64x3", "odd48"])
+@pytest.mark.parametrize("storage", ["int4", "int8:group=8,residual=0", "int4:group=16,residual=5"])
+def test_quantized_key_splits_match_the_reference(isa, dtype, layout, storage, many_threads):
+    """The quantized entry (codes read in place) splits keys too: 4,100 keys of int4/int8 codes and a
+    full-precision residual window, ranges cut inside the codes and across into the window."""
+    from tests.ops.test_native_quantized import _expected, _filled
+    from tests.ops.test_native_quantized import _tolerance as quantized_tolerance
+
+    dtype = DTYPES[dtype]
+    q, kb, vb = _filled(layout, storage, 4100, dtype, seed=5, batch=1)
+    segments = buffer_segments(kb, vb)
+    out = native.native_stored_attention(q, segments, 1 / math.sqrt(q.shape[-1]), native.isa_kernel(dtype, isa))
+    torch.testing.assert_close(out.float(), _expected(q, segments), **quantized_tolerance(dtype))
+
+
+@needs_kernel
+def test_a_split_quantized_call_sums_in_another_order_than_one_thread(monkeypatch):
+    """The quantized entry's split path really runs (float32 bits move), and not below two ranges of keys."""
+    from tests.ops.test_native_quantized import _filled
+
+    q, kb, vb = _filled("mqa32x8", "int4", 4100, torch.float32, seed=2, batch=1)
+    q_short, kb_short, vb_short = _filled("mqa32x8", "int4", 2000, torch.float32, seed=2, batch=1)
+    calls = [(q, buffer_segments(kb, vb)), (q_short, buffer_segments(kb_short, vb_short))]
+    one = [native.native_stored_attention(qi, seg, 0.125, native.decode_kernel()) for qi, seg in calls]
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        split, unsplit_short = (native.native_stored_attention(qi, seg, 0.125, native.decode_kernel()) for qi, seg in calls)
+    finally:
+        torch.set_num_threads(before)
+    assert not torch.equal(one[0], split)
+    torch.testing.assert_close(split, one[0], rtol=1e-5, atol=2e-6)
+    assert torch.equal(one[1], unsplit_short)

@@ -393,6 +393,33 @@ done:
     return NULL;
 }
 
+/* Key splits' merge: ``out`` holds range 0's normalised rows, ``ranges`` the other ranges' (``rows``
+ * rows of ``v_dim`` each, range j at (j - 1) * rows * v_dim), ``stats`` each range's softmax maximum
+ * (at 2j * rows) and sum (at (2j + 1) * rows) per row. Each output row becomes the ranges' rows
+ * weighted by their share of the whole softmax: s_j exp(m_j - M) over the same summed over j. */
+static void merge_key_splits(float *out, const float *ranges, const float *stats, int64_t rows, int64_t v_dim, int64_t splits) {
+    for (int64_t r = 0; r < rows; r++) {
+        float top = -INFINITY, weights[64], total = 0.0f;
+        for (int64_t j = 0; j < splits; j++) top = stats[2 * j * rows + r] > top ? stats[2 * j * rows + r] : top;
+        for (int64_t j = 0; j < splits; j++) {
+            weights[j] = stats[(2 * j + 1) * rows + r] * exp_nonpositive(stats[2 * j * rows + r] - top);
+            total += weights[j];
+        }
+        float *row = out + r * v_dim;
+        for (int64_t e = 0; e < v_dim; e++) row[e] *= weights[0] / total;
+        for (int64_t j = 1; j < splits; j++) {
+            const float w = weights[j] / total, *from = ranges + (j - 1) * rows * v_dim + r * v_dim;
+            for (int64_t e = 0; e < v_dim; e++) row[e] += w * from[e];
+        }
+    }
+}
+
+/* The first range of ``splits`` over ``total_keys`` keys read as one: range j is keys [lo, hi), cut on BLOCK_KEYS. */
+static inline void split_range(int64_t total_keys, int64_t splits, int64_t j, int64_t *lo, int64_t *hi) {
+    *lo = total_keys * j / splits / BLOCK_KEYS * BLOCK_KEYS;
+    *hi = j + 1 == splits ? total_keys : total_keys * (j + 1) / splits / BLOCK_KEYS * BLOCK_KEYS;
+}
+
 #include "decode_quantized.h"
 #include "decode_linear.h"
 #include "quantize_rows.h"
@@ -406,8 +433,7 @@ static int run_jobs(Job *jobs, int threads) {
 }
 
 /* Key splits: ``splits`` ranges of every item's keys (the segments read as one), one job per (range,
- * item); range 0 writes ``out``, the others scratch copies of it. Each output row is then the ranges'
- * rows weighted by their share of the softmax's sum: s_j exp(m_j - M) over the same summed over j. */
+ * item); range 0 writes ``out``, the others scratch copies of it, merged by merge_key_splits. */
 static int split_keys(const Segment *segments, int n_segments, int64_t total_keys, float *out, int64_t batch, int64_t kv_heads,
                       int64_t groups, int64_t dim, int64_t v_dim, float scale, int64_t items, int64_t parts, int shared, int64_t splits) {
     const int64_t rows = batch * kv_heads * groups;
@@ -418,8 +444,8 @@ static int split_keys(const Segment *segments, int n_segments, int64_t total_key
     Job jobs[64];
     int n_jobs = 0;
     for (int64_t j = 0; j < splits; j++) {
-        const int64_t lo = total_keys * j / splits / BLOCK_KEYS * BLOCK_KEYS;
-        const int64_t hi = j + 1 == splits ? total_keys : total_keys * (j + 1) / splits / BLOCK_KEYS * BLOCK_KEYS;
+        int64_t lo, hi;
+        split_range(total_keys, splits, j, &lo, &hi);
         int n = 0;
         int64_t start = 0; /* segment s's first key among the keys read as one */
         for (int s = 0; s < n_segments; start += segments[s].keys, s++) {
@@ -437,20 +463,7 @@ static int split_keys(const Segment *segments, int n_segments, int64_t total_key
                                    stats + 2 * j * rows, stats + (2 * j + 1) * rows};
     }
     const int status = run_jobs(jobs, n_jobs);
-    for (int64_t r = 0; status == 0 && r < rows; r++) {
-        float top = -INFINITY, weights[64], total = 0.0f;
-        for (int64_t j = 0; j < splits; j++) top = stats[2 * j * rows + r] > top ? stats[2 * j * rows + r] : top;
-        for (int64_t j = 0; j < splits; j++) {
-            weights[j] = stats[(2 * j + 1) * rows + r] * exp_nonpositive(stats[2 * j * rows + r] - top);
-            total += weights[j];
-        }
-        float *row = out + r * v_dim;
-        for (int64_t e = 0; e < v_dim; e++) row[e] *= weights[0] / total;
-        for (int64_t j = 1; j < splits; j++) {
-            const float w = weights[j] / total, *from = scratch + (j - 1) * rows * v_dim + r * v_dim;
-            for (int64_t e = 0; e < v_dim; e++) row[e] += w * from[e];
-        }
-    }
+    if (status == 0) merge_key_splits(out, scratch, stats, rows, v_dim, splits);
     free(scratch);
     return status;
 }

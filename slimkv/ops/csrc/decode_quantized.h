@@ -44,7 +44,15 @@ typedef struct {
     int64_t kv_heads, groups, dim, v_dim, bits, group, first, last;
     float scale;
     int status;
+    float *stats_max, *stats_sum; /* a key split's job (one item): its rows' softmax maxima and sums, for the merge */
 } QJob;
+
+/* A key split's job keeps its item's softmax statistics (run_max, run_sum of its ``groups`` rows). */
+static inline void keep_split_stats(const QJob *job, int64_t item, const float *run_max, const float *run_sum) {
+    if (!job->stats_max) return;
+    memcpy(job->stats_max + item * job->groups, run_max, sizeof(float) * (size_t)job->groups);
+    memcpy(job->stats_sum + item * job->groups, run_sum, sizeof(float) * (size_t)job->groups);
+}
 
 /* A dequantized value as the cache's element type holds it: bfloat16 builds round to the nearest
  * bfloat16 (ties to even), as the cache's own dequantization (quantize.dequantize_groups) does. */
@@ -172,6 +180,7 @@ static inline __attribute__((always_inline)) void attend_item_quantized(const QJ
             }
         }
     }
+    keep_split_stats(job, item, run_max, run_sum);
     float *out = job->out + item * groups * v_dim;
     for (int64_t g = 0; g < groups; g++) {
         const float inv = 1.0f / run_sum[g];
@@ -262,6 +271,7 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx512(c
                 block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, 1, ND, ND, scale16, acc + g * dim, run_max + g, run_sum + g);
         }
     }
+    keep_split_stats(job, item, run_max, run_sum);
     float *out = job->out + item * groups * dim;
     for (int64_t g = 0; g < groups; g++) {
         const float inv = 1.0f / run_sum[g];
@@ -323,6 +333,63 @@ done:
     return NULL;
 }
 
+/* Runs ``jobs[0..count)`` (``run_on_threads``); returns their statuses or-ed. */
+static int run_quantized_jobs(QJob *jobs, int count) {
+    run_on_threads(run_quantized_job, jobs, sizeof *jobs, count);
+    int status = 0;
+    for (int t = 0; t < count; t++) status |= jobs[t].status;
+    return status;
+}
+
+/* The rows from key ``from`` of one side of a segment: codes and their scales and minima, or plain rows. */
+static inline void skip_rows(const QSegment *seg, int side, int64_t from, QSegment *range) {
+    const int64_t *st = side ? seg->v_st : seg->k_st, *sst = side ? seg->vs_st : seg->ks_st, *lst = side ? seg->vl_st : seg->kl_st;
+    const void *rows = side ? seg->v : seg->k;
+    const void *moved = seg->bits ? (const void *)((const uint8_t *)rows + from * st[2]) : (const void *)((const elem_t *)rows + from * st[2]);
+    if (side) {
+        range->v = moved;
+        if (seg->bits) range->vs = seg->vs + from * sst[2], range->vl = seg->vl + from * lst[2];
+    } else {
+        range->k = moved;
+        if (seg->bits) range->ks = seg->ks + from * sst[2], range->kl = seg->kl + from * lst[2];
+    }
+}
+
+/* Key splits of the quantized entry (as split_keys does for plain rows): ``splits`` ranges of every
+ * item's keys, one job per (range, item), merged by merge_key_splits. */
+static int split_quantized_keys(const QSegment *segments, int n_segments, int64_t total_keys, float *out, int64_t batch, int64_t kv_heads,
+                                int64_t groups, int64_t dim, int64_t v_dim, int64_t bits, int64_t group, float scale, int64_t splits) {
+    const int64_t rows = batch * kv_heads * groups, items = batch * kv_heads;
+    float *scratch = malloc(sizeof(float) * (size_t)((splits - 1) * rows * v_dim + 2 * splits * rows));
+    if (!scratch) return 1;
+    float *stats = scratch + (splits - 1) * rows * v_dim;
+    QSegment ranges[64][MAX_SEGMENTS];
+    QJob jobs[64];
+    int n_jobs = 0;
+    for (int64_t j = 0; j < splits; j++) {
+        int64_t lo, hi, start = 0;
+        split_range(total_keys, splits, j, &lo, &hi);
+        int n = 0;
+        for (int s = 0; s < n_segments; start += segments[s].keys, s++) {
+            const int64_t from = lo > start ? lo - start : 0, to = hi < start + segments[s].keys ? hi - start : segments[s].keys;
+            if (to <= from) continue;
+            QSegment range = segments[s];
+            skip_rows(&segments[s], 0, from, &range);
+            skip_rows(&segments[s], 1, from, &range);
+            range.keys = to - from;
+            ranges[j][n++] = range;
+        }
+        float *range_out = j == 0 ? out : scratch + (j - 1) * rows * v_dim;
+        for (int64_t i = 0; i < items; i++)
+            jobs[n_jobs++] = (QJob){range_out, ranges[j], n, kv_heads, groups, dim, v_dim, bits, group, i, i + 1, scale, 1,
+                                    stats + 2 * j * rows, stats + (2 * j + 1) * rows};
+    }
+    const int status = run_quantized_jobs(jobs, n_jobs);
+    if (status == 0) merge_key_splits(out, scratch, stats, rows, v_dim, splits);
+    free(scratch);
+    return status;
+}
+
 /* ``fields`` holds QFIELDS integers per segment: the query pointer, bits (0, 4 or 8), group, key
  * count, the key and value pointers (codes or rows), the key scale, key minimum, value scale and
  * value minimum pointers, then batch/head/row strides of keys, values, key scales, key minima,
@@ -356,12 +423,12 @@ int QUANTIZED_ENTRY(const int64_t *fields, int n_segments, float *out, int64_t b
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
     const int64_t items = batch * kv_heads;
+    int64_t splits = threads > items ? threads / items : 1;
+    if (splits > total_keys / MIN_SPLIT_KEYS) splits = total_keys / MIN_SPLIT_KEYS;
+    if (splits > 1) return split_quantized_keys(segments, n_segments, total_keys, out, batch, kv_heads, groups, dim, v_dim, bits, group, scale, splits);
     if (threads > items) threads = (int)items;
     QJob jobs[64];
     for (int t = 0; t < threads; t++)
-        jobs[t] = (QJob){out, segments, n_segments, kv_heads, groups, dim, v_dim, bits, group, items * t / threads, items * (t + 1) / threads, scale, 1};
-    run_on_threads(run_quantized_job, jobs, sizeof *jobs, threads);
-    int status = 0;
-    for (int t = 0; t < threads; t++) status |= jobs[t].status;
-    return status;
+        jobs[t] = (QJob){out, segments, n_segments, kv_heads, groups, dim, v_dim, bits, group, items * t / threads, items * (t + 1) / threads, scale, 1, NULL, NULL};
+    return run_quantized_jobs(jobs, threads);
 }
