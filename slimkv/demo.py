@@ -153,8 +153,8 @@ def run_demo(
                 report = result
             timings[part] = {"wall_clock_s": time.time() - wall, "perf_counter_s": time.perf_counter() - monotonic}
     finally:
-        if ahead is not None:  # a SmolLM2 part failed or was interrupted
-            ahead.close()
+        if ahead is not None:  # a SmolLM2 part failed or was interrupted: its error is not kept waiting
+            ahead.close(wait=False)
     parts_timed = {part: t for part, t in timings.items() if part in DEMO_PARTS}
     total = {clock: sum(t[clock] for t in parts_timed.values()) for clock in ("wall_clock_s", "perf_counter_s")}
     write_json(out_dir / DEMO_TIMINGS, {"parts": parts_timed, "total": total, **({"ahead": timings["ahead"]} if "ahead" in timings else {})})
@@ -207,9 +207,11 @@ class TrainingAhead:
               f"({time.perf_counter() - self.started:.0f} s); the parts below reuse them", flush=True)
         return {"runs": len(futures), "trained_ahead": finished, "left": left, "wall_s": time.perf_counter() - self.started}
 
-    def close(self) -> None:
-        """Drop the runs not started, let running ones end (their folders stay resumable), restore the threads."""
-        self.pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Drop the runs not started and restore the threads; ``wait``: until the running ones end
+        (else they end in the background and the process exits after them; their folders are
+        reused or resumed by the next demo)."""
+        self.pool.shutdown(wait=wait, cancel_futures=True)
         torch.set_num_threads(self.threads)
 
 

@@ -94,3 +94,18 @@ def test_small_runs_train_ahead_beside_the_smollm2_parts(tmp_path, monkeypatch, 
     serial = json.loads((tmp_path / "serial" / "recall" / "report.json").read_text())
     assert [run["label"] for run in serial["runs"]] == ["mha", "swa:window=16"]
     assert [run["lengths"] for run in ahead["runs"]] == [run["lengths"] for run in serial["runs"]]
+
+
+def test_a_failing_smollm2_part_is_reported_without_waiting_for_the_runs_ahead(tmp_path, monkeypatch):
+    """The error of a part run beside the background runs reaches the caller, and this process gets its threads back."""
+    monkeypatch.setattr("slimkv.demo.DEMO_RECALL_STEPS", 3)
+    monkeypatch.setattr("slimkv.demo.DEMO_RECALL_ENTRIES", ("mha",))
+
+    def fails(*args):
+        raise ValueError("apt-get: package dict-devil could not be downloaded")
+
+    monkeypatch.setattr("slimkv.demo.run_retrieval_demo", fails)
+    threads = torch.get_num_threads()
+    with pytest.raises(ValueError, match="dict-devil"):
+        run_demo(tmp_path / "demo", parts=("retrieval", "recall"), progress=False, workers=2)
+    assert torch.get_num_threads() == threads
