@@ -167,7 +167,7 @@ def run_demo(
 class TrainingAhead:
     """The compare and recall parts' small trainings, started before the SmolLM2 parts in
     ``workers - 1`` background processes of one torch thread each while this process works on
-    SmolLM2 on the threads left (a SmolLM2 part gains ~1.4x from a second thread, a small training
+    SmolLM2 on the threads left (a SmolLM2 part gains 1.2-1.5x from a second thread, a small training
     run little: on 2 cores the parts took 377-405 s this way against 479-578 s one after another;
     docs/timings.md).
 
