@@ -168,7 +168,7 @@ class TrainingAhead:
     """The compare and recall parts' small trainings, started before the SmolLM2 parts in
     ``workers - 1`` background processes of one torch thread each while this process works on
     SmolLM2 on the threads left (a SmolLM2 part gains 1.2-1.5x from a second thread, a small training
-    run little: on 2 cores the parts took 377-405 s this way against 479-599 s one after another;
+    run little: on 2 cores the parts took 365-405 s this way against 479-599 s one after another;
     docs/timings.md).
 
     ``settle`` cancels the runs not yet started, waits for those running and gives this process its
