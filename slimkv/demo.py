@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from slimkv.attention import ATTENTION_KINDS, kind_spec
-from slimkv.bench.compare import compare_calls, compare_run, run_compare
-from slimkv.bench.entries import config_for, parse_entries
+from slimkv.bench.compare import compare_calls, compare_configs, compare_run, run_compare
+from slimkv.bench.entries import parse_entries
 from slimkv.common.files import check_folder_target, write_json
 from slimkv.common.workers import check_workers, worker_pool
 from slimkv.compress import demo_compression
@@ -135,6 +135,7 @@ def run_demo(
         ahead = TrainingAhead(workers)
     report: dict[str, Any] = {}
     timings: dict[str, dict[str, float]] = {}
+    trained_ahead: dict[str, Any] = {}
     try:
         if ahead is not None:
             if "recall" in order:
@@ -144,8 +145,8 @@ def run_demo(
         for part in order:
             if part in TRAINING_PARTS and ahead is not None:
                 settling, ahead = ahead, None
-                timings["ahead"] = settling.settle()
-                for name, left in timings["ahead"]["left"].items():  # no worker processes to start for runs all trained
+                trained_ahead = settling.settle()
+                for name, left in trained_ahead["left"].items():  # no worker processes to start for runs all trained
                     part_workers[name] = workers if left else 1
             wall, monotonic = time.time(), time.perf_counter()
             result = run_part[part]()
@@ -155,11 +156,10 @@ def run_demo(
     finally:
         if ahead is not None:  # a SmolLM2 part failed or was interrupted: its error is not kept waiting
             ahead.close(wait=False)
-    parts_timed = {part: t for part, t in timings.items() if part in DEMO_PARTS}
-    total = {clock: sum(t[clock] for t in parts_timed.values()) for clock in ("wall_clock_s", "perf_counter_s")}
-    write_json(out_dir / DEMO_TIMINGS, {"parts": parts_timed, "total": total, **({"ahead": timings["ahead"]} if "ahead" in timings else {})})
+    total = {clock: sum(t[clock] for t in timings.values()) for clock in ("wall_clock_s", "perf_counter_s")}
+    write_json(out_dir / DEMO_TIMINGS, {"parts": timings, "total": total, **({"ahead": trained_ahead} if trained_ahead else {})})
     print("\ndemo time by part (wall clock; perf_counter in brackets): "
-          + ", ".join(f"{part} {t['wall_clock_s']:.0f} s ({t['perf_counter_s']:.0f})" for part, t in parts_timed.items())
+          + ", ".join(f"{part} {t['wall_clock_s']:.0f} s ({t['perf_counter_s']:.0f})" for part, t in timings.items())
           + f"; total {total['wall_clock_s']:.0f} s ({total['perf_counter_s']:.0f}); reports in {out_dir.resolve()}", flush=True)
     return report
 
@@ -219,8 +219,7 @@ class TrainingAhead:
 def compare_demo_calls(entries: list, recipe: TrainConfig, out_dir: Path, eval_tokens: int | None, progress: bool) -> list[tuple[Any, ...]]:
     """The compare part's runs as ``run_compare`` will look for them (the dataset prepared first)."""
     prepare_shakespeare(progress=progress)
-    configs = {(e.label, recipe.seed): config_for(e, recipe, recipe.seed) for e in entries}
-    return compare_calls(configs, out_dir, eval_tokens=DEMO_EVAL_TOKENS if eval_tokens is None else eval_tokens, other_text=None, progress=False)[2]
+    return compare_calls(compare_configs(entries, recipe, [recipe.seed]), out_dir, eval_tokens=DEMO_EVAL_TOKENS if eval_tokens is None else eval_tokens, other_text=None, progress=False)[2]
 
 
 def recall_demo_setup() -> tuple[list, RecallRecipe]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from slimkv.bench.decode import DecodeVariant, decode_sweep
-from slimkv.bench.entries import Entry, config_for, run_slug
+from slimkv.bench.entries import Entry, config_for, run_folders
 from slimkv.bench.report import REPORT_FORMAT, render_markdown, write_report_files
 from slimkv.bench.statistics import aggregate, comparisons
 from slimkv.common.files import FolderBusyError, check_folder_target, read_json, write_json
@@ -106,14 +106,17 @@ def compare_run(cfg: TrainConfig, run_dir: Path, heading: str, eval_tokens: int 
     return {"busy": False, "row": row, "reused": reused, "seconds": time.perf_counter() - started}
 
 
+def compare_configs(entries: list[Entry], recipe: TrainConfig, seeds: list[int]) -> dict[tuple[str, int], TrainConfig]:
+    """Every (entry label, seed) run's config, validated (ValueError names the option)."""
+    return {(e.label, s): config_for(e, recipe, s) for e in entries for s in seeds}
+
+
 def compare_calls(configs: dict[tuple[str, int], TrainConfig], out_dir: Path, *, eval_tokens: int | None, other_text: str | None,
                   progress: bool) -> tuple[list[Path], list[str], list[tuple[Any, ...]]]:
     """The runs of a comparison, in order: each (label, seed)'s folder, its heading and the
     arguments of ``compare_run`` (a caller may train them ahead, as the demo does; ``run_compare``
     then reuses them)."""
-    labels = list(configs)
-    run_dirs = [out_dir / "runs" / run_slug(label) / f"seed{seed}" for label, seed in labels]
-    headings = [f"[{i}/{len(labels)}] {label} seed {seed}" for i, (label, seed) in enumerate(labels, 1)]
+    run_dirs, headings = run_folders(out_dir, list(configs))
     calls = [(cfg, run_dir, heading, eval_tokens, other_text, progress) for cfg, run_dir, heading in zip(configs.values(), run_dirs, headings)]
     return run_dirs, headings, calls
 
@@ -171,7 +174,7 @@ def run_compare(
     same numbers as one at a time, no progress bars); the decode measurement stays in this process."""
 
     check_workers(workers)
-    configs = {(e.label, s): config_for(e, recipe, s) for e in entries for s in seeds}  # every error before any work
+    configs = compare_configs(entries, recipe, seeds)  # every error before any work
     out_dir = Path(out_dir)
     check_folder_target(out_dir)
     started = time.perf_counter()

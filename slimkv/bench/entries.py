@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from slimkv.attention import LayerShape, kind_spec
@@ -120,6 +121,14 @@ def run_slug(label: str) -> str:
     """A folder name for an entry label (``lrkv:rank=8`` -> ``lrkv_rank8``)."""
     slug = label.replace(":", "_").replace("=", "").replace(",", "_").replace("+", "-").replace(".", "")
     return re.sub(r"[^A-Za-z0-9_-]", "", slug)
+
+
+def run_folders(out_dir: Path, labelled_seeds: list[tuple[str, int]]) -> tuple[list[Path], list[str]]:
+    """Each (entry label, seed) run's folder (``OUT/runs/<slug>/seed<k>``) and its progress heading
+    (``[i/n] label seed k``): the layout compare and the recall sweep share."""
+    run_dirs = [Path(out_dir) / "runs" / run_slug(label) / f"seed{seed}" for label, seed in labelled_seeds]
+    headings = [f"[{i}/{len(labelled_seeds)}] {label} seed {seed}" for i, (label, seed) in enumerate(labelled_seeds, 1)]
+    return run_dirs, headings
 
 
 def config_for(entry: Entry, recipe: TrainConfig, seed: int) -> TrainConfig:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from slimkv.attention import ATTENTION_KINDS, kind_spec
-from slimkv.bench.entries import Entry, recipe_shape, run_slug
+from slimkv.bench.entries import Entry, recipe_shape, run_folders
 from slimkv.bench.statistics import summarize
 from slimkv.common.files import (
     FolderBusyError,
@@ -152,8 +152,7 @@ def recall_calls(entries: list[Entry], recipe: RecallRecipe, seeds: list[int], o
     arguments of ``recall_run`` (a caller may train them ahead, as the demo does; ``run_recall``
     then reuses them)."""
     pairs = [(e, s) for e in entries for s in seeds]
-    run_dirs = [out_dir / "runs" / run_slug(entry.label) / f"seed{seed}" for entry, seed in pairs]
-    headings = [f"[{i}/{len(pairs)}] {entry.label} seed {seed}" for i, (entry, seed) in enumerate(pairs, 1)]
+    run_dirs, headings = run_folders(out_dir, [(entry.label, seed) for entry, seed in pairs])
     calls = [(entry.spec(), recipe, seed, run_dir, heading, progress) for (entry, seed), run_dir, heading in zip(pairs, run_dirs, headings)]
     return run_dirs, headings, calls
 

@@ -414,7 +414,15 @@ static void merge_key_splits(float *out, const float *ranges, const float *stats
     }
 }
 
-/* The first range of ``splits`` over ``total_keys`` keys read as one: range j is keys [lo, hi), cut on BLOCK_KEYS. */
+/* How many ranges to cut each item's keys into: one per idle thread per item (threads beyond the
+ * items), each at least MIN_SPLIT_KEYS keys; 1 is no split. */
+static inline int64_t key_splits(int threads, int64_t items, int64_t total_keys) {
+    int64_t splits = threads > items ? threads / items : 1;
+    if (splits > total_keys / MIN_SPLIT_KEYS) splits = total_keys / MIN_SPLIT_KEYS;
+    return splits;
+}
+
+/* Range j of ``splits`` over ``total_keys`` keys read as one: keys [lo, hi), cut on BLOCK_KEYS. */
 static inline void split_range(int64_t total_keys, int64_t splits, int64_t j, int64_t *lo, int64_t *hi) {
     *lo = total_keys * j / splits / BLOCK_KEYS * BLOCK_KEYS;
     *hi = j + 1 == splits ? total_keys : total_keys * (j + 1) / splits / BLOCK_KEYS * BLOCK_KEYS;
@@ -495,8 +503,7 @@ int ENTRY(const int64_t *fields, int n_segments, float *out, int64_t batch, int6
         if (parts > kv_heads) parts = kv_heads;
     }
     const int64_t items = batch * parts;
-    int64_t splits = threads > items ? threads / items : 1;
-    if (splits > total_keys / MIN_SPLIT_KEYS) splits = total_keys / MIN_SPLIT_KEYS;
+    const int64_t splits = key_splits(threads, items, total_keys);
     if (splits > 1) return split_keys(segments, n_segments, total_keys, out, batch, kv_heads, groups, dim, v_dim, scale, items, parts, shared, splits);
     if (threads > items) threads = (int)items;
     Job jobs[64];

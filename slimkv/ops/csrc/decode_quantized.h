@@ -423,8 +423,7 @@ int QUANTIZED_ENTRY(const int64_t *fields, int n_segments, float *out, int64_t b
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
     const int64_t items = batch * kv_heads;
-    int64_t splits = threads > items ? threads / items : 1;
-    if (splits > total_keys / MIN_SPLIT_KEYS) splits = total_keys / MIN_SPLIT_KEYS;
+    const int64_t splits = key_splits(threads, items, total_keys);
     if (splits > 1) return split_quantized_keys(segments, n_segments, total_keys, out, batch, kv_heads, groups, dim, v_dim, bits, group, scale, splits);
     if (threads > items) threads = (int)items;
     QJob jobs[64];
