@@ -8,7 +8,9 @@ results JSON and per-sample JSONL stay in the cell's folder exactly as lm-eval w
 metric is the score (never rescored here); slimkv's ``cell.json`` beside them adds the count, a 95%
 Wilson interval of the prompts fully answered, seconds, load, and the live cache bytes per token
 after a prefill of that length with the ratio to the bfloat16 original's. A finished cell (its
-``cell.json``, written last and atomically) is skipped when the run is repeated.
+``cell.json``, written last and atomically) is skipped when the run is repeated, and a larger ``limit``
+grows it: only the new prompts run (lm-eval's ``samples`` selects them), their files in a ``prompts-A-B``
+folder inside the cell's, and the cell's score is the mean over all its prompts of lm-eval's per-prompt values.
 """
 
 from __future__ import annotations
@@ -94,19 +96,25 @@ def cell_id(option: str, task: str, length: int) -> str:
     return f"{option}/{task}/{length}"
 
 
-def summarize_cell(results: dict[str, Any], samples: list[dict[str, Any]], task: str, length: int) -> dict[str, Any]:
-    """lm-eval's score of ``task`` at ``length`` (its metric named by the length) from its results
-    JSON, the per-sample values lm-eval recorded in its samples (``samples``), the prompts fully
-    answered among them and the 95% Wilson interval of that proportion (for the binary tasks, the
-    niah ones, the score's own interval), and ``score95``, a bootstrap interval of the mean score
-    (for partial-credit tasks, vt, cwe, fwe, the interval to compare scores by)."""
+def summarize_cell(parts: list[tuple[dict[str, Any], list[dict[str, Any]]]], task: str, length: int) -> dict[str, Any]:
+    """lm-eval's score of ``task`` at ``length`` (its metric named by the length) from the results
+    JSON and samples of each part of a cell (one ``simple_evaluate``: the first prompts, then those
+    a larger ``--limit`` added); for several parts, the mean of their scores weighted by their prompt
+    counts (lm-eval's metric is a mean over prompts). Beside it the per-sample values lm-eval
+    recorded, the prompts fully answered among them and the 95% Wilson interval of that proportion
+    (for the binary tasks, the niah ones, the score's own interval), and ``score95``, a bootstrap
+    interval of the mean score (for partial-credit tasks, vt, cwe, fwe, the interval to compare scores by)."""
     metric = f"{length},none"
-    score = results["results"][task][metric]
-    values = [float(s[str(length)]) for s in samples]
+    score, values = 0.0, []
+    for results, samples in parts:
+        part = [float(s[str(length)]) for s in samples]
+        effective = results.get("n-samples", {}).get(task, {}).get("effective")
+        if effective is not None and effective != len(part):
+            raise ValueError(f"lm-eval's results count {effective} samples of {task}, its samples file {len(part)}")
+        score += results["results"][task][metric] * len(part)
+        values += part
     n = len(values)
-    effective = results.get("n-samples", {}).get(task, {}).get("effective")
-    if effective is not None and effective != n:
-        raise ValueError(f"lm-eval's results count {effective} samples of {task}, its samples file {n}")
+    score /= n
     full = sum(v == 1.0 for v in values)
     low, high = wilson(full, n)
     binary = all(v in (0.0, 1.0) for v in values)
@@ -144,11 +152,18 @@ def estimate_cell(probe_row: dict[str, Any], limit: int, max_gen_toks: int) -> f
     return limit * (probe_row["prefill_s"] + max_gen_toks * probe_row["decode_s_per_token"])
 
 
-def run_cell(loaded: LoadedModel, option: str, task: str, length: int, *, limit: int, max_gen_toks: int, seed: int, tokenizer_dir: str,
-             cell_dir: Path) -> tuple[Path, Path, float]:
-    """One ``lm_eval.simple_evaluate`` of ``task`` at ``length`` under cache ``option``; lm-eval's
-    results JSON and samples JSONL, written by its ``EvaluationTracker`` into ``cell_dir``, and the
-    seconds spent in ``generate()`` (the rest is lm-eval building the task's data)."""
+def part_folder(cell_dir: Path, first: int, limit: int) -> Path:
+    """Where lm-eval's files of prompts ``first`` to ``limit - 1`` of a cell go: the cell's folder for
+    the first prompts, ``prompts-A-B`` inside it for those a larger ``--limit`` adds."""
+    return cell_dir if first == 0 else cell_dir / f"prompts-{first}-{limit - 1}"
+
+
+def run_cell(loaded: LoadedModel, option: str, task: str, length: int, *, first: int = 0, limit: int, max_gen_toks: int, seed: int,
+             tokenizer_dir: str, cell_dir: Path) -> tuple[Path, Path, float]:
+    """One ``lm_eval.simple_evaluate`` of prompts ``first`` to ``limit - 1`` of ``task`` at ``length``
+    under cache ``option``; lm-eval's results JSON and samples JSONL, written by its
+    ``EvaluationTracker`` into ``cell_dir``, and the seconds spent in ``generate()`` (the rest is
+    lm-eval building the task's data)."""
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.models.huggingface import HFLM
@@ -175,7 +190,7 @@ def run_cell(loaded: LoadedModel, option: str, task: str, length: int, *, limit:
     cell_dir.mkdir(parents=True, exist_ok=True)
     lm = CacheOptionLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=1, max_length=length)
     tracker = EvaluationTracker(output_path=str(cell_dir / "lm_eval.json"))
-    results = simple_evaluate(model=lm, tasks=[task], limit=limit, gen_kwargs={"max_gen_toks": max_gen_toks}, log_samples=True, evaluation_tracker=tracker,
+    results = simple_evaluate(model=lm, tasks=[task], **ruler_press.prompt_selection(task, first, limit), gen_kwargs={"max_gen_toks": max_gen_toks}, log_samples=True, evaluation_tracker=tracker,
                               task_manager=TaskManager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer_dir}), random_seed=seed, verbosity="WARNING")
     samples = results.pop("samples")
     tracker.save_results_aggregated(results=results, samples=samples)
@@ -186,8 +201,8 @@ def run_cell(loaded: LoadedModel, option: str, task: str, length: int, *, limit:
     return written[0][0], written[1][0], lm.generate_s
 
 
-def run_press_cell(model_dir: str, option: str, task: str, length: int, *, limit: int, max_gen_toks: int, seed: int, dtype: str,
-                   cell_dir: Path) -> tuple[Path, Path, float, dict[str, Any]]:
+def run_press_cell(model_dir: str, option: str, task: str, length: int, *, first: int = 0, limit: int, max_gen_toks: int, seed: int, dtype: str,
+                   cell_dir: Path, patterns_dir: Path) -> tuple[Path, Path, float, dict[str, Any]]:
     """The cell of a kvpress press: ``ruler_press_runner.py`` runs the same ``simple_evaluate`` in
     kvpress's environment and writes lm-eval's files into ``cell_dir`` (its output in
     ``runner.log``); lm-eval's two files, the seconds inside generation and the runner's reply
@@ -195,9 +210,9 @@ def run_press_cell(model_dir: str, option: str, task: str, length: int, *, limit
     for stale in [*cell_dir.glob("lm_eval_*.json"), *cell_dir.glob("samples_*.jsonl")]:
         stale.unlink()
     cell_dir.mkdir(parents=True, exist_ok=True)
-    reply = ruler_press.call_runner({"mode": "cell", "option": option, "task": task, "length": length, "limit": limit, "max_gen_toks": max_gen_toks,
-                                     "seed": seed, "model_dir": model_dir, "tokenizer_dir": model_dir, "dtype": dtype, "threads": torch.get_num_threads(),
-                                     "cell_dir": str(cell_dir.resolve()), "patterns_dir": str(cell_dir.resolve().parents[3] / "press_patterns")},
+    reply = ruler_press.call_runner({"mode": "cell", "option": option, "task": task, "length": length, "first": first, "limit": limit,
+                                     "max_gen_toks": max_gen_toks, "seed": seed, "model_dir": model_dir, "tokenizer_dir": model_dir, "dtype": dtype,
+                                     "threads": torch.get_num_threads(), "cell_dir": str(cell_dir.resolve()), "patterns_dir": str(patterns_dir.resolve())},
                                     log_path=cell_dir / "runner.log")
     return Path(reply.pop("results")), Path(reply.pop("samples")), reply.pop("generate_s"), reply
 
@@ -245,16 +260,20 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     base = {"model": model, "identity": loaded.identity, "weights": weights_record(model), "dtype": str(dtype).replace("torch.", ""), "limit": limit,
             "seed": seed, "lm_eval": package_versions(("lm_eval",))["lm_eval"]}
     cells = {cell_id(o, t, n): {"option": o, "task": t, "length": n} for n in lengths for t in tasks for o in caches}
-    finished = {}
+    finished, growing = {}, {}  # growing: cells finished with fewer prompts than --limit, which run only the rest
     for key, cell in cells.items():
         cell["settings"] = {**base, **cell, "max_gen_toks": gen[cell["task"]], **ruler_cache.option_settings(cell["option"])}
         path = out_dir / "cells" / key / CELL_FILE
         if path.is_file():
             previous = read_json(path, expect=dict)
             differ = settings_differ(cell["settings"], previous["settings"])
-            if differ:
-                raise ValueError(f"{path} holds cell {key} of other settings (they differ in: {', '.join(differ)}); give another --out, or move it away to run it again")
-            finished[key] = previous
+            if differ == ["limit"] and previous["settings"]["limit"] < limit:
+                growing[key] = previous
+            elif differ:
+                raise ValueError(f"{path} holds cell {key} of other settings (they differ in: {', '.join(differ)}; only a larger --limit adds "
+                                 "prompts to it); give another --out, or move it away to run it again")
+            else:
+                finished[key] = previous
     earlier, other = folder_cells(out_dir, base, exclude=set(cells))  # cells of earlier runs with other grids: the report keeps them
     if earlier:
         say(f"{len(earlier)} finished cell(s) of earlier runs into {out_dir} (other tasks, lengths or caches) stay in its report")
@@ -299,15 +318,17 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
             save_probes()
     for key in pending:
         cell = cells[key]
+        cell["first"] = growing[key]["summary"]["n"] if key in growing else 0
         timed = probes.get(f"{cell['option']}/{cell['length']}")
-        cell["estimate_s"] = estimate_cell(timed, limit, gen[cell["task"]]) if timed else 0.0
+        cell["estimate_s"] = estimate_cell(timed, limit - cell["first"], gen[cell["task"]]) if timed else 0.0
         cell["timed"] = timed is not None
     budget_s = None if budget_minutes is None else budget_minutes * 60 - (time.perf_counter() - started)
     run, skipped = plan([dict(cells[k], id=k) for k in pending], budget_s)
     say(f"{len(finished)} of {len(cells)} cells finished before; {len(run)} to run, about {sum(c['estimate_s'] for c in run) / 60:.1f} min "
         f"({limit} prompts each, upper bound from the timed prompt)" + (f", within --budget-minutes {budget_minutes:.1f}" if budget_minutes else ""))
     for cell in run:
-        say(f"  run   {cell['id']}: " + (f"~{cell['estimate_s'] / 60:.1f} min" if cell["timed"] else "not timed (a press is timed for --budget-minutes or --plan-only)"))
+        grows = f" (prompts {cell['first']}-{limit - 1}: {cell['first']} finished before)" if cell["first"] else ""
+        say(f"  run   {cell['id']}{grows}: " + (f"~{cell['estimate_s'] / 60:.1f} min" if cell["timed"] else "not timed (a press is timed for --budget-minutes or --plan-only)"))
     for cell in skipped:
         say(f"  skip  {cell['id']}: ~{cell['estimate_s'] / 60:.1f} min, past the budget")
     report = {"settings": {**base, "run": {"tasks": tasks, "lengths": lengths, "caches": caches, "budget_minutes": budget_minutes}}, "cells": {},
@@ -323,18 +344,31 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     bar = tqdm(total=len(cells), initial=len(finished), desc=f"ruler {Path(model).name}", unit="cell", disable=not progress)
     for cell in run:
         cell_dir = out_dir / "cells" / cell["id"]
+        first, before = cell["first"], growing.get(cell["id"])
+        part_dir = part_folder(cell_dir, first, limit)
         load_start, t0 = os.getloadavg(), time.perf_counter()
         press = ruler_press.is_press(cell["option"])
         if press:
-            results_path, samples_path, generate_s, reply = run_press_cell(model_dir, cell["option"], cell["task"], cell["length"], limit=limit,
-                                                                           max_gen_toks=gen[cell["task"]], seed=seed, dtype=base["dtype"], cell_dir=cell_dir)
-            measured = {**press_bytes(reply["prompts"]), "prompts": reply["prompts"], **ruler_press.settings(cell["option"])}
+            results_path, samples_path, generate_s, reply = run_press_cell(model_dir, cell["option"], cell["task"], cell["length"], first=first, limit=limit,
+                                                                           max_gen_toks=gen[cell["task"]], seed=seed, dtype=base["dtype"], cell_dir=part_dir,
+                                                                           patterns_dir=out_dir / "press_patterns")
+            prompts = (before["probe"]["prompts"] if before else []) + reply["prompts"]
+            measured = {**press_bytes(prompts), "prompts": prompts, **ruler_press.settings(cell["option"])}
         else:
-            results_path, samples_path, generate_s = run_cell(loaded, cell["option"], cell["task"], cell["length"], limit=limit, max_gen_toks=gen[cell["task"]],
-                                                  seed=seed, tokenizer_dir=model_dir, cell_dir=cell_dir)
+            results_path, samples_path, generate_s = run_cell(loaded, cell["option"], cell["task"], cell["length"], first=first, limit=limit,
+                                                              max_gen_toks=gen[cell["task"]], seed=seed, tokenizer_dir=model_dir, cell_dir=part_dir)
             measured = probes[f"{cell['option']}/{cell['length']}"]
         seconds = time.perf_counter() - t0
-        summary = summarize_cell(read_json(results_path, expect=dict), read_samples(samples_path), cell["task"], cell["length"])
+        added = {"first": first, "n": limit - first, "seconds": seconds, "generate_s": generate_s, "load_average_start": list(load_start),
+                 "load_average_end": list(os.getloadavg()), "threads": torch.get_num_threads(),
+                 "lm_eval_results": str(results_path.resolve().relative_to(out_dir.resolve())),
+                 "lm_eval_samples": str(samples_path.resolve().relative_to(out_dir.resolve()))}
+        parts = [*cell_parts(before["summary"]), added] if before else [added]
+        summary = summarize_cell([(read_json(out_dir / part["lm_eval_results"], expect=dict), read_samples(out_dir / part["lm_eval_samples"])) for part in parts],
+                                 cell["task"], cell["length"])
+        if summary["n"] != limit:
+            raise RuntimeError(f"cell {cell['id']} holds {summary['n']} prompts after its run, not --limit {limit}")
+        seconds, generate_s = sum(p["seconds"] for p in parts), sum(p["generate_s"] for p in parts)
         reference = ruler_cache.bf16_reference(probes[f"reference/{cell['length']}"])
         # the budget axis: the bytes of the entries attention still sees (for a press that only masks, fewer than its tensors hold)
         budget_bytes = measured["bytes_per_token_kept"] if press else measured["bytes_per_token"]
@@ -342,10 +376,11 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
                         "bytes_per_token": budget_bytes, "bytes_ratio_to_bf16_original": budget_bytes / reference,
                         "ratio_reference": loaded.identity.get("base") or f"{model} itself (it names no original)",
                         "bytes_per_token_after_decode": measured["bytes_per_token_after_decode"], "seconds": seconds,
-                        "seconds_per_sample": seconds / summary["n"], "generate_s_per_sample": generate_s / summary["n"], "estimate_s": cell["estimate_s"], "load_average_start": list(load_start),
-                        "load_average_end": list(os.getloadavg()), "threads": torch.get_num_threads(),
-                        "lm_eval_results": str(results_path.resolve().relative_to(out_dir.resolve())),
-                        "lm_eval_samples": str(samples_path.resolve().relative_to(out_dir.resolve()))})
+                        "seconds_per_sample": seconds / summary["n"], "generate_s_per_sample": generate_s / summary["n"],
+                        "estimate_s": cell["estimate_s"] + (before["summary"]["estimate_s"] if before else 0.0),
+                        **{k: parts[0][k] for k in ("load_average_start", "load_average_end", "threads", "lm_eval_results", "lm_eval_samples")}})
+        if len(parts) > 1:
+            summary["added_prompts"] = parts[1:]
         machine = machine_info()
         if press:
             summary.update({"bytes_per_token_live": measured["bytes_per_token"], "bytes_ratio_live": measured["bytes_per_token"] / reference,
@@ -353,6 +388,8 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
                             "runner": "kvpress env"})
             # the numbers come from kvpress's environment: its python and package versions, beside this process's
             machine["press_runner"] = {"python": reply["runner_python"], "packages": reply["runner_versions"], "threads": reply["threads"]}
+        if before:  # the machine (commit, load, packages) each earlier part ran on
+            machine["earlier_parts"] = before["machine"].pop("earlier_parts", []) + [before["machine"]]
         write_json(cell_dir / CELL_FILE, {"settings": cell["settings"], "summary": summary, "probe": measured, "machine": machine})
         report["cells"][cell["id"]] = summary
         report["cells"] = in_report_order(report["cells"], caches, previous_order)
@@ -363,6 +400,18 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     bar.close()
     write_summary(report, out_dir)
     return report
+
+
+def cell_parts(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The parts of a finished cell's summary, each one ``simple_evaluate``: its first prompts (the
+    summary's own files, load and threads; its seconds what the later parts leave of the total), then
+    each ``added_prompts`` entry. A part: first prompt, count, seconds, seconds in ``generate()``, load,
+    threads and lm-eval's two files (relative to the run's folder)."""
+    added = summary.get("added_prompts", [])
+    first = {"first": 0, "n": summary["n"] - sum(p["n"] for p in added), "seconds": summary["seconds"] - sum(p["seconds"] for p in added),
+             "generate_s": summary["generate_s_per_sample"] * summary["n"] - sum(p["generate_s"] for p in added),
+             **{k: summary[k] for k in ("load_average_start", "load_average_end", "threads", "lm_eval_results", "lm_eval_samples")}}
+    return [first, *[dict(p) for p in added]]
 
 
 def settings_differ(wanted: dict[str, Any], stored: dict[str, Any], keys: set[str] | None = None) -> list[str]:

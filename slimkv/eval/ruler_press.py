@@ -4,7 +4,8 @@ kvpress 0.5.5 needs transformers < 5.3 and slimkv 5.24, so a press never runs in
 process: each press cell is run by ``ruler_press_runner.py`` with the python of kvpress's own
 virtualenv (``.venv-kvpress``, ``make bench-kvpress-env``, which also holds lm-eval), and hands
 back lm-eval's files and the bytes it measured. This module is the part both sides share: the
-presses, the parsing and checks of an option, and the calls into that environment. It imports
+presses, the parsing and checks of an option, the calls into that environment, and which of a
+task's prompts a cell runs (``prompt_selection``, for slimkv's own cells too). It imports
 only the standard library, so the runner can load it without slimkv's dependencies.
 """
 
@@ -66,6 +67,12 @@ DUO_KEPT = 128 + 256  # what a DuoAttention streaming head keeps (kvpress's on-t
 HUB_ONLY = {"duo_attention_patterns": "DuoAttention's pre-computed patterns are downloaded from the DuoAttention repository (and exist only for "
                                       "six 7-8B checkpoints, not SmolLM2); this machine works offline: use press:duo_attention (the on-the-fly pattern)"}
 
+
+
+def prompt_selection(task: str, first: int, limit: int) -> dict[str, Any]:
+    """``simple_evaluate``'s arguments for prompts ``first`` to ``limit - 1`` of ``task``: its ``limit``
+    from the first prompt (lm-eval's first ``limit`` documents), its ``samples`` (those indices) after."""
+    return {"limit": limit, "samples": None} if first == 0 else {"limit": None, "samples": {task: list(range(first, limit))}}
 
 def is_press(option: str) -> bool:
     """Whether a ``--caches`` entry names a kvpress press (``press:NAME@BUDGET``)."""

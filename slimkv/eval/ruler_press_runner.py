@@ -314,7 +314,8 @@ def run_cell(request: dict[str, Any]) -> dict[str, Any]:
     cell_dir = Path(request["cell_dir"])
     lm = PressLM(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=request["length"])
     tracker = EvaluationTracker(output_path=str(cell_dir / "lm_eval.json"))
-    results = simple_evaluate(model=lm, tasks=[request["task"]], limit=request["limit"], gen_kwargs={"max_gen_toks": request["max_gen_toks"]},
+    selection = ruler_press.prompt_selection(request["task"], request.get("first", 0), request["limit"])
+    results = simple_evaluate(model=lm, tasks=[request["task"]], **selection, gen_kwargs={"max_gen_toks": request["max_gen_toks"]},
                               log_samples=True, evaluation_tracker=tracker, random_seed=request["seed"], verbosity="WARNING",
                               task_manager=TaskManager(metadata={"max_seq_lengths": [request["length"]], "tokenizer": request["tokenizer_dir"]}))
     samples = results.pop("samples")

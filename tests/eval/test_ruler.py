@@ -116,20 +116,23 @@ def lm_eval_shaped(task: str, length: int, values: list[float]) -> tuple[dict, l
 
 def test_summary_takes_lm_evals_score_and_counts_full_answers():
     results, samples = lm_eval_shaped("niah_single_1", 2048, [1.0, 1.0, 0.0, 1.0])
-    row = ruler.summarize_cell(results, samples, "niah_single_1", 2048)
+    row = ruler.summarize_cell([(results, samples)], "niah_single_1", 2048)
     assert row["score"] == 0.75 and row["n"] == 4 and row["full"] == 3 and row["binary"]
     low, high = row["wilson95"]
     assert 0.2 < low < 0.75 < high < 1.0
     results, samples = lm_eval_shaped("ruler_cwe", 1024, [1.0, 0.5, 0.9])
-    row = ruler.summarize_cell(results, samples, "ruler_cwe", 1024)
+    row = ruler.summarize_cell([(results, samples)], "ruler_cwe", 1024)
     assert row["score"] == pytest.approx(0.8) and row["full"] == 1 and not row["binary"]
-    assert row["score95"] == ruler.summarize_cell(results, samples, "ruler_cwe", 1024)["score95"]  # seeded: a report regenerates
+    assert row["score95"] == ruler.summarize_cell([(results, samples)], "ruler_cwe", 1024)["score95"]  # seeded: a report regenerates
     assert 0.5 <= row["score95"][0] < 0.8 < row["score95"][1] <= 1.0  # the mean's interval, not the Wilson one of 1 full answer in 3
-    wide = ruler.summarize_cell(*lm_eval_shaped("ruler_cwe", 1024, [0.2, 0.3] * 20), "ruler_cwe", 1024)["score95"]
+    wide = ruler.summarize_cell([lm_eval_shaped("ruler_cwe", 1024, [0.2, 0.3] * 20)], "ruler_cwe", 1024)["score95"]
     assert 0.2 < wide[0] < 0.25 < wide[1] < 0.3  # 40 prompts: a narrow interval around the mean
     results["n-samples"]["ruler_cwe"]["effective"] = 5
     with pytest.raises(ValueError, match="count 5 samples"):
-        ruler.summarize_cell(results, samples, "ruler_cwe", 1024)
+        ruler.summarize_cell([(results, samples)], "ruler_cwe", 1024)
+    parts = [lm_eval_shaped("niah_single_1", 2048, [1.0, 1.0, 0.0]), lm_eval_shaped("niah_single_1", 2048, [0.0])]
+    row = ruler.summarize_cell(parts, "niah_single_1", 2048)  # a grown cell: lm-eval's part scores weighted by their prompts
+    assert row["score"] == 0.5 and row["n"] == 4 and row["full"] == 2
 
 
 def test_cache_bytes_of_the_dynamic_and_cast_caches_are_their_tensors():
@@ -170,10 +173,10 @@ def test_quantized_cache_bytes_count_packed_data_scales_and_the_residual_window(
 def fake_run_cell(calls):
     """A stand-in for lm-eval: writes lm-eval-shaped files into the cell's folder."""
 
-    def run(loaded, option, task, length, *, limit, max_gen_toks, seed, tokenizer_dir, cell_dir):
-        calls.append((option, task, length))
+    def run(loaded, option, task, length, *, first=0, limit, max_gen_toks, seed, tokenizer_dir, cell_dir):
+        calls.append((option, task, length) if first == 0 else (option, task, length, first))
         cell_dir.mkdir(parents=True, exist_ok=True)
-        results, samples = lm_eval_shaped(task, length, [1.0] * limit)
+        results, samples = lm_eval_shaped(task, length, [float(i % 2 == 0) for i in range(first, limit)])
         (cell_dir / "lm_eval_t.json").write_text(json.dumps(results))
         (cell_dir / "samples_t.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
         return cell_dir / "lm_eval_t.json", cell_dir / "samples_t.jsonl", 1.0
@@ -191,7 +194,7 @@ def test_resume_skips_finished_cells_and_refuses_other_settings(tiny_folder, tmp
     report = ruler.evaluate(str(tiny_folder), **options)
     assert len(calls) == 4 and set(report["cells"]) == {f"{o}/{t}/1024" for o in ("none", "bfloat16") for t in ("niah_single_1", "ruler_vt")}
     row = report["cells"]["bfloat16/ruler_vt/1024"]
-    assert row["n"] == 3 and row["score"] == 1.0 and row["bytes_ratio_to_bf16_original"] == 1.0
+    assert row["n"] == 3 and row["score"] == pytest.approx(2 / 3) and row["bytes_ratio_to_bf16_original"] == 1.0
     assert report["cells"]["none/ruler_vt/1024"]["bytes_ratio_to_bf16_original"] == 2.0  # the float32 original
     saved = json.loads((out / "ruler.json").read_text())
     assert saved["cells"] == json.loads(json.dumps(report["cells"])) and "git_commit" in saved["machine"]
@@ -201,8 +204,38 @@ def test_resume_skips_finished_cells_and_refuses_other_settings(tiny_folder, tmp
     (out / "cells" / "none" / "ruler_vt" / "1024" / ruler.CELL_FILE).unlink()
     ruler.evaluate(str(tiny_folder), **options)
     assert calls == [("none", "ruler_vt", 1024)]
-    with pytest.raises(ValueError, match="differ in: limit"):
-        ruler.evaluate(str(tiny_folder), **{**options, "limit": 4})
+    with pytest.raises(ValueError, match="differ in: limit; only a larger --limit"):
+        ruler.evaluate(str(tiny_folder), **{**options, "limit": 2})
+
+
+def test_a_larger_limit_grows_finished_cells_with_only_the_new_prompts(tiny_folder, tmp_path, monkeypatch):
+    """A cell finished with 3 prompts, asked for 5 then 6, runs prompts 3-4 then 5 into folders of their own; its score is
+    lm-eval's over all of them (the stand-in answers the even-numbered prompts), its earlier files and machine are kept."""
+    monkeypatch.setattr(ruler, "check_lm_eval", lambda: None)
+    calls: list = []
+    monkeypatch.setattr(ruler, "run_cell", fake_run_cell(calls))
+    out = tmp_path / "out"
+    options = {"tasks": ["niah_single_1"], "lengths": [1024], "caches": ["none"], "out_dir": out, "progress": False, "say": lambda _: None}
+    ruler.evaluate(str(tiny_folder), limit=3, **options)
+    cell_dir = out / "cells" / "none" / "niah_single_1" / "1024"
+    first_files = sorted(p.name for p in cell_dir.iterdir())
+    said: list[str] = []
+    report = ruler.evaluate(str(tiny_folder), limit=5, **{**options, "say": said.append})
+    assert calls == [("none", "niah_single_1", 1024), ("none", "niah_single_1", 1024, 3)]
+    assert any("prompts 3-4: 3 finished before" in line for line in said)
+    row = report["cells"]["none/niah_single_1/1024"]
+    assert row["n"] == 5 and row["full"] == 3 and row["score"] == pytest.approx(3 / 5) and report["settings"]["limit"] == 5
+    assert [(p["first"], p["n"]) for p in row["added_prompts"]] == [(3, 2)]
+    assert (out / row["added_prompts"][0]["lm_eval_samples"]).parent == cell_dir / "prompts-3-4"
+    assert first_files == sorted(p.name for p in cell_dir.iterdir() if p.name != "prompts-3-4")  # the first part's files untouched
+    assert row["seconds"] == pytest.approx(sum(p["seconds"] for p in ruler.cell_parts(row)))
+    ruler.evaluate(str(tiny_folder), limit=5, **options)
+    assert len(calls) == 2  # finished at 5: skipped
+    row = ruler.evaluate(str(tiny_folder), limit=6, **options)["cells"]["none/niah_single_1/1024"]
+    assert calls[-1] == ("none", "niah_single_1", 1024, 5) and row["n"] == 6 and row["score"] == pytest.approx(3 / 6)
+    assert [(p["first"], p["n"]) for p in ruler.cell_parts(row)] == [(0, 3), (3, 2), (5, 1)]
+    cell = json.loads((cell_dir / ruler.CELL_FILE).read_text())
+    assert len(cell["machine"]["earlier_parts"]) == 2 and "earlier_parts" not in cell["machine"]["earlier_parts"][-1]
 
 
 def test_a_run_with_another_grid_keeps_the_folders_earlier_cells_in_its_report(tiny_folder, tmp_path, monkeypatch):
@@ -276,3 +309,17 @@ def test_real_lm_eval_cell_on_a_tiny_model(tiny_folder, tmp_path):
     row = report["cells"]["bfloat16/niah_single_1/1024"]
     assert row["n"] == 1 and 0.0 <= row["score"] <= 1.0
     assert (tmp_path / "o" / row["lm_eval_results"]).is_file() and (tmp_path / "o" / row["lm_eval_samples"]).is_file()
+
+
+@pytest.mark.skipif(not HAS_LM_EVAL, reason="lm-eval not installed: make ruler-env")
+def test_a_grown_cell_runs_the_prompts_a_larger_limit_would_have(tiny_folder, tmp_path):
+    """lm-eval's ``samples`` (which a grown cell's new part runs) picks the documents its ``limit`` would: the same
+    prompts and answers, so a cell grown from 1 prompt to 2 holds what a 2-prompt cell holds."""
+    common = {"tasks": ["niah_single_1"], "lengths": [1024], "caches": ["bfloat16"], "max_gen_toks": 4, "progress": False, "say": lambda _: None}
+    ruler.evaluate(str(tiny_folder), limit=1, out_dir=tmp_path / "grown", **common)
+    grown = ruler.evaluate(str(tiny_folder), limit=2, out_dir=tmp_path / "grown", **common)["cells"]["bfloat16/niah_single_1/1024"]
+    whole = ruler.evaluate(str(tiny_folder), limit=2, out_dir=tmp_path / "whole", **common)["cells"]["bfloat16/niah_single_1/1024"]
+    grown_samples = [s for part in ruler.cell_parts(grown) for s in ruler.read_samples(tmp_path / "grown" / part["lm_eval_samples"])]
+    whole_samples = ruler.read_samples(tmp_path / "whole" / whole["lm_eval_samples"])
+    assert [(s["doc_hash"], s["prompt_hash"], s["target_hash"]) for s in grown_samples] == [(s["doc_hash"], s["prompt_hash"], s["target_hash"]) for s in whole_samples]
+    assert grown_samples[0]["doc_hash"] != grown_samples[1]["doc_hash"] and grown["score"] == whole["score"] and grown["n"] == 2

@@ -83,18 +83,20 @@ def test_a_press_cell_is_summarized_with_the_bytes_attention_still_sees(tiny_fol
     def fake_runner(request, log_path=None, timeout_s=None):
         requests.append(request)
         cell_dir = Path(request["cell_dir"])
-        results, samples = lm_eval_shaped(request["task"], request["length"], [1.0, 0.0])
+        values = [float(i % 2 == 0) for i in range(request["first"], request["limit"])]
+        results, samples = lm_eval_shaped(request["task"], request["length"], values)
         (cell_dir / "lm_eval_t.json").write_text(json.dumps(results))
         (cell_dir / "samples_t.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
         prompt = {"bytes_per_token": reference, "bytes_per_token_kept": reference / 4, "bytes_per_token_after_decode": reference,
                   "bytes_per_token_kept_after_decode": reference / 3, "tail_tokens": 30, "prompt_tokens": 900, "prefill_s": 1.0}
-        return {"results": str(cell_dir / "lm_eval_t.json"), "samples": str(cell_dir / "samples_t.jsonl"), "generate_s": 4.0, "prompts": [prompt, prompt],
+        return {"results": str(cell_dir / "lm_eval_t.json"), "samples": str(cell_dir / "samples_t.jsonl"), "generate_s": 4.0, "prompts": [prompt] * len(values),
                 "runner_versions": {"kvpress": "0.5.5", "transformers": "5.2.0"}, "runner_python": "/env/python", "threads": 1}
     monkeypatch.setattr(ruler_press, "call_runner", fake_runner)
     out = tmp_path / "o"
     report = ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["press:kvzip@0.25"], limit=2, out_dir=out,
                             progress=False, say=lambda _: None)
     assert [r["mode"] for r in requests] == ["cell"] and requests[0]["option"] == "press:kvzip@0.25" and requests[0]["dtype"] == "float32"
+    assert requests[0]["first"] == 0 and Path(requests[0]["patterns_dir"]) == (out / "press_patterns").resolve()
     row = report["cells"]["press:kvzip@0.25/niah_single_1/1024"]
     assert row["score"] == 0.5 and row["n"] == 2 and row["full"] == 1
     assert row["bytes_ratio_to_bf16_original"] == pytest.approx(0.25) and row["bytes_ratio_live"] == pytest.approx(1.0)
@@ -106,6 +108,12 @@ def test_a_press_cell_is_summarized_with_the_bytes_attention_still_sees(tiny_fol
     ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["press:kvzip@0.25"], limit=2, out_dir=out, progress=False,
                    say=lambda _: None)
     assert requests == []  # finished: skipped
+    row = ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["press:kvzip@0.25"], limit=3, out_dir=out, progress=False,
+                         say=lambda _: None)["cells"]["press:kvzip@0.25/niah_single_1/1024"]
+    assert [(r["first"], r["limit"], Path(r["cell_dir"]).name) for r in requests] == [(2, 3, "prompts-2-2")]  # only the new prompt
+    assert row["n"] == 3 and row["full"] == 2 and row["bytes_ratio_to_bf16_original"] == pytest.approx(0.25)
+    cell = json.loads((out / "cells" / "press:kvzip@0.25" / "niah_single_1" / "1024" / ruler.CELL_FILE).read_text())
+    assert len(cell["probe"]["prompts"]) == 3 and cell["machine"]["earlier_parts"][0]["press_runner"]["packages"]["kvpress"] == "0.5.5"
 
 
 def test_the_runner_sets_the_ratio_for_equal_bytes_with_the_question_tail():
