@@ -78,6 +78,33 @@ def test_a_split_call_sums_in_another_order_than_one_thread(monkeypatch):
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_items_the_threads_do_not_divide_are_split_to_share_out_evenly(isa, dtype, threads, monkeypatch):
+    """SmolLM2's layout, 3 KV heads of one sequence, on 2, 3 and 4 threads: on 2 each head's keys are cut in
+    2 ranges (6 jobs, 3 a thread, where one thread once took two heads and the other one), on 4 in 4 (12
+    jobs); on 3 the heads share out as they are. Against the reference, and the split really ran (float32
+    bits move) exactly where the threads do not divide the heads."""
+    dtype = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 9, 1, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 3, 4100, 64, generator=gen).to(dtype) for _ in range(2))
+    library = native.isa_kernel(dtype, isa)
+    one = native.native_decode_attention([q], [(k, v)], 0.125, library)
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native.native_decode_attention([q], [(k, v)], 0.125, library)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.float(), reference_attention(q.float(), k.float(), v.float(), scale=0.125), **_tolerance(dtype))
+    if dtype == torch.float32:
+        assert torch.equal(out, one) == (threads == 3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["mqa32x8", "gqa64x3", "odd48"])
 @pytest.mark.parametrize("storage", ["int4", "int8:group=8,residual=0", "int4:group=16,residual=5"])
 def test_quantized_key_splits_match_the_reference(isa, dtype, layout, storage, many_threads):

@@ -132,19 +132,38 @@ typedef struct {
     float *stats_max, *stats_sum; /* key splits: the item's softmax statistics per query row, kept for the merge (NULL: not split) */
 } Job;
 
+/* A contiguous range of jobs that one thread runs in turn (``run_on_threads`` with more jobs than threads). */
+typedef struct {
+    void *(*work)(void *);
+    char *jobs;
+    size_t job_size;
+    int first, last;
+} JobRange;
+
+static void *run_job_range(void *arg) {
+    const JobRange *range = (const JobRange *)arg;
+    for (int j = range->first; j < range->last; j++) range->work(range->jobs + (size_t)j * range->job_size);
+    return NULL;
+}
+
 /* Runs ``work`` on each of ``count`` jobs (``jobs``: an array of ``job_size``-byte structs, at most
- * 64): job 0 on the caller's thread, the others on POSIX threads (or here, when one cannot start).
- * Every job is done when it returns. The one thread runner of every entry point in this library. */
-static void run_on_threads(void *(*work)(void *), void *jobs, size_t job_size, int count) {
+ * 64) on at most ``threads`` threads, each a contiguous share of the jobs in turn (jobs of equal work
+ * then balance: e.g. 3 heads cut into 6 key ranges on 2 threads): the first share on the caller's
+ * thread, the others on POSIX threads (or here, when one cannot start). Every job is done when it
+ * returns. The one thread runner of every entry point in this library. */
+static void run_on_threads(void *(*work)(void *), void *jobs, size_t job_size, int count, int threads) {
+    if (threads > count) threads = count;
+    if (threads < 1) threads = 1;
+    JobRange ranges[64];
+    for (int t = 0; t < threads; t++) ranges[t] = (JobRange){work, (char *)jobs, job_size, count * t / threads, count * (t + 1) / threads};
     pthread_t ids[64];
-    char *base = jobs;
     int started = 0;
-    for (int t = 1; t < count; t++) {
-        if (pthread_create(&ids[t], NULL, work, base + (size_t)t * job_size) != 0) break;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&ids[t], NULL, run_job_range, &ranges[t]) != 0) break;
         started = t;
     }
-    for (int t = started + 1; t < count; t++) work(base + (size_t)t * job_size); /* threads that could not start: run here */
-    work(base);
+    for (int t = started + 1; t < threads; t++) run_job_range(&ranges[t]); /* threads that could not start: run here */
+    run_job_range(&ranges[0]);
     for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
 }
 
@@ -414,12 +433,20 @@ static void merge_key_splits(float *out, const float *ranges, const float *stats
     }
 }
 
-/* How many ranges to cut each item's keys into: one per idle thread per item (threads beyond the
- * items), each at least MIN_SPLIT_KEYS keys; 1 is no split. */
+/* How many ranges to cut each item's keys into: the count s whose (range, item) jobs, shared out over
+ * the threads in equal numbers where they can be, finish first (ceil(items * s / threads) / s items'
+ * work per thread), the smallest such s; each range at least MIN_SPLIT_KEYS keys, at most 64 jobs.
+ * One per idle thread per item when the items divide the threads; 2 for 3 heads on 2 threads (one
+ * thread would otherwise take two heads, the other one); 1 (no split) when cutting gains nothing. */
 static inline int64_t key_splits(int threads, int64_t items, int64_t total_keys) {
-    int64_t splits = threads > items ? threads / items : 1;
-    if (splits > total_keys / MIN_SPLIT_KEYS) splits = total_keys / MIN_SPLIT_KEYS;
-    return splits;
+    int64_t most = total_keys / MIN_SPLIT_KEYS;
+    if (most > 64 / items) most = 64 / items;
+    int64_t best = 1, best_per_thread = (items + threads - 1) / threads; /* jobs per thread (s = 1) */
+    for (int64_t s = 2; s <= most; s++) {
+        const int64_t per_thread = (items * s + threads - 1) / threads;
+        if (per_thread * best < best_per_thread * s) best = s, best_per_thread = per_thread;
+    }
+    return best;
 }
 
 /* Range j of ``splits`` over ``total_keys`` keys read as one: keys [lo, hi), cut on BLOCK_KEYS. */
@@ -432,18 +459,19 @@ static inline void split_range(int64_t total_keys, int64_t splits, int64_t j, in
 #include "decode_linear.h"
 #include "quantize_rows.h"
 
-/* Runs ``jobs[0..threads)`` (``run_on_threads``); returns their statuses or-ed. */
-static int run_jobs(Job *jobs, int threads) {
-    run_on_threads(run_job, jobs, sizeof *jobs, threads);
+/* Runs ``jobs[0..count)`` on at most ``threads`` threads (``run_on_threads``); returns their statuses or-ed. */
+static int run_jobs(Job *jobs, int count, int threads) {
+    run_on_threads(run_job, jobs, sizeof *jobs, count, threads);
     int status = 0;
-    for (int t = 0; t < threads; t++) status |= jobs[t].status;
+    for (int t = 0; t < count; t++) status |= jobs[t].status;
     return status;
 }
 
 /* Key splits: ``splits`` ranges of every item's keys (the segments read as one), one job per (range,
- * item); range 0 writes ``out``, the others scratch copies of it, merged by merge_key_splits. */
+ * item), on ``threads`` threads; range 0 writes ``out``, the others scratch copies of it, merged by merge_key_splits. */
 static int split_keys(const Segment *segments, int n_segments, int64_t total_keys, float *out, int64_t batch, int64_t kv_heads,
-                      int64_t groups, int64_t dim, int64_t v_dim, float scale, int64_t items, int64_t parts, int shared, int64_t splits) {
+                      int64_t groups, int64_t dim, int64_t v_dim, float scale, int64_t items, int64_t parts, int shared, int64_t splits,
+                      int threads) {
     const int64_t rows = batch * kv_heads * groups;
     float *scratch = malloc(sizeof(float) * (size_t)((splits - 1) * rows * v_dim + 2 * splits * rows));
     if (!scratch) return 1;
@@ -470,7 +498,7 @@ static int split_keys(const Segment *segments, int n_segments, int64_t total_key
             jobs[n_jobs++] = (Job){range_out, ranges[j], n, kv_heads, groups, dim, v_dim, i, i + 1, parts, shared, scale, 1,
                                    stats + 2 * j * rows, stats + (2 * j + 1) * rows};
     }
-    const int status = run_jobs(jobs, n_jobs);
+    const int status = run_jobs(jobs, n_jobs, threads);
     if (status == 0) merge_key_splits(out, scratch, stats, rows, v_dim, splits);
     free(scratch);
     return status;
@@ -504,10 +532,10 @@ int ENTRY(const int64_t *fields, int n_segments, float *out, int64_t batch, int6
     }
     const int64_t items = batch * parts;
     const int64_t splits = key_splits(threads, items, total_keys);
-    if (splits > 1) return split_keys(segments, n_segments, total_keys, out, batch, kv_heads, groups, dim, v_dim, scale, items, parts, shared, splits);
+    if (splits > 1) return split_keys(segments, n_segments, total_keys, out, batch, kv_heads, groups, dim, v_dim, scale, items, parts, shared, splits, threads);
     if (threads > items) threads = (int)items;
     Job jobs[64];
     for (int t = 0; t < threads; t++)
         jobs[t] = (Job){out, segments, n_segments, kv_heads, groups, dim, v_dim, items * t / threads, items * (t + 1) / threads, parts, shared, scale, 1, NULL, NULL};
-    return run_jobs(jobs, threads);
+    return run_jobs(jobs, threads, threads);
 }

@@ -45,7 +45,7 @@ int LINEAR_ENTRY(const elem_t *w, const float *x, const elem_t *bias, float *y, 
     LinearJob jobs[64];
     for (int t = 0; t < threads; t++) /* whole groups of four rows per thread */
         jobs[t] = (LinearJob){w, bias, x, y, in_f, out_f / 4 * t / threads * 4, t + 1 == threads ? out_f : out_f / 4 * (t + 1) / threads * 4};
-    run_on_threads(run_linear_job, jobs, sizeof *jobs, threads);
+    run_on_threads(run_linear_job, jobs, sizeof *jobs, threads, threads);
     return 0;
 }
 

@@ -333,9 +333,9 @@ done:
     return NULL;
 }
 
-/* Runs ``jobs[0..count)`` (``run_on_threads``); returns their statuses or-ed. */
-static int run_quantized_jobs(QJob *jobs, int count) {
-    run_on_threads(run_quantized_job, jobs, sizeof *jobs, count);
+/* Runs ``jobs[0..count)`` on at most ``threads`` threads (``run_on_threads``); returns their statuses or-ed. */
+static int run_quantized_jobs(QJob *jobs, int count, int threads) {
+    run_on_threads(run_quantized_job, jobs, sizeof *jobs, count, threads);
     int status = 0;
     for (int t = 0; t < count; t++) status |= jobs[t].status;
     return status;
@@ -356,9 +356,9 @@ static inline void skip_rows(const QSegment *seg, int side, int64_t from, QSegme
 }
 
 /* Key splits of the quantized entry (as split_keys does for plain rows): ``splits`` ranges of every
- * item's keys, one job per (range, item), merged by merge_key_splits. */
+ * item's keys, one job per (range, item), on ``threads`` threads, merged by merge_key_splits. */
 static int split_quantized_keys(const QSegment *segments, int n_segments, int64_t total_keys, float *out, int64_t batch, int64_t kv_heads,
-                                int64_t groups, int64_t dim, int64_t v_dim, int64_t bits, int64_t group, float scale, int64_t splits) {
+                                int64_t groups, int64_t dim, int64_t v_dim, int64_t bits, int64_t group, float scale, int64_t splits, int threads) {
     const int64_t rows = batch * kv_heads * groups, items = batch * kv_heads;
     float *scratch = malloc(sizeof(float) * (size_t)((splits - 1) * rows * v_dim + 2 * splits * rows));
     if (!scratch) return 1;
@@ -384,7 +384,7 @@ static int split_quantized_keys(const QSegment *segments, int n_segments, int64_
             jobs[n_jobs++] = (QJob){range_out, ranges[j], n, kv_heads, groups, dim, v_dim, bits, group, i, i + 1, scale, 1,
                                     stats + 2 * j * rows, stats + (2 * j + 1) * rows};
     }
-    const int status = run_quantized_jobs(jobs, n_jobs);
+    const int status = run_quantized_jobs(jobs, n_jobs, threads);
     if (status == 0) merge_key_splits(out, scratch, stats, rows, v_dim, splits);
     free(scratch);
     return status;
@@ -424,10 +424,10 @@ int QUANTIZED_ENTRY(const int64_t *fields, int n_segments, float *out, int64_t b
     if (threads > 64) threads = 64;
     const int64_t items = batch * kv_heads;
     const int64_t splits = key_splits(threads, items, total_keys);
-    if (splits > 1) return split_quantized_keys(segments, n_segments, total_keys, out, batch, kv_heads, groups, dim, v_dim, bits, group, scale, splits);
+    if (splits > 1) return split_quantized_keys(segments, n_segments, total_keys, out, batch, kv_heads, groups, dim, v_dim, bits, group, scale, splits, threads);
     if (threads > items) threads = (int)items;
     QJob jobs[64];
     for (int t = 0; t < threads; t++)
         jobs[t] = (QJob){out, segments, n_segments, kv_heads, groups, dim, v_dim, bits, group, items * t / threads, items * (t + 1) / threads, scale, 1, NULL, NULL};
-    return run_quantized_jobs(jobs, threads);
+    return run_quantized_jobs(jobs, threads, threads);
 }
