@@ -49,10 +49,20 @@ from slimkv.ops.native_build import (
 )
 
 MAX_SEGMENTS = 4  # MAX_SEGMENTS in the C source
-PARALLEL_MIN_BYTES = 32 << 20  # a step reading less runs on one thread: threads start per call (~0.2-0.3 ms measured here), which only pays off above this
+PARALLEL_MIN_BYTES = 32 << 20  # linear layers reading less leave several threads to torch's pool (its threads need no start per call)
+ATTENTION_PARALLEL_MIN_FLOPS = 32 << 20  # an attention call of fewer FLOPs runs on one thread (attention_threads)
 ENV_SWITCH = "SLIMKV_NATIVE"
 ISA_SWITCH = "SLIMKV_KERNEL_ISA"  # a named path (ISAS) the CPU can run instead of its best: e.g. avx2 on an AVX-512 machine, to see what AVX2 users get
 SWITCH_VALUES = {"1": True, "0": False}  # SLIMKV_NATIVE: 1 (default) uses the kernel where it can, 0 the torch path
+
+
+def attention_threads(flops: int) -> int:
+    """Threads for one attention kernel call doing ``flops`` (2 per query head, key and channel, a
+    measure of its work for rows and codes alike): torch's thread count, or 1 for a call too small to
+    pay for starting them (the kernel starts its threads per call, a few tenths of a millisecond
+    here; ``benchmarks/decode_threads.py`` measures where they pay)."""
+    threads = torch.get_num_threads()
+    return threads if threads > 1 and flops >= ATTENTION_PARALLEL_MIN_FLOPS else 1
 
 
 def decode_kernel(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
@@ -195,9 +205,7 @@ def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[
         keys += n
         fields += (row.data_ptr(), k.data_ptr(), v.data_ptr(), n, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
     out = torch.empty(batch, q_heads, 1, v_dim, dtype=torch.float32)
-    threads = torch.get_num_threads()
-    if threads > 1 and k0.element_size() * batch * kv_heads * keys * (dim + v_dim) < PARALLEL_MIN_BYTES:
-        threads = 1
+    threads = attention_threads(2 * batch * q_heads * keys * (dim + v_dim))
     packed = array.array("q", fields)
     status = getattr(library, ENTRIES[dtype][1])(packed.buffer_info()[0], len(segments), out.data_ptr(), batch, kv_heads, q_heads // kv_heads,
                                                  dim, v_dim, scale, threads)
@@ -262,7 +270,7 @@ def native_stored_attention(query: torch.Tensor, segments: Sequence[tuple[Stored
     q = query.to(torch.float32).contiguous()
     out = torch.empty(batch, q_heads, 1, v_dim, dtype=torch.float32)
     fields = []  # per segment, the C struct QSegment's order
-    step_bytes = 0
+    keys = 0
     for k, v in segments:
         if isinstance(k, QuantizedRows):
             fields += (q.data_ptr(), k.bits, k.group, len(k), k.codes.data_ptr(), v.codes.data_ptr(),
@@ -273,8 +281,8 @@ def native_stored_attention(query: torch.Tensor, segments: Sequence[tuple[Stored
             strides = (k, v, k, k, k, k)
         for x in strides:
             fields += x.stride()[:3]
-        step_bytes += sum(part.nbytes() if isinstance(part, QuantizedRows) else part.numel() * part.element_size() for part in (k, v))
-    threads = torch.get_num_threads() if step_bytes >= PARALLEL_MIN_BYTES else 1
+        keys += len(k) if isinstance(k, QuantizedRows) else k.shape[2]
+    threads = attention_threads(2 * batch * q_heads * keys * (dim + v_dim))
     status = getattr(library, QUANTIZED_ENTRIES[query.dtype])((ctypes.c_int64 * len(fields))(*fields), len(segments), out.data_ptr(), batch,
                                                                kv_heads, q_heads // kv_heads, dim, v_dim, scale, threads)
     if status != 0:

@@ -195,7 +195,7 @@ def test_shared_values_split_over_threads_give_the_same_result(isa, dtype, monke
     q, k, v = _isa_cache("latent-shared", 300, dtype, seed=5)
     library = native.isa_kernel(dtype, isa)
     one = native.native_decode_attention([q], [(k, v)], 0.125, library)
-    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0)
     with_threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
@@ -305,7 +305,7 @@ def test_threads_split_the_heads_without_changing_the_result(monkeypatch):
     k, v = _cache(2, 4, 3000, 64, 64)
     q = torch.randn(2, 8, 1, 64)
     one = native.native_decode_attention([q], [(k, v)], 0.125, LIBRARY)
-    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0)
     with_threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:

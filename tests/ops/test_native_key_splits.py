@@ -15,7 +15,7 @@ from tests.ops.test_native import DTYPES, ISAS, _isa_cache, _tolerance, needs_ke
 @pytest.fixture
 def many_threads(monkeypatch):
     """Every call may use 16 threads (more threads than work items in every layout below)."""
-    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(16)
     yield
@@ -62,7 +62,7 @@ def test_a_split_call_sums_in_another_order_than_one_thread(monkeypatch):
     short = (k[:, :, :2000], v[:, :, :2000])
     one = native.native_decode_attention([q], [(k, v)], 0.125, native.decode_kernel())
     one_short = native.native_decode_attention([q], [short], 0.125, native.decode_kernel())
-    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
@@ -90,7 +90,7 @@ def test_items_the_threads_do_not_divide_are_split_to_share_out_evenly(isa, dtyp
     k, v = (torch.randn(1, 3, 4100, 64, generator=gen).to(dtype) for _ in range(2))
     library = native.isa_kernel(dtype, isa)
     one = native.native_decode_attention([q], [(k, v)], 0.125, library)
-    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -129,7 +129,7 @@ def test_a_split_quantized_call_sums_in_another_order_than_one_thread(monkeypatc
     q_short, kb_short, vb_short = _filled("mqa32x8", "int4", 2000, torch.float32, seed=2, batch=1)
     calls = [(q, buffer_segments(kb, vb)), (q_short, buffer_segments(kb_short, vb_short))]
     one = [native.native_stored_attention(qi, seg, 0.125, native.decode_kernel()) for qi, seg in calls]
-    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:

@@ -102,7 +102,7 @@ def test_threads_split_the_heads_without_changing_the_result(monkeypatch):
     q, kb, vb = _filled("gqa64x3", "int4", 400, torch.float32, seed=3)
     segments = buffer_segments(kb, vb)
     one = native.native_stored_attention(q, segments, 0.125, LIBRARY)
-    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0)
     torch.set_num_threads(2)
     try:
         two = native.native_stored_attention(q, segments, 0.125, LIBRARY)
