@@ -21,7 +21,12 @@ the kernel's instruction-set path per dtype, the threads and the load.
     .venv/bin/python benchmarks/decode_smollm2.py --quick
 
 With ``--dtypes float32,bfloat16`` every model runs in both (weights and caches in that dtype;
-transformers' own bfloat16 run is the baseline of the bfloat16 rows), interleaved in one run.
+transformers' own bfloat16 run is the baseline of the bfloat16 rows), interleaved in one run. With
+``--threads 1,2`` every model is timed at each thread count on the same caches, the counts
+interleaved within each round, and each row has its speed against the first count's
+(``speedup_over_first_threads``); the rates are measured at each count.
+
+    .venv/bin/python benchmarks/decode_smollm2.py --threads 1,2 --contexts 16384 --converted runs/smollm2-mla50
 
 Writes benchmarks/results/decode/<name>.json and .png (the name's experiment folder).
 """
@@ -37,7 +42,7 @@ import time
 from pathlib import Path
 
 import torch
-from decode_all import DTYPES  # this folder's decode benchmark: one map of dtype names
+from decode_all import DTYPES, int_list  # this folder's decode benchmark: one map of dtype names, its list parser
 from torch.utils.flop_counter import FlopCounterMode
 
 from slimkv.bench.roofline import add_bounds, bound_context, machine_rates, merge_rates, rates_line
@@ -58,12 +63,12 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="1024,4096,16384", help="cached tokens (comma-separated; default 1024,4096,16384)")
     p.add_argument("--converted", nargs="*", default=[], help="converted model folders to time beside the original")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int_list, default=[1], help="torch thread counts, comma-separated, interleaved in one run (default 1)")
     p.add_argument("--dtypes", default="float32", help=f"comma-separated, among {', '.join(DTYPES)} (default float32)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per model per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--quick", action="store_true", help="contexts 256,1024; 1 round of 3 steps")
-    p.add_argument("--name", default=None, help="results file name (default decode_smollm2_<threads>thread)")
+    p.add_argument("--name", default=None, help="results file name (default decode_smollm2_<threads>thread, threads joined by '-')")
     p.add_argument("--out-dir", default=None, help="results folder (default: the name's experiment folder, benchmarks/results/decode)")
     return p.parse_args()
 
@@ -101,7 +106,8 @@ def main() -> None:
     for name in dtypes:
         if name not in DTYPES:
             raise SystemExit(f"--dtypes: {name!r} is not allowed; allowed values: {', '.join(DTYPES)}")
-    torch.set_num_threads(args.threads)
+    thread_counts = args.threads
+    torch.set_num_threads(max(thread_counts))  # loading and prefill on the most threads
     contexts = [256, 1024] if args.quick else [int(c) for c in args.contexts.split(",")]
     steps, rounds = (3, 1) if args.quick else (args.steps, args.rounds)
     fetch_smollm2()
@@ -117,7 +123,15 @@ def main() -> None:
             models[label if name == "float32" else f"{label} {name}"] = (model if name == "float32" else copy.deepcopy(model).to(DTYPES[name]), slim)
     text_ids = tokenize(original.tokenizer, evaluation_text("shakespeare-val"))
     load_before = os.getloadavg()
-    rates_before = {name: machine_rates(DTYPES[name]) for name in dtypes}
+
+    def rates_now() -> dict[tuple[str, int], dict]:
+        measured = {}
+        for n in thread_counts:
+            torch.set_num_threads(n)
+            measured.update({(name, n): machine_rates(DTYPES[name]) for name in dtypes})
+        torch.set_num_threads(max(thread_counts))
+        return measured
+    rates_before = rates_now()
     rows = []
     for context in contexts:
         ids = torch.tensor([(text_ids * (context // len(text_ids) + 1))[:context]])
@@ -125,64 +139,77 @@ def main() -> None:
         for label, (model, slim) in models.items():
             t0 = time.perf_counter()
             state[label] = list(prefill(model, ids, slim)) + [time.perf_counter() - t0]
-        samples = {label: [] for label in models}
+        samples = {(label, n): [] for label in models for n in thread_counts}
         for _ in range(rounds):
-            for label, (model, slim) in models.items():
-                cache, token, _ = state[label]
-                step(model, cache, token, slim)  # warm-up step
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    token = step(model, cache, token, slim)
-                    samples[label].append(time.perf_counter() - t0)
-                state[label][1] = token
+            for n in thread_counts:
+                torch.set_num_threads(n)
+                for label, (model, slim) in models.items():
+                    cache, token, _ = state[label]
+                    step(model, cache, token, slim)  # warm-up step
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        token = step(model, cache, token, slim)
+                        samples[label, n].append(time.perf_counter() - t0)
+                    state[label][1] = token
+        torch.set_num_threads(max(thread_counts))
         flops = {}
         for label, (model, slim) in models.items():  # one more step per model, counted (after the timed ones)
             with FlopCounterMode(display=False) as counter:
                 step(model, state[label][0], state[label][1], slim)
             flops[label] = counter.get_total_flops()
-        base_bytes = {}  # per dtype: the bytes per second of transformers' run in that dtype
-        for label, (model, slim) in models.items():
-            median = statistics.median(samples[label])
-            cache_bytes = sum(layer_bytes(state[label][0]))
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            if not slim:  # transformers' own run
-                base_bytes[dtype] = (weights + cache_bytes) / median
-            rows.append({"model": label, "dtype": dtype, "context": context, "median_s": median, "tokens_per_s": 1 / median, "min_s": min(samples[label]),
-                         "max_s": max(samples[label]), "cache_bytes": cache_bytes, "parameter_bytes": weights, "prefill_s": state[label][2],
-                         "time_over_traffic_prediction": median / ((weights + cache_bytes) / base_bytes[dtype]), "samples_s": samples[label],
-                         "flops": flops[label] if slim else flops.get(_exact_copy_label(label), flops[label]),
-                         "flops_source": "counted" if slim or _exact_copy_label(label) not in flops else "slimkv exact copy's count"})
-            print(f"{context:>6} {label:<40} {median * 1e3:8.2f} ms/token {1 / median:8.1f} tok/s  cache {cache_bytes / 2**20:8.1f} MiB  "
-                  f"x{rows[-1]['time_over_traffic_prediction']:.2f} of its traffic prediction", flush=True)
+        base_bytes = {}  # per dtype and thread count: the bytes per second of transformers' run in that dtype
+        for n in thread_counts:
+            for label, (model, slim) in models.items():
+                median = statistics.median(samples[label, n])
+                cache_bytes = sum(layer_bytes(state[label][0]))
+                weights = sum(p.numel() * p.element_size() for p in model.parameters())
+                dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+                if not slim:  # transformers' own run
+                    base_bytes[dtype, n] = (weights + cache_bytes) / median
+                row = {"model": label, "dtype": dtype, "context": context, "threads": n, "median_s": median, "tokens_per_s": 1 / median,
+                       "min_s": min(samples[label, n]), "max_s": max(samples[label, n]), "cache_bytes": cache_bytes, "parameter_bytes": weights,
+                       "prefill_s": state[label][2], "time_over_traffic_prediction": median / ((weights + cache_bytes) / base_bytes[dtype, n]),
+                       "samples_s": samples[label, n], "flops": flops[label] if slim else flops.get(_exact_copy_label(label), flops[label]),
+                       "flops_source": "counted" if slim or _exact_copy_label(label) not in flops else "slimkv exact copy's count"}
+                if n != thread_counts[0]:
+                    row["speedup_over_first_threads"] = statistics.median(samples[label, thread_counts[0]]) / median
+                rows.append(row)
+                speedup = f"  x{row['speedup_over_first_threads']:.2f} of {thread_counts[0]} thread(s)" if "speedup_over_first_threads" in row else ""
+                print(f"{context:>6} {n}t {label:<40} {median * 1e3:8.2f} ms/token {1 / median:8.1f} tok/s  cache {cache_bytes / 2**20:8.1f} MiB  "
+                      f"x{row['time_over_traffic_prediction']:.2f} of its traffic prediction{speedup}", flush=True)
         del state
         gc.collect()
-    rates = {name: merge_rates(rates_before[name], machine_rates(DTYPES[name])) for name in dtypes}
+    rates_after = rates_now()
+    rates = {key: merge_rates(rates_before[key], rates_after[key]) for key in rates_before}
     print("roofline (bytes read = weights + cache; FLOPs counted):")
-    for name in dtypes:
-        print(f"  {name}: {rates_line(rates[name], bound_context(DTYPES[name]))}")
-        mine = [r for r in rows if r["dtype"] == name]
-        add_bounds(mine, rates[name], bytes_key=lambda r: r["parameter_bytes"] + r["cache_bytes"])
+    for (name, n), rate in rates.items():
+        torch.set_num_threads(n)
+        print(f"  {name}, {n} thread(s): {rates_line(rate, bound_context(DTYPES[name]))}")
+        mine = [r for r in rows if r["dtype"] == name and r["threads"] == n]
+        add_bounds(mine, rate, bytes_key=lambda r: r["parameter_bytes"] + r["cache_bytes"])
         for r in mine:
             print(f"  {r['context']:>6} {r['model']:<40} read {r['bytes_read'] / 2**20:8.1f} MiB  {r['flops'] / 1e9:7.3f} GFLOP  "
                   f"bound {r['bound_s'] * 1e3:7.2f} ms ({r['bound']})  time {r['median_s'] * 1e3:7.2f} ms = x{r['time_over_bound']:.2f} of the bound")
-    payload = {"settings": {"contexts": contexts, "threads": args.threads, "dtypes": dtypes, "native_kernel": {name: kernel_path(DTYPES[name]) for name in dtypes},
+    threads_key = thread_counts[0] if len(thread_counts) == 1 else thread_counts
+    payload = {"settings": {"contexts": contexts, "threads": threads_key, "dtypes": dtypes, "native_kernel": {name: kernel_path(DTYPES[name]) for name in dtypes},
                             "kernel_isa": {name: kernel_isa(DTYPES[name]) for name in dtypes}, "steps": steps, "rounds": rounds, "models": list(models)},
                "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-               "roofline": {"rates": rates, **{k: v for k, v in bound_context().items() if k not in ("kernel_isa", "load_average")},
+               "roofline": {"rates": {name if len(thread_counts) == 1 else f"{name}/{n}thread": rate for (name, n), rate in rates.items()},
+                            **{k: v for k, v in bound_context().items() if k not in ("kernel_isa", "load_average", "threads")},
                             "definition": "bound = max((weights + cache bytes) / read bandwidth, FLOPs / FMA rate); rates: best of before/after"},
                "rows": rows}
     fig, ax = new_figure(figsize=(7, 4.5))
     for label in models:
-        mine = [r for r in rows if r["model"] == label]
-        ax.plot([r["context"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=label)
+        for n in thread_counts:
+            mine = [r for r in rows if r["model"] == label and r["threads"] == n]
+            ax.plot([r["context"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=label if len(thread_counts) == 1 else f"{label}, {n}t")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (cached tokens)")
     ax.set_ylabel("decode tokens/s (batch 1)")
-    ax.set_title(f"SmolLM2-135M decode, {args.threads} thread(s), {', '.join(dtypes)}", fontsize=9)
+    ax.set_title(f"SmolLM2-135M decode, {'/'.join(map(str, thread_counts))} thread(s), {', '.join(dtypes)}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    name = args.name or f"decode_smollm2_{args.threads}thread"
+    name = args.name or f"decode_smollm2_{'-'.join(map(str, thread_counts))}thread"
     path = write_results(name, payload, args.out_dir or results_dir(RESULTS, name), figure=fig)
     print(f"wrote {path}")
 

@@ -7,14 +7,21 @@ faster than a read-only pass over a large buffer, nor compute faster than a smal
 in cache. The read bandwidth is a sum over a buffer much larger than the caches (each byte read
 once, nothing written); the FMA rate is the best of a small GEMM in the step's dtype and in float32
 (the native kernel widens bfloat16 rows and does every product in float32, so either arithmetic
-may set the pace). ``bound_context`` records what the numbers depend on: the CPU model, the
-kernel's instruction-set path (what the loaded library says it compiled), the threads and the load.
+may set the pace). A kernel path held to fewer instructions than the CPU has (``avx2`` on an
+AVX-512 machine) is judged against the GEMM of a torch held to the same
+(``machine_rates(isa=...)``: a fresh process with ``ISA_ENVIRONMENTS``' settings), not against the
+machine's AVX-512 peak, which such a path cannot reach. ``bound_context`` records what the numbers
+depend on: the CPU model, the kernel's instruction-set path (what the loaded library says it
+compiled), the threads and the load.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +32,9 @@ from slimkv.ops.native import kernel_isa
 
 READ_BYTES = 512 << 20  # larger than any last-level cache here, so the sum streams from memory
 GEMM_SIZE = 256  # three 256 x 256 float32 matrices (768 KiB) stay in a core's L2
+# what holds torch's own kernels, oneDNN's and MKL's GEMMs to AVX2 (their documented switches; MKL takes its switch on Intel
+# CPUs only, and on AMD's Zen 4, whose AVX-512 runs on 256-bit units, the AVX2 and AVX-512 peaks are the same anyway)
+ISA_ENVIRONMENTS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 
 
 def _best_seconds(fn: Callable[[], Any], repeats: int, calls: int = 1) -> list[float]:
@@ -58,12 +68,33 @@ def measure_fma_rate(dtype: torch.dtype = torch.float32, size: int = GEMM_SIZE, 
             "dtype": str(dtype).removeprefix("torch."), "definition": f"2 n^3 / time of an n x n GEMM (n {size}), best of {repeats} runs of {calls}"}
 
 
-def machine_rates(dtype: torch.dtype = torch.float32, *, read_bytes: int = READ_BYTES, gemm_size: int = GEMM_SIZE) -> dict[str, Any]:
+def fma_rate_held_to(isa: str, dtype: torch.dtype, size: int = GEMM_SIZE) -> dict[str, Any]:
+    """``measure_fma_rate`` in a fresh python whose torch and oneDNN are held to ``isa``'s
+    instructions (``ISA_ENVIRONMENTS``), on this process's threads: the peak a kernel path of that
+    ISA can be asked to reach, with the capability the child's torch reports (``cpu_capability``).
+    RuntimeError with the child's message when it fails."""
+    code = ("import json, sys, torch; from slimkv.bench.roofline import measure_fma_rate; torch.set_num_threads(int(sys.argv[1])); "
+            "rate = measure_fma_rate(getattr(torch, sys.argv[2]), int(sys.argv[3])); rate['cpu_capability'] = torch.backends.cpu.get_cpu_capability(); "
+            "print(json.dumps(rate))")
+    command = [sys.executable, "-c", code, str(torch.get_num_threads()), str(dtype).removeprefix("torch."), str(size)]
+    done = subprocess.run(command, env={**os.environ, **ISA_ENVIRONMENTS[isa]}, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the GEMM held to {isa} failed: {done.stderr.strip()[-500:]}")
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "held_to": {"isa": isa, "environment": ISA_ENVIRONMENTS[isa]}}
+
+
+def machine_rates(dtype: torch.dtype = torch.float32, *, isa: str | None = None, read_bytes: int = READ_BYTES,
+                  gemm_size: int = GEMM_SIZE) -> dict[str, Any]:
     """The read bandwidth and the FMA rate the bound uses (``fma_flop_per_s``: the best of the GEMM
-    in ``dtype`` and in float32), with their measurements."""
+    in ``dtype`` and in float32), with their measurements; with ``isa`` (a key of
+    ``ISA_ENVIRONMENTS``), the GEMMs of a torch held to that instruction set (``fma_rate_held_to``)."""
+    if isa is not None and isa not in ISA_ENVIRONMENTS:
+        raise ValueError(f"isa {isa!r}: a GEMM can be held to {', '.join(ISA_ENVIRONMENTS)} (or None: the machine's best)")
     read = measure_read_bandwidth(read_bytes)
-    gemms = {str(d).removeprefix("torch."): measure_fma_rate(d, gemm_size) for d in dict.fromkeys((dtype, torch.float32))}
-    return {"read_bytes_per_s": read["bytes_per_s"], "fma_flop_per_s": max(g["flop_per_s"] for g in gemms.values()), "read": read, "gemm": gemms}
+    gemms = {str(d).removeprefix("torch."): measure_fma_rate(d, gemm_size) if isa is None else fma_rate_held_to(isa, d, gemm_size)
+             for d in dict.fromkeys((dtype, torch.float32))}
+    return {"read_bytes_per_s": read["bytes_per_s"], "fma_flop_per_s": max(g["flop_per_s"] for g in gemms.values()), "read": read, "gemm": gemms,
+            "fma_isa": isa or "the machine's best"}
 
 
 def merge_rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,17 @@ def test_rates_are_measured_on_this_machine():
     assert merged["read_bytes_per_s"] == 2 * rates["read_bytes_per_s"] and merged["before"] is rates
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs an x86 CPU with AVX2 (the held GEMM's ISA)")
+def test_a_gemm_held_to_avx2_runs_in_a_torch_held_to_it():
+    """An AVX2 kernel path on an AVX-512 machine is judged against an AVX2 GEMM: the child's torch says it ran AVX2."""
+    rates = roofline.machine_rates(torch.float32, isa="avx2", read_bytes=4 << 20, gemm_size=32)
+    gemm = rates["gemm"]["float32"]
+    assert gemm["cpu_capability"] == "AVX2" and gemm["held_to"]["environment"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert rates["fma_isa"] == "avx2" and rates["fma_flop_per_s"] == gemm["flop_per_s"] > 0
+    with pytest.raises(ValueError, match="isa 'sse9': a GEMM can be held to avx2 "):
+        roofline.machine_rates(torch.float32, isa="sse9")
+
+
 def test_the_context_names_the_cpu_the_kernel_path_threads_and_load():
     context = roofline.bound_context(torch.float32)
     assert set(context) == {"cpu_model", "kernel_isa", "threads", "load_average"} and context["threads"] == torch.get_num_threads()
