@@ -139,3 +139,51 @@ def test_a_split_quantized_call_sums_in_another_order_than_one_thread(monkeypatc
     assert not torch.equal(one[0], split)
     torch.testing.assert_close(split, one[0], rtol=1e-5, atol=2e-6)
     assert torch.equal(one[1], unsplit_short)
+
+
+@needs_kernel
+def test_the_thread_pool_serves_many_calls_of_changing_thread_counts(monkeypatch):
+    """The pool kept between calls (csrc/thread_pool.h): 300 calls alternating 2, 3 and 4 threads, split and not,
+    each equal to its one-thread result to the bit where it does not split and close where it does (a lost
+    wake-up would hang here, a worker reading another call's jobs would differ)."""
+    gen = torch.Generator().manual_seed(5)
+    calls = [(torch.randn(1, 9, 1, 64, generator=gen), *(torch.randn(1, 3, n, 64, generator=gen) for _ in range(2))) for n in (300, 2100, 4100)]
+    library = native.decode_kernel()
+    one = [native.native_decode_attention([q], [(k, v)], 0.125, library) for q, k, v in calls]
+    monkeypatch.setattr(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0)
+    before = torch.get_num_threads()
+    try:
+        for i in range(300):
+            torch.set_num_threads(2 + i % 3)
+            q, k, v = calls[i % 3]
+            out = native.native_decode_attention([q], [(k, v)], 0.125, library)
+            torch.testing.assert_close(out, one[i % 3], rtol=1e-5, atol=2e-6)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="os.fork is POSIX-only")
+def test_a_forked_child_starts_a_pool_of_its_own(monkeypatch):
+    """After the parent's pool has started, a forked child (which has none of its threads) still gets threaded
+    calls done: it exits 0 within the timeout instead of waiting on workers that do not exist there."""
+    import os
+    import signal
+
+    q = torch.randn(1, 9, 1, 64)
+    k, v = torch.randn(1, 3, 4100, 64), torch.randn(1, 3, 4100, 64)
+    library = native.decode_kernel()
+    monkeypatch.setattr(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = native.native_decode_attention([q], [(k, v)], 0.125, library)  # starts the parent's pool
+        pid = os.fork()
+        if pid == 0:  # the child: one threaded call, then leave without running the parent's cleanup
+            signal.alarm(60)
+            ok = torch.allclose(native.native_decode_attention([q], [(k, v)], 0.125, library), expected)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        torch.set_num_threads(before)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status}"

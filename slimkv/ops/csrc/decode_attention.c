@@ -48,7 +48,8 @@
  * back, and prefetch a fixed distance ahead (PREFETCH_BLOCKS), and so do the AVX2 tiles for
  * narrower rows (NEAR_PREFETCH: without it an Intel Xeon's one-core read rate dropped 30% there).
  *
- * Threads: the (batch, kv_head) pairs are split over ``threads`` POSIX threads (1: the caller's).
+ * Threads: the (batch, kv_head) pairs are split over ``threads`` threads (1: the caller's; the others
+ * a pool kept between calls, thread_pool.h).
  * When there are fewer pairs than threads (MQA, MLA, LRKV at batch 1) and enough keys, each pair's
  * keys are cut into ranges (key splits, as flash decoding does): each thread attends one range, and
  * the ranges' normalised outputs are merged by their softmax statistics (running max and sum).
@@ -132,40 +133,7 @@ typedef struct {
     float *stats_max, *stats_sum; /* key splits: the item's softmax statistics per query row, kept for the merge (NULL: not split) */
 } Job;
 
-/* A contiguous range of jobs that one thread runs in turn (``run_on_threads`` with more jobs than threads). */
-typedef struct {
-    void *(*work)(void *);
-    char *jobs;
-    size_t job_size;
-    int first, last;
-} JobRange;
-
-static void *run_job_range(void *arg) {
-    const JobRange *range = (const JobRange *)arg;
-    for (int j = range->first; j < range->last; j++) range->work(range->jobs + (size_t)j * range->job_size);
-    return NULL;
-}
-
-/* Runs ``work`` on each of ``count`` jobs (``jobs``: an array of ``job_size``-byte structs, at most
- * 64) on at most ``threads`` threads, each a contiguous share of the jobs in turn (jobs of equal work
- * then balance: e.g. 3 heads cut into 6 key ranges on 2 threads): the first share on the caller's
- * thread, the others on POSIX threads (or here, when one cannot start). Every job is done when it
- * returns. The one thread runner of every entry point in this library. */
-static void run_on_threads(void *(*work)(void *), void *jobs, size_t job_size, int count, int threads) {
-    if (threads > count) threads = count;
-    if (threads < 1) threads = 1;
-    JobRange ranges[64];
-    for (int t = 0; t < threads; t++) ranges[t] = (JobRange){work, (char *)jobs, job_size, count * t / threads, count * (t + 1) / threads};
-    pthread_t ids[64];
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&ids[t], NULL, run_job_range, &ranges[t]) != 0) break;
-        started = t;
-    }
-    for (int t = started + 1; t < threads; t++) run_job_range(&ranges[t]); /* threads that could not start: run here */
-    run_job_range(&ranges[0]);
-    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
-}
+#include "thread_pool.h"
 
 /* exp(x) for x <= 0, to a few ulp: Cody-Waite reduction to |r| <= ln2/2, then Cephes' degree-6
  * polynomial, then 2^n from the exponent bits. Written so the compiler vectorizes it. */
