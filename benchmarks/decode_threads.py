@@ -6,8 +6,12 @@ here), so a small call is faster on one. ``slimkv.ops.native`` decides by the ca
 layouts, batch 1: ``gqa3x64`` (the exact copy: 3 KV heads of 64, 3 query heads each; float32 and
 bfloat16 rows, int8 and int4 codes), ``mla192`` (the MLA conversion's shared rows of 192 with the
 values inside, 9 query heads; float32 and bfloat16), the kernel call alone, with threads forced on
-(``ATTENTION_PARALLEL_MIN_FLOPS`` 0) against one thread, in interleaved rounds. Reported per row: bytes read,
-FLOPs, both medians, their ratio, and whether the library's rule starts the threads for that call.
+(``ATTENTION_PARALLEL_MIN_FLOPS`` 0) against one thread, in interleaved rounds; and one row through
+SmolLM2's projections (``linear``: q/k/v fused 576 -> 960, gate and up fused 576 -> 3072, down
+1536 -> 576, the tied output layer 576 -> 49152) by the native loop on one thread and forced onto
+the threads (``PARALLEL_MIN_BYTES`` 0), beside torch's ``F.linear`` on the threads (what a call the
+rule keeps from the native loop runs). Reported per row: bytes read, FLOPs, the medians, their
+ratio, and whether the library's rule starts the threads for that call.
 
     .venv/bin/python benchmarks/decode_threads.py --threads 2
 
@@ -38,6 +42,7 @@ from slimkv.ops.quantize import parse_storage
 RESULTS = Path(__file__).resolve().parent / "results"
 STORAGES = {"float32": None, "bfloat16": None, "int8": "int8", "int4": "int4"}
 LAYOUTS = {"gqa3x64": ("float32", "bfloat16", "int8", "int4"), "mla192": ("float32", "bfloat16")}
+PROJECTIONS = {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}  # (in, out) features
 
 
 def kernel_call(layout: str, storage: str, context: int) -> tuple[Callable[[], torch.Tensor], int, int, bool]:
@@ -66,19 +71,41 @@ def kernel_call(layout: str, storage: str, context: int) -> tuple[Callable[[], t
     return (lambda: native.native_stored_attention(q, segments, 0.125, library)), nbytes, flops, native.attention_threads(flops) > 1
 
 
+def interleaved(calls: dict[str, tuple[Callable[[], object], int]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each named call on its thread count (forced on: both thresholds 0), the calls interleaved in rounds."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, (call, threads) in calls.items():
+            torch.set_num_threads(threads)
+            with mock.patch.object(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0), mock.patch.object(native, "PARALLEL_MIN_BYTES", 0):
+                samples[name] += time_fn(call, warmup=1, repeats=5)["samples_s"]
+    return samples
+
+
 def measure(layout: str, storage: str, context: int, threads: int, rounds: int) -> dict:
     """Interleaved medians of the call on one thread and on ``threads`` (started whatever its size)."""
     call, nbytes, flops, rule_threads = kernel_call(layout, storage, context)
-    samples: dict[str, list[float]] = {"one": [], "many": []}
-    for _ in range(rounds):
-        torch.set_num_threads(1)
-        samples["one"] += time_fn(call, warmup=1, repeats=5)["samples_s"]
-        torch.set_num_threads(threads)
-        with mock.patch.object(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0):
-            samples["many"] += time_fn(call, warmup=1, repeats=5)["samples_s"]
+    samples = interleaved({"one": (call, 1), "many": (call, threads)}, rounds)
     one, many = statistics.median(samples["one"]), statistics.median(samples["many"])
     return {"layout": layout, "storage": storage, "context": context, "bytes": nbytes, "flops": flops, "one_thread_s": one, "threads_s": many,
             "speedup": one / many, "rule_starts_threads": rule_threads, "samples_s": samples}
+
+
+def measure_projection(name: str, dtype: torch.dtype, threads: int, rounds: int) -> dict:
+    """One row through a projection of SmolLM2's shape: the native loop on one thread and on ``threads``, torch's on ``threads``."""
+    in_f, out_f = PROJECTIONS[name]
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(out_f, in_f, generator=gen).to(dtype), torch.randn(1, 1, in_f, generator=gen).to(dtype)
+    library = native.decode_kernel(dtype)
+    calls = {"one": (lambda: native.native_linear(x, w, None, library), 1), "many": (lambda: native.native_linear(x, w, None, library), threads),
+             "torch": (lambda: torch.nn.functional.linear(x, w), threads)}
+    samples = interleaved(calls, rounds)
+    one, many, by_torch = (statistics.median(samples[k]) for k in ("one", "many", "torch"))
+    torch.set_num_threads(threads)
+    rule = native.supports_linear(x, w, None) and w.numel() * w.element_size() >= native.PARALLEL_MIN_BYTES
+    return {"layout": f"linear {name}", "storage": str(dtype).removeprefix("torch."), "context": 0, "bytes": w.numel() * w.element_size(),
+            "flops": 2 * in_f * out_f, "one_thread_s": one, "threads_s": many, "torch_threads_s": by_torch, "speedup": one / many,
+            "rule_starts_threads": rule, "samples_s": samples}
 
 
 def render(results: dict) -> str:
@@ -90,11 +117,12 @@ def render(results: dict) -> str:
              f"{', '.join(f'{x:.2f}' for x in s['load_average_before'])} before and {', '.join(f'{x:.2f}' for x in m['load_average'])} after; "
              f"{s['rounds']} interleaved rounds of 5 calls each. Threads forced on for the second column; `rule`: whether "
              "`slimkv.ops.native.attention_threads` starts them for that call.", "",
-             "| layout | storage | context | MB read | MFLOP | 1 thread ms | threads ms | speedup | rule |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| layout | storage | context | MB read | MFLOP | 1 thread ms | threads ms | speedup | torch on the threads ms | rule |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in results["rows"]:
-        lines.append(f"| {r['layout']} | {r['storage']} | {r['context']} | {r['bytes'] / 1e6:.2f} | {r['flops'] / 1e6:.0f} | {r['one_thread_s'] * 1e3:.3f} | "
-                     f"{r['threads_s'] * 1e3:.3f} | {r['speedup']:.2f} | {'threads' if r['rule_starts_threads'] else 'one'} |")
+        by_torch = f"{r['torch_threads_s'] * 1e3:.3f}" if "torch_threads_s" in r else ""
+        lines.append(f"| {r['layout']} | {r['storage']} | {r['context'] or ''} | {r['bytes'] / 1e6:.2f} | {r['flops'] / 1e6:.0f} | {r['one_thread_s'] * 1e3:.3f} | "
+                     f"{r['threads_s'] * 1e3:.3f} | {r['speedup']:.2f} | {by_torch} | {'threads' if r['rule_starts_threads'] else 'one'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -120,10 +148,17 @@ def main() -> None:
                 rows.append(row)
                 print(f"{layout:<8}{storage:>9}{context:>7}  {row['bytes'] / 1e6:7.2f} MB  1t {row['one_thread_s'] * 1e3:7.3f} ms  "
                       f"{args.threads}t {row['threads_s'] * 1e3:7.3f} ms  x{row['speedup']:.2f}  rule: {'threads' if row['rule_starts_threads'] else 'one'}")
+    for projection in PROJECTIONS:
+        for dtype in (torch.float32, torch.bfloat16):
+            row = measure_projection(projection, dtype, args.threads, args.rounds)
+            rows.append(row)
+            print(f"{row['layout']:<16}{row['storage']:>9}  {row['bytes'] / 1e6:7.2f} MB  1t {row['one_thread_s'] * 1e3:7.3f} ms  "
+                  f"{args.threads}t {row['threads_s'] * 1e3:7.3f} ms  x{row['speedup']:.2f}  torch {args.threads}t {row['torch_threads_s'] * 1e3:7.3f} ms")
     name = f"decode_threads_{args.threads}thread"
     settings = {"threads": args.threads, "rounds": args.rounds, "contexts": args.contexts, "kernel_isa": native.kernel_isa(torch.float32),
-                "load_average_before": load_before, "attention_parallel_min_flops": native.ATTENTION_PARALLEL_MIN_FLOPS}
-    path = write_results(name, {"settings": settings, "rows": rows}, results_dir(name, RESULTS / "decode"))
+                "load_average_before": load_before, "attention_parallel_min_flops": native.ATTENTION_PARALLEL_MIN_FLOPS,
+                "parallel_min_bytes": native.PARALLEL_MIN_BYTES}
+    path = write_results(name, {"settings": settings, "rows": rows}, results_dir(RESULTS, name))
     path.with_suffix(".md").write_text(render(json.loads(path.read_text(encoding="utf-8"))), encoding="utf-8")
     print(f"wrote {path} and {path.with_suffix('.md').name}")
 
