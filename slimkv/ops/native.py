@@ -49,8 +49,11 @@ from slimkv.ops.native_build import (
 )
 
 MAX_SEGMENTS = 4  # MAX_SEGMENTS in the C source
-PARALLEL_MIN_BYTES = 32 << 20  # linear layers reading less leave several threads to torch's pool (its threads need no start per call)
-ATTENTION_PARALLEL_MIN_FLOPS = 32 << 20  # an attention call of fewer FLOPs runs on one thread (attention_threads)
+# Below these a call runs on one thread; above, on torch's thread count through the kernel's pool (csrc/thread_pool.h).
+# Measured by benchmarks/decode_threads.py (results/decode/decode_threads_2thread.md): with the pool, two threads gained
+# from SmolLM2's smallest projection (1.1 MB) and from attention over 128 keys (0.3 MFLOP) up.
+PARALLEL_MIN_BYTES = 1 << 20  # a linear layer's weights (a one-row product reads them once: bytes are its work)
+ATTENTION_PARALLEL_MIN_FLOPS = 1 << 20  # an attention call's FLOPs (attention_threads)
 ENV_SWITCH = "SLIMKV_NATIVE"
 ISA_SWITCH = "SLIMKV_KERNEL_ISA"  # a named path (ISAS) the CPU can run instead of its best: e.g. avx2 on an AVX-512 machine, to see what AVX2 users get
 SWITCH_VALUES = {"1": True, "0": False}  # SLIMKV_NATIVE: 1 (default) uses the kernel where it can, 0 the torch path
@@ -293,9 +296,9 @@ def native_stored_attention(query: torch.Tensor, segments: Sequence[tuple[Stored
 def supports_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``native_linear`` takes this call: one row (x's elements are one input row), float32
     or bfloat16 weights (and bias) with x of the same dtype on the CPU, weight rows contiguous, no
-    autograd, no torch dispatch mode (a FLOP counter must see the call), and either one torch
-    thread or weights of at least ``PARALLEL_MIN_BYTES`` (below that torch's thread pool, which
-    needs no thread start per call, is the better use of several threads)."""
+    autograd, and no torch dispatch mode (a FLOP counter must see the call). Whatever torch's
+    thread count: on two threads the kernel's loop beat torch's one-row matmul at every SmolLM2
+    shape (``benchmarks/decode_threads.py``)."""
     if weight.dtype not in LINEAR_ENTRIES or x.dtype != weight.dtype or x.device.type != "cpu" or weight.device.type != "cpu":
         return False
     if weight.dim() != 2 or x.numel() != weight.shape[1] or x.shape[-1] != weight.shape[1] or not weight.is_contiguous():
@@ -304,9 +307,7 @@ def supports_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return False
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    return torch.get_num_threads() == 1 or weight.numel() * weight.element_size() >= PARALLEL_MIN_BYTES
+    return torch._C._len_torch_dispatch_stack() == 0
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, library: ctypes.CDLL) -> torch.Tensor:

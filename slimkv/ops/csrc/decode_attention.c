@@ -60,6 +60,7 @@
  * (PROJECT_ENTRY: through several that share the row; NORM_ENTRY: the row's RMS norm);
  * QUANTIZE_ENTRY (quantize_rows.h) turns the rows leaving a quantized cache's residual window into codes.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 (thread_pool.h) */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>

@@ -2,9 +2,12 @@
  *
  * Starting POSIX threads on every call cost about 0.2-0.3 ms on the development VM, more than a
  * decode step's attention over a few thousand keys takes, so calls started threads only above a
- * large size. The pool's workers stay alive between calls: each spins on a generation counter for a
- * short while after its work (a decode step calls the kernel again within tens of microseconds) and
- * then sleeps on a condition variable, so an idle process holds no CPU. A call hands each worker a
+ * large size. The pool's workers stay alive between calls: each polls a generation counter for
+ * POOL_SPIN_NS after its work (a decode step calls the kernel again within that time; a count of
+ * polls instead ran out too soon on a CPU with a short pause) and then sleeps on a condition
+ * variable, so an idle process holds no CPU. Both waits yield the core now and then: a worker and
+ * the caller that the scheduler put on one core (it happened here, costing 0.1-0.2 ms a call while
+ * the other core idled) would otherwise spin through each other's time slices. A call hands each worker a
  * range of jobs under the pool's lock, runs the first range itself, and spins until the workers'
  * count of ranges left reaches zero.
  *
@@ -13,7 +16,9 @@
  * cannot be started leaves its range to the caller. run_on_threads_started is the plain runner the
  * pool replaces, kept for those cases.
  */
+#include <sched.h>
 #include <stdatomic.h>
+#include <time.h>
 
 /* A contiguous range of jobs that one thread runs in turn (more jobs than threads share out evenly). */
 typedef struct {
@@ -43,8 +48,8 @@ static void run_on_threads_started(JobRange *ranges, int threads) {
     for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
 }
 
-#ifndef POOL_SPINS
-#define POOL_SPINS 4000 /* a worker's polls of the generation before it sleeps (each a pause: tens of microseconds in all) */
+#ifndef POOL_SPIN_NS
+#define POOL_SPIN_NS 200000 /* how long a worker polls for the next call before it sleeps: waking a sleeping one took about 0.1 ms here */
 #endif
 
 static inline void cpu_pause(void) {
@@ -65,12 +70,21 @@ static struct {
     uint_fast64_t born[64]; /* worker t's first generation to wait past: the one before the dispatch that started it */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL, 0, 0, {0}};
 
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
 static void *pool_worker(void *arg) {
     const int index = (int)(intptr_t)arg;
     uint_fast64_t seen = pool.born[index]; /* not the generation now: the dispatch that started this worker may have bumped it already */
     for (;;) {
-        int spins = 0;
-        while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen && ++spins < POOL_SPINS) cpu_pause();
+        const int64_t until = now_ns() + POOL_SPIN_NS;
+        for (int polls = 1; atomic_load_explicit(&pool.generation, memory_order_acquire) == seen; polls++) {
+            cpu_pause();
+            if (polls % 64 == 0 && now_ns() > until) break; /* the clock read now and then: a poll is a few nanoseconds */
+        }
         pthread_mutex_lock(&pool.lock);
         while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
         seen = atomic_load(&pool.generation); /* this dispatch's fields, read under the lock it wrote them under */
@@ -133,6 +147,9 @@ static void run_on_threads(void *(*work)(void *), void *jobs, size_t job_size, i
     pthread_mutex_unlock(&pool.lock);
     for (int t = pooled; t < threads; t++) run_job_range(&ranges[t]); /* workers that could not start: here */
     run_job_range(&ranges[0]);
-    while (atomic_load_explicit(&pool.left, memory_order_acquire) > 0) cpu_pause();
+    for (int polls = 1; atomic_load_explicit(&pool.left, memory_order_acquire) > 0; polls++) {
+        cpu_pause();
+        if (polls % 64 == 0) sched_yield(); /* a worker the scheduler put on this core runs */
+    }
     pthread_mutex_unlock(&pool.call);
 }
