@@ -49,9 +49,9 @@ from slimkv.ops.native_build import (
 )
 
 MAX_SEGMENTS = 4  # MAX_SEGMENTS in the C source
-# Below these a call runs on one thread; above, on torch's thread count through the kernel's pool (csrc/thread_pool.h).
-# Measured by benchmarks/decode_threads.py (results/decode/decode_threads_2thread.md): with the pool, two threads gained
-# from SmolLM2's smallest projection (1.1 MB) and from attention over 128 keys (0.3 MFLOP) up.
+# Below these a call runs on one thread; above, on torch's thread count (torch's own OpenMP team: csrc/threads.h).
+# Measured by benchmarks/decode_threads.py (results/decode/decode_threads_2thread.md): with threads that need no start
+# per call, two gained from SmolLM2's smallest projection (1.1 MB) and from attention over 512 keys (1.2 MFLOP) up.
 PARALLEL_MIN_BYTES = 1 << 20  # a linear layer's weights (a one-row product reads them once: bytes are its work)
 ATTENTION_PARALLEL_MIN_FLOPS = 1 << 20  # an attention call's FLOPs (attention_threads)
 ENV_SWITCH = "SLIMKV_NATIVE"

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"  # includes the headers beside it (decode_avx2.h, decode_avx512.h)
-FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
+FLAGS = ("-O3", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
+THREADING = (("-fopenmp",), ("-fopenmp-simd",))  # tried in order: threads from torch's OpenMP team (csrc/threads.h), else started per call
 ARCH_FLAGS = (("-march=native",), ())  # tried in order: this CPU's vector units, then the compiler's default target
 ISAS = {"avx512-bf16": ("-march=native",), "avx512": ("-march=native", "-mno-avx512bf16"), "avx2": ("-march=native", "-mno-avx512f"),
         "portable": ("-DSLIMKV_PORTABLE",)}
@@ -86,14 +87,15 @@ def build(cc: str, folder: Path, dtype: torch.dtype = torch.float32, isa: str | 
     """Compile the kernel for caches of ``dtype`` into ``folder`` (atomically: a temporary file
     renamed into place), or return the build already there. ``isa`` None builds the CPU's best
     path (``ARCH_FLAGS`` in order), else the named one of ``ISAS`` (the caller checks that the CPU
-    can run it: ``runnable_isas``). RuntimeError with the compiler's message when every flag set fails."""
+    can run it: ``runnable_isas``), each with OpenMP threads where the compiler has them (``THREADING``).
+    RuntimeError with the compiler's message when every flag set fails."""
     if isa is not None and isa not in ISAS:
         raise ValueError(f"isa {isa!r} is not allowed; allowed values: {', '.join(ISAS)}")
     source = _sources()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     errors = []
-    for arch in ARCH_FLAGS if isa is None else (ISAS[isa],):
-        flags = (*FLAGS, *arch, *ENTRIES[dtype][0], *extra_flags)
+    for arch, threading in ((a, t) for a in (ARCH_FLAGS if isa is None else (ISAS[isa],)) for t in THREADING):
+        flags = (*FLAGS, *threading, *arch, *ENTRIES[dtype][0], *extra_flags)
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()])).hexdigest()[:16]
         target = folder / f"decode_attention-{key}.so"
         if target.is_file():

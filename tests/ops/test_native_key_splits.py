@@ -142,10 +142,9 @@ def test_a_split_quantized_call_sums_in_another_order_than_one_thread(monkeypatc
 
 
 @needs_kernel
-def test_the_thread_pool_serves_many_calls_of_changing_thread_counts(monkeypatch):
-    """The pool kept between calls (csrc/thread_pool.h): 300 calls alternating 2, 3 and 4 threads, split and not,
-    each equal to its one-thread result to the bit where it does not split and close where it does (a lost
-    wake-up would hang here, a worker reading another call's jobs would differ)."""
+def test_the_threads_serve_many_calls_of_changing_thread_counts(monkeypatch):
+    """The threads torch keeps (csrc/threads.h): 300 calls alternating 2, 3 and 4 threads, split and not, each
+    close to its one-thread result (a thread reading another call's jobs would differ, a lost one would hang)."""
     gen = torch.Generator().manual_seed(5)
     calls = [(torch.randn(1, 9, 1, 64, generator=gen), *(torch.randn(1, 3, n, 64, generator=gen) for _ in range(2))) for n in (300, 2100, 4100)]
     library = native.decode_kernel()
@@ -164,9 +163,9 @@ def test_the_thread_pool_serves_many_calls_of_changing_thread_counts(monkeypatch
 
 @needs_kernel
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="os.fork is POSIX-only")
-def test_a_forked_child_starts_a_pool_of_its_own(monkeypatch):
-    """After the parent's pool has started, a forked child (which has none of its threads) still gets threaded
-    calls done: it exits 0 within the timeout instead of waiting on workers that do not exist there."""
+def test_a_forked_child_gets_threaded_calls_done(monkeypatch):
+    """After the parent's threads have run a call, a forked child (which has none of them) still gets threaded
+    calls done: it exits 0 within the timeout instead of waiting on threads that do not exist there."""
     import os
     import signal
 
@@ -177,7 +176,7 @@ def test_a_forked_child_starts_a_pool_of_its_own(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        expected = native.native_decode_attention([q], [(k, v)], 0.125, library)  # starts the parent's pool
+        expected = native.native_decode_attention([q], [(k, v)], 0.125, library)  # the parent's threads run once
         pid = os.fork()
         if pid == 0:  # the child: one threaded call, then leave without running the parent's cleanup
             signal.alarm(60)

@@ -82,7 +82,7 @@ def test_linear_is_nn_linear_with_the_same_answer(dtype, monkeypatch):
     monkeypatch.setattr(linear_ops, "native_linear", lambda *a: calls.append(1) or original(*a))
     x = torch.randn(1, 1, 48).to(dtype)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: small weights take the kernel (with more, torch's thread pool)
+    torch.set_num_threads(1)
     try:
         with torch.no_grad():
             got, many = layer(x), layer(x.repeat(1, 3, 1))

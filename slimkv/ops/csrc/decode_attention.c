@@ -48,8 +48,8 @@
  * back, and prefetch a fixed distance ahead (PREFETCH_BLOCKS), and so do the AVX2 tiles for
  * narrower rows (NEAR_PREFETCH: without it an Intel Xeon's one-core read rate dropped 30% there).
  *
- * Threads: the (batch, kv_head) pairs are split over ``threads`` threads (1: the caller's; the others
- * a pool kept between calls, thread_pool.h).
+ * Threads: the (batch, kv_head) pairs are split over ``threads`` threads (1: the caller's; more:
+ * torch's OpenMP team, threads.h).
  * When there are fewer pairs than threads (MQA, MLA, LRKV at batch 1) and enough keys, each pair's
  * keys are cut into ranges (key splits, as flash decoding does): each thread attends one range, and
  * the ranges' normalised outputs are merged by their softmax statistics (running max and sum).
@@ -60,7 +60,6 @@
  * (PROJECT_ENTRY: through several that share the row; NORM_ENTRY: the row's RMS norm);
  * QUANTIZE_ENTRY (quantize_rows.h) turns the rows leaving a quantized cache's residual window into codes.
  */
-#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 (thread_pool.h) */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -134,7 +133,7 @@ typedef struct {
     float *stats_max, *stats_sum; /* key splits: the item's softmax statistics per query row, kept for the merge (NULL: not split) */
 } Job;
 
-#include "thread_pool.h"
+#include "threads.h"
 
 /* exp(x) for x <= 0, to a few ulp: Cody-Waite reduction to |r| <= ln2/2, then Cephes' degree-6
  * polynomial, then 2^n from the exponent bits. Written so the compiler vectorizes it. */
