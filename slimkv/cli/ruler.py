@@ -11,6 +11,7 @@ from slimkv.common.checks import check_int
 from slimkv.eval import ruler
 from slimkv.eval.ruler_cache import CACHE_OPTIONS, parse_caches
 from slimkv.eval.ruler_press import PRESSES
+from slimkv.eval.ruler_report import format_markdown
 from slimkv.retrieval.models import parse_lengths
 
 DESCRIPTION = ("RULER (lm-eval's offline tasks) on a pretrained, converted or compressed model under a KV-cache option: lm-eval's score per "
@@ -52,7 +53,7 @@ def run_ruler(args: argparse.Namespace) -> int:
     except ImportError as err:  # a package this environment lacks: a user error with its remedy, not a traceback
         raise ValueError(str(err)) from None
     if not args.plan_only:
-        print(ruler.format_markdown(report))
+        print(format_markdown(report))
         print(f"wrote {args.out}/{ruler.RESULT_NAME}.json, {ruler.TABLE_FILE} and cells/")
     return 0
 

@@ -1,0 +1,54 @@
+"""The report of a ``slimkv eval ruler`` run (``slimkv.eval.ruler``): its grid and its markdown table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def in_report_order(cells: dict[str, dict[str, Any]], caches: list[str], previous_order: list[str], tasks: list[str]) -> dict[str, dict[str, Any]]:
+    """Cells by length, then task (in ``tasks``' order), then cache option: ``none`` first, then as the folder's
+    report listed them before, then this run's ``caches`` order, then by name."""
+
+    def key(item: tuple[str, dict[str, Any]]) -> tuple:
+        k, c = item
+        before = previous_order.index(k) if k in previous_order else len(previous_order)
+        run = caches.index(c["option"]) if c["option"] in caches else len(caches)
+        return (c["length"], tasks.index(c["task"]) if c["task"] in tasks else len(tasks), c["option"] != "none", before, run, c["option"])
+
+    return dict(sorted(cells.items(), key=key))
+
+
+def grid_of(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The tasks, lengths, cache options and ``max_gen_toks`` per task of the cells a report holds."""
+    rows = list(cells.values())
+    return {"tasks": list(dict.fromkeys(r["task"] for r in rows)), "lengths": sorted({r["length"] for r in rows}),
+            "caches": list(dict.fromkeys(r["option"] for r in rows)), "max_gen_toks": {r["task"]: r["max_gen_toks"] for r in rows}}
+
+
+def ratio_text(row: dict[str, Any]) -> str:
+    """The ratio to the bfloat16 original's bytes, and a masking press's live ratio beside it."""
+    text = f"{row['bytes_ratio_to_bf16_original']:.3f}"
+    live = row.get("bytes_ratio_live")
+    return text + (f" (live {live:.3f})" if live is not None and abs(live - row["bytes_ratio_to_bf16_original"]) > 1e-3 else "")
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """One row per finished cell: score, full / n with the Wilson interval, cache bytes and time."""
+    s = report["settings"]
+    lines = [f"# RULER (lm-eval {s['lm_eval']}): {s['model']}", "",
+             f"{s['limit']} prompts per cell, greedy, max_gen_toks {s['max_gen_toks']}, seed {s['seed']}, model in {s['dtype']}. "
+             "Score: lm-eval's metric. Cache bytes per token: the live cache after a prefill of the length; ratio to the bfloat16 original's "
+             "(a kvpress press: measured after each prompt, its question tail included, counting the entries attention still sees; "
+             "`live` is what its tensors hold where kvpress only masks).", "",
+             "Score interval: the 95% Wilson interval for the niah tasks (each prompt 0 or 1), a 95% bootstrap interval of the mean "
+             "for the partial-credit tasks (vt, cwe, fwe); `full / n`: the prompts lm-eval scored 1.", "",
+             "| cache | task | length | score (95% CI) | full / n (95% CI) | bytes/token | ratio to bf16 | s/sample (generate) | load (start) |",
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in report["cells"].values():
+        low, high = r.get("score95", r["wilson95"])
+        lines.append(f"| {r['option']} | {r['task']} | {r['length']} | {r['score']:.3f} ({low:.2f}-{high:.2f}) | "
+                     f"{r['full']}/{r['n']} ({r['wilson95'][0]:.2f}-{r['wilson95'][1]:.2f}) | "
+                     f"{r['bytes_per_token']:,.0f} | {ratio_text(r)} | {r['seconds_per_sample']:.1f} ({r['generate_s_per_sample']:.1f}) | {r['load_average_start'][0]:.2f} |")
+    if report.get("not_run"):
+        lines += ["", "Not run (past --budget-minutes): " + ", ".join(report["not_run"])]
+    return "\n".join(lines)
