@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from slimkv.ops.native import kernel_isa
+from slimkv.ops.native import kernel_isa, kernel_threading
 
 READ_BYTES = 512 << 20  # larger than any last-level cache here, so the sum streams from memory
 GEMM_SIZE = 256  # three 256 x 256 float32 matrices (768 KiB) stay in a core's L2
@@ -104,14 +104,14 @@ def merge_rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
 
 
 def bound_context(dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """What the bound and the times depend on: CPU model, the kernel's path for ``dtype``, threads, load now."""
+    """What the bound and the times depend on: CPU model, the kernel's path for ``dtype`` and how it gets its threads, threads, load now."""
     model = None
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
     except OSError:
         pass
-    return {"cpu_model": model, "kernel_isa": kernel_isa(dtype), "threads": torch.get_num_threads(),
+    return {"cpu_model": model, "kernel_isa": kernel_isa(dtype), "kernel_threading": kernel_threading(dtype), "threads": torch.get_num_threads(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 

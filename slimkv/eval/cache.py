@@ -14,7 +14,7 @@ from slimkv.common.checks import check_int
 from slimkv.data.texts import evaluation_text, tokenize
 from slimkv.eval.models import check_positions, load_language_model, load_original, original_of
 from slimkv.model import SlimKVCache
-from slimkv.ops.native import kernel_isa
+from slimkv.ops.native import kernel_isa, kernel_threading
 from slimkv.pretrained import LoadedModel
 
 
@@ -77,7 +77,9 @@ def cache_report(model: str, context: int, *, new_tokens: int = 16, text: str = 
         check_positions(base.model, context, "--context")
         rows["original"] = {"name": loaded.identity["base"], **live_cache(base, prompt, new_tokens)}
         rows["ratio_to_original"] = rows["model"]["bytes_per_token"] / rows["original"]["bytes_per_token"]
-    rows["kernel_isa"] = kernel_isa(next(loaded.model.parameters()).dtype)  # the decode kernel's path for this model's dtype
+    dtype = next(loaded.model.parameters()).dtype
+    rows["kernel_isa"] = kernel_isa(dtype)  # the decode kernel's path for this model's dtype, and how it gets its threads
+    rows["kernel_threading"] = kernel_threading(dtype)
     return {"context": context, "new_tokens": new_tokens, "text": text, **rows}
 
 
@@ -92,5 +94,6 @@ def format_report(report: dict[str, Any]) -> str:
     if "ratio_to_original" in report:
         lines.append(f"live cache ratio to the original: {report['ratio_to_original']:.4f}")
     if "kernel_isa" in report:
-        lines.append(f"native decode kernel path: {report['kernel_isa']}")
+        threading = f"; threads: {report['kernel_threading']}" if report.get("kernel_threading") else ""
+        lines.append(f"native decode kernel path: {report['kernel_isa']}{threading}")
     return "\n".join(lines)

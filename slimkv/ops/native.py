@@ -124,6 +124,13 @@ def isa_kernel(dtype: torch.dtype, isa: str, extra_flags: tuple[str, ...] = ()) 
     return load(build(cc, cache_dir() / "kernels", dtype, isa, extra_flags), dtype)
 
 
+def kernel_threading(dtype: torch.dtype = torch.float32) -> str | None:
+    """How the kernel for caches of ``dtype`` gets its threads ("torch's OpenMP team", or "started
+    per call (...)" with the reason), or None when such calls take the torch path."""
+    library = decode_kernel(dtype)
+    return None if library is None else library.slimkv_kernel_threading().decode()
+
+
 def kernel_isa(dtype: torch.dtype = torch.float32) -> str:
     """Which path decode calls on caches of ``dtype`` take: the loaded kernel's own answer
     ("avx512-bf16", "avx512", "avx2", "portable"), or "torch (...)" with the reason there is no kernel."""

@@ -129,8 +129,8 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     norm.argtypes, norm.restype = [pointer, pointer, pointer, i64, ctypes.c_float], ctypes.c_int
     quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
     quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
-    library.slimkv_kernel_isa.argtypes = []
-    library.slimkv_kernel_isa.restype = ctypes.c_char_p
+    library.slimkv_kernel_isa.argtypes = library.slimkv_kernel_threading.argtypes = []
+    library.slimkv_kernel_isa.restype = library.slimkv_kernel_threading.restype = ctypes.c_char_p
     return library
 
 

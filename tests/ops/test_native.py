@@ -424,6 +424,8 @@ def test_slimkv_eval_cache_prints_the_kernel_path():
            "bytes_per_token_per_layer": [16.0]}
     text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": native.kernel_isa()})
     assert text.endswith(f"native decode kernel path: {native.kernel_isa()}")
+    text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": "avx2", "kernel_threading": "torch's OpenMP team"})
+    assert text.endswith("native decode kernel path: avx2; threads: torch's OpenMP team")
 
 
 @needs_kernel

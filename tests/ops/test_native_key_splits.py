@@ -177,10 +177,12 @@ def test_a_forked_child_gets_threaded_calls_done(monkeypatch):
     torch.set_num_threads(2)
     try:
         expected = native.native_decode_attention([q], [(k, v)], 0.125, library)  # the parent's threads run once
+        assert native.kernel_threading() == "torch's OpenMP team"
         pid = os.fork()
         if pid == 0:  # the child: one threaded call, then leave without running the parent's cleanup
             signal.alarm(60)
             ok = torch.allclose(native.native_decode_attention([q], [(k, v)], 0.125, library), expected)
+            ok = ok and native.kernel_threading().startswith("started per call (a child forked")
             os._exit(0 if ok else 1)
         _, status = os.waitpid(pid, 0)
     finally:

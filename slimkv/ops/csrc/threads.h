@@ -46,6 +46,15 @@ static void note_fork(void) { forked_child = 1; }
 __attribute__((constructor)) static void watch_forks(void) { pthread_atfork(NULL, NULL, note_fork); }
 #endif
 
+/* How a threaded call gets its threads here: what slimkv.ops.native.kernel_threading reports. */
+const char *slimkv_kernel_threading(void) {
+#ifdef _OPENMP
+    return forked_child ? "started per call (a child forked after the library loaded)" : "torch's OpenMP team";
+#else
+    return "started per call (built without OpenMP)";
+#endif
+}
+
 /* Runs ``work`` on each of ``count`` jobs (``jobs``: an array of ``job_size``-byte structs, at most
  * 64) on at most ``threads`` threads, each a contiguous share of the jobs in turn (jobs of equal work
  * then balance: e.g. 3 heads cut into 6 key ranges on 2 threads). Every job is done when it returns.
