@@ -1,8 +1,8 @@
 """When a second thread pays for one decode kernel call: one thread against ``--threads`` over contexts.
 
-The native kernel starts its threads per call (``run_on_threads``: a few tenths of a millisecond
-here), so a small call is faster on one. ``slimkv.ops.native`` decides by the call's work
-(``attention_threads``); this benchmark measures what that rule should be. For SmolLM2's layer
+A call gains from a second thread only when its work outweighs handing half of it over (the
+kernel's threads are torch's OpenMP team, csrc/threads.h). ``slimkv.ops.native`` decides by the
+call's work (``attention_threads``, ``linear_threads``); this benchmark measures what that rule should be. For SmolLM2's layer
 layouts, batch 1: ``gqa3x64`` (the exact copy: 3 KV heads of 64, 3 query heads each; float32 and
 bfloat16 rows, int8 and int4 codes), ``mla192`` (the MLA conversion's shared rows of 192 with the
 values inside, 9 query heads; float32 and bfloat16), the kernel call alone, with threads forced on
@@ -102,7 +102,7 @@ def measure_projection(name: str, dtype: torch.dtype, threads: int, rounds: int)
     samples = interleaved(calls, rounds)
     one, many, by_torch = (statistics.median(samples[k]) for k in ("one", "many", "torch"))
     torch.set_num_threads(threads)
-    rule = native.supports_linear(x, w, None) and w.numel() * w.element_size() >= native.PARALLEL_MIN_BYTES
+    rule = native.supports_linear(x, w, None) and native.linear_threads(w.numel() * w.element_size()) > 1
     return {"layout": f"linear {name}", "storage": str(dtype).removeprefix("torch."), "context": 0, "bytes": w.numel() * w.element_size(),
             "flops": 2 * in_f * out_f, "one_thread_s": one, "threads_s": many, "torch_threads_s": by_torch, "speedup": one / many,
             "rule_starts_threads": rule, "samples_s": samples}

@@ -62,10 +62,15 @@ SWITCH_VALUES = {"1": True, "0": False}  # SLIMKV_NATIVE: 1 (default) uses the k
 def attention_threads(flops: int) -> int:
     """Threads for one attention kernel call doing ``flops`` (2 per query head, key and channel, a
     measure of its work for rows and codes alike): torch's thread count, or 1 for a call too small to
-    pay for starting them (the kernel starts its threads per call, a few tenths of a millisecond
-    here; ``benchmarks/decode_threads.py`` measures where they pay)."""
+    gain from them (``benchmarks/decode_threads.py`` measures where they do)."""
     threads = torch.get_num_threads()
     return threads if threads > 1 and flops >= ATTENTION_PARALLEL_MIN_FLOPS else 1
+
+
+def linear_threads(weight_bytes: int) -> int:
+    """Threads for one row through linear layers of ``weight_bytes`` in all (the bytes are the work of
+    a one-row product): torch's thread count from ``PARALLEL_MIN_BYTES`` up, else 1."""
+    return torch.get_num_threads() if weight_bytes >= PARALLEL_MIN_BYTES else 1
 
 
 def decode_kernel(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
@@ -323,7 +328,7 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     for the weights' dtype."""
     row = x if x.dtype == torch.float32 and x.is_contiguous() else x.reshape(-1).to(torch.float32).contiguous()
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)  # sizes unpacked: a torch.Size argument costs 3 us here
-    threads = torch.get_num_threads() if weight.numel() * weight.element_size() >= PARALLEL_MIN_BYTES else 1
+    threads = linear_threads(weight.numel() * weight.element_size())
     status = getattr(library, LINEAR_ENTRIES[weight.dtype])(weight.data_ptr(), row.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                                             out.data_ptr(), weight.shape[0], weight.shape[1], threads)
     if status != 0:
@@ -345,10 +350,9 @@ def native_project(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     gate_row = None if gate is None else gate if gate.dtype == torch.float32 and gate.is_contiguous() else gate.reshape(-1).to(torch.float32).contiguous()
     sizes = arrays[3]
     out = torch.empty(*x.shape[:-1], sum(sizes), dtype=torch.float32)
-    big = sum(w.numel() * w.element_size() for w in weights) >= PARALLEL_MIN_BYTES
     status = getattr(library, PROJECT_ENTRIES[weights[0].dtype])(row.data_ptr(), 0 if gate_row is None else gate_row.data_ptr(), x.shape[-1],
                                                                 len(weights), arrays[0], arrays[1], arrays[2], out.data_ptr(),
-                                                                torch.get_num_threads() if big else 1)
+                                                                linear_threads(sum(w.numel() * w.element_size() for w in weights)))
     if status != 0:
         raise RuntimeError(f"native projections failed (status {status}: {'out of memory' if status == 1 else 'bad arguments'})")
     if x.dtype != torch.float32:
