@@ -91,7 +91,7 @@ ISAS = native.runnable_isas() if LIBRARY is not None else []
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYOUTS = {  # name -> (kv_heads, groups, dim, v_dim, values in the key rows from this offset, "shared", or None)
     "mha32": (4, 1, 32, 32, None), "mha64": (3, 1, 64, 64, None), "mha128": (2, 1, 128, 128, None), "mha-odd": (3, 1, 40, 24, None),
-    "gqa64": (2, 4, 64, 64, None), "mqa64": (1, 8, 64, 64, None), "gqa128x3": (2, 3, 128, 128, None), "gqa32x9": (1, 9, 32, 32, None),
+    "gqa64": (2, 4, 64, 64, None), "gqa64x3": (3, 3, 64, 64, None), "gqa64x5": (1, 5, 64, 64, None), "mqa64": (1, 8, 64, 64, None), "gqa128x3": (2, 3, 128, 128, None), "gqa32x9": (1, 9, 32, 32, None),
     "mla288": (1, 8, 288, 256, 32), "mla-odd": (1, 9, 100, 68, 32), "latent": (2, 1, 64, 512, None),
     "latent-shared": (8, 1, 64, 512, "shared"), "latent-shared-odd": (3, 2, 40, 72, "shared"),
     "lrkv192": (1, 8, 192, 192, None), "odd17x5": (1, 3, 17, 5, None), "odd40x24": (3, 2, 40, 24, None),
@@ -144,6 +144,23 @@ def test_every_isa_path_matches_the_reference(isa, dtype, layout, keys):
     assert native.supports([q], [(k, v)])
     out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(q.shape[-1]), native.isa_kernel(dtype, isa))
     assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference_attention(q.float(), k.float(), v.float()), **_tolerance(dtype))
+
+
+@needs_kernel
+@pytest.mark.skipif("avx512" not in ISAS, reason="the AVX-512 row tiles need a CPU with AVX-512F and AVX-512BW")
+@pytest.mark.parametrize("always", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["mha64", "gqa64x3", "mqa64", "gqa128x3"])
+def test_avx512_row_tiles_match_the_reference_with_either_prefetch_rule(always, dtype, layout):
+    """The 32/64/128-wide row tiles prefetch by a rule chosen per CPU at build time
+    (ROW_PREFETCH_ALWAYS in csrc/decode_avx512.h: 1 every tile into L1, 0 only items of several tiles
+    into L2); both builds run here whatever this CPU's default, on rows long enough to prefetch
+    (2700 keys), SmolLM2's 3 query rows per head (one tile of 3) and 128-wide rows (tiles of 2 and 1)."""
+    dtype = DTYPES[dtype]
+    q, k, v = _isa_cache(layout, 2700, dtype, seed=5)
+    library = native.isa_kernel(dtype, "avx512", (f"-DROW_PREFETCH_ALWAYS={always}",))
+    out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(q.shape[-1]), library)
     torch.testing.assert_close(out.float(), reference_attention(q.float(), k.float(), v.float()), **_tolerance(dtype))
 
 

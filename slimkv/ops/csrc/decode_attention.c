@@ -45,7 +45,8 @@
  * well; they prefetch the next block's rows in memory order, a share with every tile step, so the
  * memory is read evenly while the current block is computed (Ahead, below; segments of rows over
  * 256 bytes per key and over 1 MiB). The 32/64/128-wide row tiles read each row once, front to
- * back, and prefetch a fixed distance ahead (PREFETCH_BLOCKS), and so do the AVX2 tiles for
+ * back, and prefetch a fixed distance ahead (PREFETCH_BLOCKS; on AMD Zen only items of several
+ * tiles, ROW_PREFETCH_ALWAYS in decode_avx512.h), and so do the AVX2 tiles for
  * narrower rows (NEAR_PREFETCH: without it an Intel Xeon's one-core read rate dropped 30% there).
  *
  * Threads: the (batch, kv_head) pairs are split over ``threads`` threads (1: the caller's; more:

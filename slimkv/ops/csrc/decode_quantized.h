@@ -239,7 +239,7 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx512(c
                                                                                 const int64_t group, elem_t *restrict kbuf, elem_t *restrict vbuf,
                                                                                 float *restrict acc, float *restrict run_max, float *restrict run_sum) {
     const int64_t groups = job->groups, b = item / job->kv_heads, h = item % job->kv_heads, dim = 16 * ND;
-    const int tile = ND > 4 ? 2 : 4;
+    const int fetch = ROW_PREFETCH_ALWAYS || groups > row_tile_avx512(ND); /* the exact window's rows (ROW_PREFETCH_ALWAYS) */
     for (int64_t g = 0; g < groups; g++) {
         run_max[g] = -INFINITY;
         run_sum[g] = 0.0f;
@@ -262,13 +262,7 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx512(c
                 k_row = seg->k_st[2];
                 v_row = seg->v_st[2];
             }
-            int64_t g = 0;
-            for (; tile == 4 && g + 4 <= groups; g += 4)
-                block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, 4, ND, ND, scale16, acc + g * dim, run_max + g, run_sum + g);
-            for (; g + 2 <= groups; g += 2)
-                block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, 2, ND, ND, scale16, acc + g * dim, run_max + g, run_sum + g);
-            for (; g < groups; g++)
-                block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, 1, ND, ND, scale16, acc + g * dim, run_max + g, run_sum + g);
+            rows_in_tiles_avx512(q, kb, vb, k_row, v_row, n, groups, ND, ND, scale16, seg->bits ? 0 : fetch, acc, run_max, run_sum); /* codes: their block is in L1 */
         }
     }
     keep_split_stats(job, item, run_max, run_sum);
