@@ -14,7 +14,7 @@ from slimkv.common.checks import check_int
 from slimkv.data.texts import evaluation_text, tokenize
 from slimkv.eval.models import check_positions, load_language_model, load_original, original_of
 from slimkv.model import SlimKVCache
-from slimkv.ops.native import kernel_isa, kernel_threading
+from slimkv.ops.native import kernel_isa, kernel_row_prefetch, kernel_threading
 from slimkv.pretrained import LoadedModel
 
 
@@ -80,6 +80,7 @@ def cache_report(model: str, context: int, *, new_tokens: int = 16, text: str = 
     dtype = next(loaded.model.parameters()).dtype
     rows["kernel_isa"] = kernel_isa(dtype)  # the decode kernel's path for this model's dtype, and how it gets its threads
     rows["kernel_threading"] = kernel_threading(dtype)
+    rows["kernel_row_prefetch"] = kernel_row_prefetch(dtype)
     return {"context": context, "new_tokens": new_tokens, "text": text, **rows}
 
 
@@ -95,5 +96,6 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"live cache ratio to the original: {report['ratio_to_original']:.4f}")
     if "kernel_isa" in report:
         threading = f"; threads: {report['kernel_threading']}" if report.get("kernel_threading") else ""
-        lines.append(f"native decode kernel path: {report['kernel_isa']}{threading}")
+        prefetch = f"; row-tile prefetch: {report['kernel_row_prefetch']}" if report.get("kernel_row_prefetch") else ""
+        lines.append(f"native decode kernel path: {report['kernel_isa']}{threading}{prefetch}")
     return "\n".join(lines)

@@ -44,6 +44,7 @@ from slimkv.ops.native_build import (
     build,
     compiler,
     library_isa,
+    library_row_prefetch_rule,
     load,
     runnable_isas,
 )
@@ -134,6 +135,14 @@ def kernel_threading(dtype: torch.dtype = torch.float32) -> str | None:
     per call (...)" with the reason), or None when such calls take the torch path."""
     library = decode_kernel(dtype)
     return None if library is None else library.slimkv_kernel_threading().decode()
+
+
+def kernel_row_prefetch(dtype: torch.dtype = torch.float32) -> str | None:
+    """The prefetch rule of the kernel's AVX-512 row tiles for caches of ``dtype`` ("always" or
+    "several-tiles", chosen per CPU at build time: ``ROW_PREFETCH_ALWAYS`` in csrc/decode_avx512.h),
+    or None where decode calls take another path or the torch path."""
+    library = decode_kernel(dtype)
+    return None if library is None else library_row_prefetch_rule(library)
 
 
 def kernel_isa(dtype: torch.dtype = torch.float32) -> str:

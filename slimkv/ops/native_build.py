@@ -129,11 +129,17 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     norm.argtypes, norm.restype = [pointer, pointer, pointer, i64, ctypes.c_float], ctypes.c_int
     quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
     quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
-    library.slimkv_kernel_isa.argtypes = library.slimkv_kernel_threading.argtypes = []
-    library.slimkv_kernel_isa.restype = library.slimkv_kernel_threading.restype = ctypes.c_char_p
+    for name in ("slimkv_kernel_isa", "slimkv_kernel_threading", "slimkv_row_prefetch_rule"):
+        getattr(library, name).argtypes, getattr(library, name).restype = [], ctypes.c_char_p
     return library
 
 
 def library_isa(library: ctypes.CDLL) -> str:
     """The instruction-set path a loaded kernel library was compiled with: "avx512-bf16", "avx512", "avx2" or "portable"."""
     return library.slimkv_kernel_isa().decode()
+
+
+def library_row_prefetch_rule(library: ctypes.CDLL) -> str | None:
+    """The AVX-512 row tiles' prefetch rule a loaded kernel library was built with (``ROW_PREFETCH_ALWAYS``
+    in csrc/decode_avx512.h): "always", "several-tiles" or "none"; None for a path without those tiles."""
+    return library.slimkv_row_prefetch_rule().decode() or None

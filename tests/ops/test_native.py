@@ -160,6 +160,7 @@ def test_avx512_row_tiles_match_the_reference_with_either_prefetch_rule(always, 
     dtype = DTYPES[dtype]
     q, k, v = _isa_cache(layout, 2700, dtype, seed=5)
     library = native.isa_kernel(dtype, "avx512", (f"-DROW_PREFETCH_ALWAYS={always}",))
+    assert native.library_row_prefetch_rule(library) == ("always" if always else "several-tiles")
     out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(q.shape[-1]), library)
     torch.testing.assert_close(out.float(), reference_attention(q.float(), k.float(), v.float()), **_tolerance(dtype))
 
@@ -443,6 +444,8 @@ def test_slimkv_eval_cache_prints_the_kernel_path():
     assert text.endswith(f"native decode kernel path: {native.kernel_isa()}")
     text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": "avx2", "kernel_threading": "torch's OpenMP team"})
     assert text.endswith("native decode kernel path: avx2; threads: torch's OpenMP team")
+    text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": "avx512", "kernel_row_prefetch": "several-tiles"})
+    assert text.endswith("native decode kernel path: avx512; row-tile prefetch: several-tiles")
 
 
 @needs_kernel

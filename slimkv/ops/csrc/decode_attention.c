@@ -304,6 +304,16 @@ static inline int values_in_key_rows(const elem_t *k, const elem_t *v, int64_t d
  * "portable" (what was compiled, not a guess). */
 const char *slimkv_kernel_isa(void) { return SLIMKV_ISA; }
 
+/* The AVX-512 row tiles' prefetch rule this build took (ROW_PREFETCH_ALWAYS in decode_avx512.h):
+ * "always", "several-tiles", or "" where the path has no such tiles. */
+const char *slimkv_row_prefetch_rule(void) {
+#if defined(SLIMKV_PATH_AVX512)
+    return PREFETCH_BLOCKS == 0 ? "none" : ROW_PREFETCH_ALWAYS ? "always" : "several-tiles";
+#else
+    return "";
+#endif
+}
+
 /* Work item i of a job: batch row b, heads [h, h + heads) of it; its first query row's head index
  * (b * kv_heads + h) is the item index the attend functions take. */
 #define ITEM_SPAN(job, i, b, h, heads)                                                        \
