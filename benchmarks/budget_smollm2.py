@@ -90,7 +90,9 @@ def conversion_label(converted: dict) -> str:
     and how the heads were chosen; any other its method, cache ratio and storage, as the command spells them."""
     plan, options = converted.get("budget_plan") or {}, converted.get("method_options") or {}
     healing = converted.get("healing") or {}
-    healed = f", healed {(healing.get('config') or {}).get('tokens')} tokens" if healing else ""
+    config = healing.get("config") or {}
+    copy = f", copy fraction {config['copy_fraction']:g}" if config.get("copy_fraction") else ""
+    healed = f", healed {config.get('tokens')} tokens{copy}" if healing else ""
     if not plan:
         ratio = f" --cache-ratio {converted['cache_ratio']:g}" if converted.get("cache_ratio") is not None else ""
         storage = (converted.get("cache_storage") or "full").split(":")[0]

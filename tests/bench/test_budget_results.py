@@ -34,6 +34,8 @@ def test_rows_are_labelled_from_the_manifest_as_the_command_spells_them(script):
     planned = {"budget_plan": {"budget": 0.125, "storage": "int4:group=32", "exact_heads": 30}, "method_options": {"score": "combined"},
                "healing": {"config": {"tokens": 65536}}}
     assert script.conversion_label(planned) == "convert --cache-budget 0.125 (int4, 30 exact heads by combined, healed 65536 tokens)"
+    healed = {"method": "mla", "cache_ratio": 0.5, "healing": {"config": {"tokens": 65536, "copy_fraction": 0.5}}}
+    assert script.conversion_label(healed) == "convert --to mla --cache-ratio 0.5, healed 65536 tokens, copy fraction 0.5"
     assert (script.conversion_label({"method": "latent", "cache_ratio": 0.5, "cache_storage": "int4:group=32,residual=128", "budget_plan": None})
             == "convert --to latent --cache-ratio 0.5 --cache-storage int4")
     assert script.conversion_label({"method": "kvm", "cache_ratio": None, "cache_storage": "full"}) == "convert --to kvm"

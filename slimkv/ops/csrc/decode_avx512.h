@@ -19,7 +19,8 @@
  * L2; the tiles of an item that takes one pass leave it to the hardware prefetcher. Measured on an
  * AMD Zen 4 (its AVX-512 on 256-bit units), one thread, 32K keys, float32 / bfloat16: prefetching
  * into L1 in every tile cost MHA, GQA and SmolLM2's 3 x 3 layout 1.3-1.5x of their step time, and
- * leaving MQA's to the hardware cost it 1.1-1.4x. AMD Zen builds (-march=native says so) take 0. */
+ * leaving MQA's to the hardware cost it 1.2-1.4x (benchmarks/decode_prefetch.py). AMD Zen builds
+ * (-march=native says so) take 0. */
 #ifndef ROW_PREFETCH_ALWAYS
 #if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 #define ROW_PREFETCH_ALWAYS 0
