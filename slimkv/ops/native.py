@@ -139,8 +139,9 @@ def kernel_threading(dtype: torch.dtype = torch.float32) -> str | None:
 
 def kernel_row_prefetch(dtype: torch.dtype = torch.float32) -> str | None:
     """The prefetch rule of the kernel's AVX-512 row tiles for caches of ``dtype`` ("always" or
-    "several-tiles", chosen per CPU at build time: ``ROW_PREFETCH_ALWAYS`` in csrc/decode_avx512.h),
-    or None where decode calls take another path or the torch path."""
+    "several-tiles", chosen per CPU at build time: ``ROW_PREFETCH_ALWAYS`` in csrc/decode_avx512.h;
+    "none" in a build without software prefetch), or None where decode calls take another path or
+    the torch path."""
     library = decode_kernel(dtype)
     return None if library is None else library_row_prefetch_rule(library)
 
