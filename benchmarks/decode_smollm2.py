@@ -28,6 +28,14 @@ interleaved within each round, and each row has its speed against the first coun
 
     .venv/bin/python benchmarks/decode_smollm2.py --threads 1,2 --contexts 16384 --converted runs/smollm2-mla50
 
+With ``--parts`` each slimkv model also runs ``--steps`` instrumented steps per thread count after the
+timed ones (``slimkv.bench.step_parts``): the time of its native linear calls, of its native
+attention calls and of the rest, each beside its bound (weights over the read rate; cache bytes over
+it or the attention's FLOPs over the FMA rate; zero for the rest), and the run's page ``<name>.md``
+tabulates them (``--render JSON`` writes that page again from a results file, measuring nothing).
+
+    .venv/bin/python benchmarks/decode_smollm2.py --contexts 1024,16384 --parts --converted runs/smollm2-mla50
+
 Writes benchmarks/results/decode/<name>.json and .png (the name's experiment folder).
 """
 
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import os
 import statistics
 import time
@@ -46,6 +55,8 @@ from decode_all import DTYPES, int_list  # this folder's decode benchmark: one m
 from torch.utils.flop_counter import FlopCounterMode
 
 from slimkv.bench.roofline import add_bounds, bound_context, machine_rates, merge_rates, rates_line
+from slimkv.bench.step_parts import split_step, timed_parts
+from slimkv.common.markdown import markdown_table, provenance_line
 from slimkv.common.plotting import new_figure
 from slimkv.common.results import results_dir
 from slimkv.common.timing import write_results
@@ -67,6 +78,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--dtypes", default="float32", help=f"comma-separated, among {', '.join(DTYPES)} (default float32)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per model per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--parts", action="store_true", help="also time each slimkv model's linears, attention and the rest in instrumented steps")
+    p.add_argument("--render", metavar="JSON", help="write the parts page of a --parts results file beside it, and measure nothing")
     p.add_argument("--quick", action="store_true", help="contexts 256,1024; 1 round of 3 steps")
     p.add_argument("--name", default=None, help="results file name (default decode_smollm2_<threads>thread, threads joined by '-')")
     p.add_argument("--out-dir", default=None, help="results folder (default: the name's experiment folder, benchmarks/results/decode)")
@@ -100,8 +113,48 @@ def _exact_copy_label(label: str) -> str:
     return label.replace("transformers (SDPA, DynamicCache)", "slimkv exact copy (gqa)")
 
 
+def render_parts(results: dict) -> str:
+    """The page of a ``--parts`` run: per model and context, the timed step against its roofline bound,
+    then one instrumented step cut into linears, attention and the rest, each beside its bound."""
+    headers = ["model", "context", "dtype", "step ms", "tokens/s", "bound ms", "x bound", "instrumented ms", "linears ms (x bound)",
+               "attention ms (x bound, bound)", "rest ms (share)", "bound by parts ms", "step x bound by parts"]
+    cells = []
+    for r in results["rows"]:
+        if "parts" not in r:
+            continue
+        part = r["parts"]
+        parts_bound = part["linear_bound_s"] + part["attention_bound_s"]
+        cells.append([r["model"], r["context"], r["dtype"], f"{r['median_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.1f}", f"{r['bound_s'] * 1e3:.1f} ({r['bound']})",
+                      f"{r['time_over_bound']:.2f}", f"{part['step_s'] * 1e3:.1f}", f"{part['linear_s'] * 1e3:.1f} ({part['linear_over_bound']:.2f})",
+                      f"{part['attention_s'] * 1e3:.1f} ({part['attention_over_bound']:.2f}, {part['attention_bound']})",
+                      f"{part['rest_s'] * 1e3:.1f} ({part['rest_s'] / part['step_s']:.2f})", f"{parts_bound * 1e3:.1f}",
+                      f"{r['median_s'] / parts_bound:.2f}"])
+    s, rates = results["settings"], results["roofline"]["rates"]
+    rate_text = "; ".join(f"{name}: read {rate['read_bytes_per_s'] / 1e9:.1f} GB/s, FMA {rate['fma_flop_per_s'] / 1e9:.0f} GFLOP/s" for name, rate in rates.items())
+    threads = s["threads"] if isinstance(s["threads"], list) else [s["threads"]]
+    return "\n".join([
+        f"# SmolLM2-135M decode step, where the time goes ({'/'.join(map(str, threads))} thread(s), batch 1)", "",
+        f"{provenance_line('benchmarks/decode_smollm2.py --parts', results, results['load_average']['before'])}; kernel paths "
+        f"{', '.join(f'{k}: {v}' for k, v in s['kernel_isa'].items())}; {s['rounds']} interleaved rounds of {s['steps']} timed steps per model, "
+        f"then {s['steps']} instrumented steps per model. Rates (best of before and after the run): {rate_text}.", "",
+        "Step: the median timed step; bound: max((weights + cache bytes) / read rate, FLOPs / FMA rate). The instrumented step "
+        "(`slimkv.bench.step_parts`) times every native linear call (bound: its weights over the read rate), every native attention "
+        "call (bound: the cache bytes over the read rate or the attention's FLOPs over the FMA rate, whichever is larger) and "
+        "leaves the rest (norms, RoPE, cache appends, MLA's absorbed products, the logits' argmax, Python between calls; bound 0). "
+        "The parts run one after the other, so the sum of their bounds (bound by parts) is the tighter bound where one part is "
+        "compute-bound and another memory-bound; the last column is the timed step over it. Attention work outside the native "
+        "call (`latent` rebuilds every cached key at every step in torch matmuls) counts in the attention's FLOPs and bound but in "
+        "the rest's time: there the attention's ratio is low and the rest large.", "",
+        markdown_table(headers, cells, ["left", "right", "left"] + ["right"] * (len(headers) - 3)), ""])
+
+
 def main() -> None:
     args = parse()
+    if args.render:
+        path = Path(args.render)
+        path.with_suffix(".md").write_text(render_parts(json.loads(path.read_text(encoding="utf-8"))), encoding="utf-8")
+        print(f"wrote {path.with_suffix('.md')}")
+        return
     dtypes = args.dtypes.split(",")
     for name in dtypes:
         if name not in DTYPES:
@@ -157,6 +210,21 @@ def main() -> None:
             with FlopCounterMode(display=False) as counter:
                 step(model, state[label][0], state[label][1], slim)
             flops[label] = counter.get_total_flops()
+        instrumented = {}  # (label, threads) -> one instrumented step's seconds and parts (means over --steps steps)
+        for n in thread_counts if args.parts else []:
+            torch.set_num_threads(n)
+            for label, (model, slim) in models.items():
+                if not slim:
+                    continue
+                cache, token, _ = state[label]
+                with timed_parts() as totals:
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        token = step(model, cache, token, slim)
+                    elapsed = time.perf_counter() - t0
+                state[label][1] = token
+                instrumented[label, n] = (elapsed / steps, {key: value / steps for key, value in totals.items()})
+        torch.set_num_threads(max(thread_counts))
         base_bytes = {}  # per dtype and thread count: the bytes per second of transformers' run in that dtype
         for n in thread_counts:
             for label, (model, slim) in models.items():
@@ -171,6 +239,8 @@ def main() -> None:
                        "prefill_s": state[label][2], "time_over_traffic_prediction": median / ((weights + cache_bytes) / base_bytes[dtype, n]),
                        "samples_s": samples[label, n], "flops": flops[label] if slim else flops.get(_exact_copy_label(label), flops[label]),
                        "flops_source": "counted" if slim or _exact_copy_label(label) not in flops else "slimkv exact copy's count"}
+                if (label, n) in instrumented:
+                    row["instrumented_step"] = {"step_s": instrumented[label, n][0], **instrumented[label, n][1]}
                 if n != thread_counts[0]:
                     row["speedup_over_first_threads"] = statistics.median(samples[label, thread_counts[0]]) / median
                 rows.append(row)
@@ -190,13 +260,22 @@ def main() -> None:
         for r in mine:
             print(f"  {r['context']:>6} {r['model']:<40} read {r['bytes_read'] / 2**20:8.1f} MiB  {r['flops'] / 1e9:7.3f} GFLOP  "
                   f"bound {r['bound_s'] * 1e3:7.2f} ms ({r['bound']})  time {r['median_s'] * 1e3:7.2f} ms = x{r['time_over_bound']:.2f} of the bound")
+            if "instrumented_step" in r:
+                measured = r.pop("instrumented_step")
+                r["parts"] = split_step(measured["step_s"], measured, cache_bytes=r["cache_bytes"], rates=rate,
+                                        attention_flops=r["flops"] - 2 * measured["linear_weight_elements"])
+                part = r["parts"]
+                print(f"         instrumented step {part['step_s'] * 1e3:7.2f} ms: linears {part['linear_s'] * 1e3:6.2f} ms (x{part['linear_over_bound']:.2f} "
+                      f"of their bound), attention {part['attention_s'] * 1e3:6.2f} ms (x{part['attention_over_bound']:.2f}, "
+                      f"{part['attention_bound']}), rest {part['rest_s'] * 1e3:6.2f} ms")
     threads_key = thread_counts[0] if len(thread_counts) == 1 else thread_counts
     payload = {"settings": {"contexts": contexts, "threads": threads_key, "dtypes": dtypes, "native_kernel": {name: kernel_path(DTYPES[name]) for name in dtypes},
                             "kernel_isa": {name: kernel_isa(DTYPES[name]) for name in dtypes}, "steps": steps, "rounds": rounds, "models": list(models)},
                "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
                "roofline": {"rates": {name if len(thread_counts) == 1 else f"{name}/{n}thread": rate for (name, n), rate in rates.items()},
                             **{k: v for k, v in bound_context().items() if k not in ("kernel_isa", "load_average", "threads")},
-                            "definition": "bound = max((weights + cache bytes) / read bandwidth, FLOPs / FMA rate); rates: best of before/after"},
+                            "definition": "bound = max((weights + cache bytes) / read bandwidth, FLOPs / FMA rate); rates: best of before/after",
+                            **({"parts": "rows' parts: means of --steps instrumented steps after the timed ones (slimkv.bench.step_parts)"} if args.parts else {})},
                "rows": rows}
     fig, ax = new_figure(figsize=(7, 4.5))
     for label in models:
@@ -212,6 +291,9 @@ def main() -> None:
     name = args.name or f"decode_smollm2_{'-'.join(map(str, thread_counts))}thread"
     path = write_results(name, payload, args.out_dir or results_dir(RESULTS, name), figure=fig)
     print(f"wrote {path}")
+    if args.parts:
+        path.with_suffix(".md").write_text(render_parts(json.loads(path.read_text(encoding="utf-8"))), encoding="utf-8")
+        print(f"wrote {path.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

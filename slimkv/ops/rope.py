@@ -102,11 +102,20 @@ class Rotary:
         if self.rot_dim == 0:
             return x
         work = compute_dtype(x.dtype)
+        rotation = self.rotation(int(start), x.shape[1], x.device, work)
+        if x.dtype == work and x.is_contiguous() and x.shape[-1] % 2 == 0 and x.storage_offset() % 2 == 0:
+            # pairs already in place for a complex view (a decode step's q and k): the same product,
+            # without the slice, casts and concatenation below, which cost more than it at one token
+            if self.rot_dim == x.shape[-1]:
+                return torch.view_as_real(torch.view_as_complex(x.view(*x.shape[:-1], -1, 2)) * rotation).view(x.shape)
+            out = x.clone()
+            torch.view_as_complex(out[..., : self.rot_dim].unflatten(-1, (-1, 2))).mul_(rotation)
+            return out
         rot = x[..., : self.rot_dim].to(work)
         if rot.stride(-1) != 1 or rot.storage_offset() % 2 or any(st % 2 for st in rot.stride()[:-1]):
             rot = rot.contiguous()  # a complex view needs every pair to start at an even offset
         pairs = torch.view_as_complex(rot.unflatten(-1, (-1, 2)))
-        rotated = torch.view_as_real(pairs * self.rotation(int(start), x.shape[1], x.device, work)).flatten(-2).to(x.dtype)
+        rotated = torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
         if self.rot_dim == x.shape[-1]:
             return rotated
         return torch.cat((rotated, x[..., self.rot_dim :]), dim=-1)

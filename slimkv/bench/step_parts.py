@@ -1,0 +1,90 @@
+"""Where a decode step's time goes: the native linear layers, the native attention kernel, and the
+rest (norms, RoPE, cache appends, MLA's absorbed query and context products, the logits' argmax,
+Python between the calls).
+
+``timed_parts`` times every call of the kernels' Python entry points during a block, at the names
+the model's code calls them by (``slimkv.ops.linear`` and ``slimkv.ops.attention``, ``slimkv.ops.kvm.core``),
+and counts the weight bytes each linear call read. It adds two clock reads per call (about 0.1 us each,
+some 130 calls in a SmolLM2 step), so the parts it reports are of an instrumented step; the benchmark
+says so beside them. ``split_step`` turns one step's parts into times and bounds: the linears' weight
+bytes over the read bandwidth, the attention's cache bytes over it (or its FLOPs over the FMA rate),
+and the rest, whose bound is zero; their sum is the step's bound by parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import slimkv.ops.attention as attention_ops
+import slimkv.ops.kvm.core as kvm_ops
+import slimkv.ops.linear as linear_ops
+
+LINEAR_ENTRIES = ((linear_ops, "native_linear"), (linear_ops, "native_project"))
+ATTENTION_ENTRIES = ((attention_ops, "native_decode_attention"), (attention_ops, "native_stored_attention"), (kvm_ops, "native_decode_attention"))
+
+
+def _weights(name: str, args: tuple) -> list:
+    """The weights one linear entry's call reads (its second argument: a weight or a list of them)."""
+    return list(args[1]) if name == "native_project" else [args[1]]
+
+
+@contextlib.contextmanager
+def timed_parts() -> Iterator[dict[str, Any]]:
+    """Within the block, every native linear and attention call is timed; yields the totals
+    ``{"linear_s", "linear_calls", "linear_weight_bytes", "linear_weight_elements", "attention_s", "attention_calls"}``, filled as
+    the block runs. The entries are restored on exit, whatever happens in the block."""
+    totals = {"linear_s": 0.0, "linear_calls": 0, "linear_weight_bytes": 0, "linear_weight_elements": 0, "attention_s": 0.0, "attention_calls": 0}
+    originals = []
+
+    def timed(part: str, name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            totals[f"{part}_s"] += time.perf_counter() - t0
+            totals[f"{part}_calls"] += 1
+            if part == "linear":
+                for weight in _weights(name, args):
+                    totals["linear_weight_bytes"] += weight.numel() * weight.element_size()
+                    totals["linear_weight_elements"] += weight.numel()
+            return out
+        return call
+
+    try:
+        for part, entries in (("linear", LINEAR_ENTRIES), ("attention", ATTENTION_ENTRIES)):
+            for module, name in entries:
+                fn = getattr(module, name)
+                originals.append((module, name, fn))
+                setattr(module, name, timed(part, name, fn))
+        yield totals
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+
+
+def split_step(step_s: float, parts: dict[str, Any], *, cache_bytes: float, attention_flops: float, rates: dict[str, Any]) -> dict[str, Any]:
+    """One instrumented step of ``step_s`` seconds cut into its parts, each with its bound (seconds)
+    and its time over the bound. ``parts`` holds one step's totals from ``timed_parts``;
+    ``attention_flops`` are the FLOPs of the step's attention (the step's FLOPs less its linears',
+    2 per weight element)."""
+    bandwidth, fma = rates["read_bytes_per_s"], rates["fma_flop_per_s"]
+    linear_bound = parts["linear_weight_bytes"] / bandwidth
+    attention_bound = max(cache_bytes / bandwidth, attention_flops / fma)
+    rest_s = step_s - parts["linear_s"] - parts["attention_s"]
+    return {
+        "step_s": step_s,
+        "linear_s": parts["linear_s"], "linear_bound_s": linear_bound, "linear_over_bound": parts["linear_s"] / linear_bound if linear_bound else None,
+        "linear_calls": parts["linear_calls"], "linear_weight_bytes": parts["linear_weight_bytes"],
+        "attention_s": parts["attention_s"], "attention_bound_s": attention_bound,
+        "attention_over_bound": parts["attention_s"] / attention_bound if attention_bound else None,
+        "attention_bound": "compute" if attention_flops / fma > cache_bytes / bandwidth else "memory",
+        "attention_calls": parts["attention_calls"],
+        "rest_s": rest_s,
+        # the linears and the attention run one after the other, each against its own limit: the sum of
+        # their bounds is the step's bound by parts (tighter than one max over the whole step's bytes and FLOPs
+        # when one part is compute-bound and the other memory-bound, as MLA's are)
+        "parts_bound_s": linear_bound + attention_bound,
+        "step_over_parts_bound": step_s / (linear_bound + attention_bound) if linear_bound + attention_bound else None,
+    }

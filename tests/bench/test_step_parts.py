@@ -1,0 +1,63 @@
+"""Where a decode step's time goes (slimkv/bench/step_parts.py): what the instrumented entries see, and the split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import slimkv.ops.attention as attention_ops
+import slimkv.ops.linear as linear_ops
+from slimkv import ModelConfig, SlimKVForCausalLM
+from slimkv.bench.step_parts import split_step, timed_parts
+from slimkv.ops.native import decode_kernel
+
+
+@pytest.mark.skipif(decode_kernel(torch.float32) is None, reason="the native kernel could not be built here: no native call to time")
+def test_a_decode_step_counts_every_linear_weight_once_and_its_attention_calls():
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, attention="gqa", attention_options={"n_kv_heads": 2})
+    model = SlimKVForCausalLM(config).eval()
+    with torch.no_grad():
+        cache = model.new_cache(1)
+        model(torch.randint(0, 61, (1, 9)), cache=cache)
+        with timed_parts() as totals:
+            model(torch.tensor([[3]]), cache=cache)
+    linear_weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name]
+    lm_head = model.get_output_embeddings().weight
+    expected = sum(p.numel() for p in linear_weights) + (lm_head.numel() if all(p is not lm_head for p in linear_weights) else 0)
+    assert totals["linear_weight_elements"] == expected
+    assert totals["linear_weight_bytes"] == 4 * expected
+    assert totals["attention_calls"] == config.n_layers and totals["linear_calls"] >= config.n_layers
+    assert 0 < totals["linear_s"] and 0 < totals["attention_s"]
+
+
+def test_the_entries_are_restored_even_when_the_block_fails():
+    before = (linear_ops.native_project, linear_ops.native_linear, attention_ops.native_decode_attention)
+    with pytest.raises(RuntimeError), timed_parts():
+        assert linear_ops.native_project is not before[0]
+        raise RuntimeError("inside")
+    assert (linear_ops.native_project, linear_ops.native_linear, attention_ops.native_decode_attention) == before
+
+
+def test_the_split_puts_each_part_beside_its_bound():
+    parts = {"linear_s": 0.02, "linear_calls": 5, "linear_weight_bytes": 1e9, "linear_weight_elements": 2.5e8, "attention_s": 0.03, "attention_calls": 2}
+    rates = {"read_bytes_per_s": 1e11, "fma_flop_per_s": 1e11}
+    split = split_step(0.06, parts, cache_bytes=2e9, attention_flops=1e9, rates=rates)
+    assert split["linear_bound_s"] == pytest.approx(0.01) and split["linear_over_bound"] == pytest.approx(2.0)
+    assert split["attention_bound"] == "memory" and split["attention_bound_s"] == pytest.approx(0.02)
+    assert split["rest_s"] == pytest.approx(0.01)
+    assert split_step(0.06, parts, cache_bytes=1e8, attention_flops=5e9, rates=rates)["attention_bound"] == "compute"
+
+
+def test_the_committed_parts_page_is_what_its_json_renders():
+    from slimkv.common.results import results_path
+    from tests.helpers import load_benchmark
+
+    bench = load_benchmark("decode_smollm2.py")
+    path = results_path(bench.RESULTS, "decode_smollm2_16k_parts_1thread.json")
+    payload = json.loads(path.read_text(encoding="utf-8"))
+    assert all("parts" in r for r in payload["rows"] if r["model"].startswith("slimkv"))
+    assert path.with_suffix(".md").read_text(encoding="utf-8") == bench.render_parts(payload), \
+        "run .venv/bin/python benchmarks/decode_smollm2.py --render benchmarks/results/decode/decode_smollm2_16k_parts_1thread.json"
