@@ -65,3 +65,18 @@ def test_the_input_is_left_as_it_was():
     before = x.clone()
     rope(x, 5)
     torch.testing.assert_close(x, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["full", "partial"])
+def test_gradients_of_the_contiguous_path_equal_the_general_paths(mode):
+    """A contiguous head (the short path) and the same values in a strided view (the general path) give one gradient."""
+    torch.manual_seed(2)
+    rope = Rotary(12, mode, fraction=0.5)
+    values = torch.randn(1, 3, 2, 12, dtype=torch.float64)
+    weight = torch.randn_like(values)
+    contiguous = values.clone().requires_grad_(True)
+    strided_source = values.transpose(1, 2).contiguous().requires_grad_(True)
+    (rope(contiguous, 4) * weight).sum().backward()
+    (rope(strided_source.transpose(1, 2), 4) * weight).sum().backward()
+    torch.testing.assert_close(contiguous.grad, strided_source.grad.transpose(1, 2))
+    torch.autograd.gradcheck(lambda x: rope(x, 4), (values.clone().requires_grad_(True),))
