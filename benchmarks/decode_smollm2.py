@@ -52,9 +52,8 @@ from pathlib import Path
 
 import torch
 from decode_all import DTYPES, int_list  # this folder's decode benchmark: one map of dtype names, its list parser
-from torch.utils.flop_counter import FlopCounterMode
 
-from slimkv.bench.roofline import add_bounds, bound_context, machine_rates, merge_rates, rates_line
+from slimkv.bench.roofline import add_bounds, bound_context, flop_counter, machine_rates, merge_rates, rates_line
 from slimkv.bench.step_parts import split_step, timed_parts
 from slimkv.common.markdown import markdown_table, provenance_line
 from slimkv.common.plotting import new_figure
@@ -207,7 +206,7 @@ def main() -> None:
         torch.set_num_threads(max(thread_counts))
         flops = {}
         for label, (model, slim) in models.items():  # one more step per model, counted (after the timed ones)
-            with FlopCounterMode(display=False) as counter:
+            with flop_counter() as counter:
                 step(model, state[label][0], state[label][1], slim)
             flops[label] = counter.get_total_flops()
         instrumented = {}  # (label, threads) -> one instrumented step's seconds and parts (means over --steps steps)

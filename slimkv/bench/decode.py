@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from slimkv.attention import Attention, AttentionCache, LayerShape, build_attention, kind_spec
-from slimkv.bench.roofline import add_bounds, bound_context, machine_rates, merge_rates, rates_line
+from slimkv.bench.roofline import add_bounds, bound_context, flop_counter, machine_rates, merge_rates, rates_line
 from slimkv.common.checks import check_int
 from slimkv.common.plotting import new_figure
 from slimkv.common.timing import measure_copy_bandwidth, time_fn, write_results
@@ -39,10 +38,10 @@ def decode_latency(attn: Attention, cache: AttentionCache, *, warmup: int = 3, r
 @torch.no_grad()
 def step_flops(attn: Attention, cache: AttentionCache) -> int:
     """FLOPs of one single-token call (projections included), as ``torch.utils.flop_counter``
-    counts them: matmul-type ops only (a fused attention kernel it does not know counts 0). The
+    counts them (``roofline.flop_counter``: matmul-type ops and torch's CPU fused attention). The
     counted call appends one token to the cache, like a timed one."""
     x = torch.randn(cache.batch_size, 1, attn.d_model, dtype=cache.dtype, device=next(attn.parameters()).device)
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         attn(x, cache=cache)
     return counter.get_total_flops()
 

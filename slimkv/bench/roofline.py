@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from slimkv.ops.native import kernel_isa, kernel_row_prefetch, kernel_threading
 
@@ -35,6 +36,18 @@ GEMM_SIZE = 256  # three 256 x 256 float32 matrices (768 KiB) stay in a core's L
 # what holds torch's own kernels, oneDNN's and MKL's GEMMs to AVX2 (their documented switches; MKL takes its switch on Intel
 # CPUs only, and on AMD's Zen 4, whose AVX-512 runs on 256-bit units, the AVX2 and AVX-512 peaks are the same anyway)
 ISA_ENVIRONMENTS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
+def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of torch's CPU fused attention, by torch's own formula for its GPU kernels (two matmuls per query row)."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def flop_counter() -> FlopCounterMode:
+    """``torch.utils.flop_counter.FlopCounterMode`` that also counts torch's CPU fused attention
+    (``scaled_dot_product_attention`` on the CPU: bfloat16 decode steps outside the native kernel),
+    which torch's counter leaves at 0."""
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops})
 
 
 def _best_seconds(fn: Callable[[], Any], repeats: int, calls: int = 1) -> list[float]:

@@ -85,3 +85,13 @@ def test_layer_steps_can_be_routed_to_one_kernel_path():
         out = decode_attention(q, k, v)
     assert len(calls) == 1 and calls[0][1][0][0] is k
     torch.testing.assert_close(out, decode_attention(q, k, v), rtol=1e-5, atol=2e-6)
+
+
+def test_the_flop_counter_counts_torchs_cpu_fused_attention():
+    """torch's own counter leaves CPU SDPA (the bfloat16 decode path outside the native kernel) at 0; ours counts its two matmuls."""
+    import torch.nn.functional as F
+
+    q, k = torch.randn(1, 3, 2, 16, dtype=torch.bfloat16), torch.randn(1, 3, 50, 16, dtype=torch.bfloat16)
+    with roofline.flop_counter() as counter:
+        F.scaled_dot_product_attention(q, k, k)
+    assert counter.get_total_flops() == 2 * (2 * 3 * 2 * 50 * 16)
