@@ -51,13 +51,14 @@ def test_the_split_puts_each_part_beside_its_bound():
     assert split_step(0.06, parts, cache_bytes=1e8, attention_flops=5e9, rates=rates)["attention_bound"] == "compute"
 
 
-def test_the_committed_parts_page_is_what_its_json_renders():
+@pytest.mark.parametrize("name", ["decode_smollm2_16k_parts_1thread", "decode_smollm2_16k_parts_bf16_1thread"])
+def test_the_committed_parts_page_is_what_its_json_renders(name):
     from slimkv.common.results import results_path
     from tests.helpers import load_benchmark
 
     bench = load_benchmark("decode_smollm2.py")
-    path = results_path(bench.RESULTS, "decode_smollm2_16k_parts_1thread.json")
+    path = results_path(bench.RESULTS, f"{name}.json")
     payload = json.loads(path.read_text(encoding="utf-8"))
     assert all("parts" in r for r in payload["rows"] if r["model"].startswith("slimkv"))
     assert path.with_suffix(".md").read_text(encoding="utf-8") == bench.render_parts(payload), \
-        "run .venv/bin/python benchmarks/decode_smollm2.py --render benchmarks/results/decode/decode_smollm2_16k_parts_1thread.json"
+        f"run .venv/bin/python benchmarks/decode_smollm2.py --render benchmarks/results/decode/{name}.json"
