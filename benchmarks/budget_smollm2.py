@@ -118,6 +118,8 @@ def ruler_rows() -> list[dict]:
             if cell.get("n"):
                 name = (conversion_label(converted) if converted else compression_label(compressed) if compressed
                         else "original" if cell["option"] == "none" else f"original, {cell['option']}")
+                if run["settings"].get("dtype", "float32") != "float32":  # `slimkv eval ruler --dtype`: another run, its own row
+                    name += f", {run['settings']['dtype']} model"
                 low, high = ruler.score_interval(cell, path.parent)
                 row = {"method": name, "task": cell["task"], "length": cell["length"], "score": cell["score"], "full": cell["full"], "n": cell["n"],
                        "full_low": cell["wilson95"][0], "full_high": cell["wilson95"][1], "low": low, "high": high,
@@ -132,7 +134,9 @@ def render_ruler(rows: list[dict]) -> str:
     """The comparison page: per (task, length), every method by measured bytes, with the original's ceiling."""
     lines = ["# RULER on SmolLM2-135M: the planner's conversions beside quantized caches and kvpress presses", "",
              "lm-eval 0.4.13's own scoring, greedy, the model in float32 (every cache in its own storage: quanto's scales, "
-             "slimkv's codes, scales and full-precision windows in float32). Bytes: the live cache per token after the prompt, "
+             "slimkv's codes, scales and full-precision windows in float32) unless its row says `bfloat16 model` "
+             "(`slimkv eval ruler --dtype bfloat16`: the model and so a slimkv cache's rows, scales and windows in bfloat16, the bytes a "
+             "bfloat16 deployment keeps). Bytes: the live cache per token after the prompt, "
              "against the bfloat16 original's at that length. Score interval: for the niah tasks (each prompt 0 or 1) the 95% Wilson "
              "interval; for the partial-credit tasks (vt, cwe, fwe) a 95% bootstrap interval of the mean score (`slimkv.scoring.mean_interval`). "
              "`full / n`: the prompts lm-eval scored 1, with their Wilson interval. `intervals apart`: the score intervals do not overlap "

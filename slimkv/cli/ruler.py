@@ -34,6 +34,8 @@ def ruler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="lm-eval's random seed, which draws the prompts (default 0)")
     parser.add_argument("--budget-minutes", type=float, default=None, help="run only the cells that the timed prompt says fit in this many minutes (in grid order)")
     parser.add_argument("--plan-only", action="store_true", help="time one prompt per (cache, length), print the plan and stop")
+    parser.add_argument("--dtype", default="float32", help=f"the dtype the model runs in, among {', '.join(ruler.MODEL_DTYPES)} (default float32); "
+                        "a slimkv model's cache holds its rows in it, so bfloat16 measures the bytes a bfloat16 deployment keeps")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", required=True, metavar="DIR", help=f"folder for {ruler.RESULT_NAME}.json, {ruler.TABLE_FILE} and cells/ (a repeated run skips finished cells)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -49,7 +51,8 @@ def run_ruler(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         report = ruler.evaluate(args.model, tasks=tasks, lengths=lengths, caches=caches, limit=args.limit, max_gen_toks=args.max_gen_toks, seed=args.seed,
-                                out_dir=args.out, budget_minutes=args.budget_minutes, plan_only=args.plan_only, progress=not args.no_progress)
+                                out_dir=args.out, budget_minutes=args.budget_minutes, plan_only=args.plan_only, progress=not args.no_progress,
+                                dtype=args.dtype)
     except ImportError as err:  # a package this environment lacks: a user error with its remedy, not a traceback
         raise ValueError(str(err)) from None
     if not args.plan_only:

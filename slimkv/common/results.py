@@ -41,6 +41,7 @@ EXPERIMENTS: tuple[tuple[str, str, str], ...] = (
     ("decode", "decode_smollm2_", "benchmarks/decode_smollm2.py"),
     ("decode", "decode_threads_", "benchmarks/decode_threads.py"),
     ("decode", "decode_prefetch_", "benchmarks/decode_prefetch.py"),
+    ("decode", "decode_linear_", "benchmarks/decode_linear.py"),
     *(("decode", f"decode_{variant}_smollm2_", f"benchmarks/decode_smollm2.py --name decode_{variant}_smollm2_<threads>thread")
       for variant in ("budget", "kvm", "latent", "mla_kvm")),
     ("decode", "decode_", "benchmarks/decode_all.py, decode_native.py, decode_quantized.py or decode_smollm2.py under --name"),

@@ -38,6 +38,7 @@ from slimkv.scoring import mean_interval, wilson
 
 RESULT_NAME, TABLE_FILE, PROBES_FILE, CELL_FILE = "ruler", "ruler.md", "probes.json", "cell.json"
 MIN_LENGTH = 1024
+MODEL_DTYPES = ("float32", "bfloat16")  # --dtype: what the model runs in (a slimkv model's cache rows too)
 INSTALL_HINT = "run `make ruler-env`, then `.venv-ruler/bin/slimkv eval ruler ...`"
 # Offline tasks: haystack, the generated tokens RULER leaves room for in each prompt, and the
 # default max_gen_toks (what the answer needs with SmolLM2's tokenizer, which splits digits:
@@ -232,12 +233,15 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
 
 
 def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[str], limit: int, max_gen_toks: int | None = None, seed: int = 0,
-             out_dir: str | Path, budget_minutes: float | None = None, plan_only: bool = False, progress: bool = True,
+             out_dir: str | Path, budget_minutes: float | None = None, plan_only: bool = False, progress: bool = True, dtype: str = "float32",
              say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run (or resume) every (cache, task, length) cell of ``model`` into ``out_dir``; every option
-    is checked before the model loads or the first cell runs. Writes ``ruler.json`` (with
-    ``write_results``' provenance) and ``ruler.md`` after each cell; returns the summary."""
+    is checked before the model loads or the first cell runs. ``dtype`` (``MODEL_DTYPES``) is the
+    dtype the model is loaded and run in, and so the dtype a slimkv model's cache holds its rows in.
+    Writes ``ruler.json`` (with ``write_results``' provenance) and ``ruler.md`` after each cell;
+    returns the summary."""
     started = time.perf_counter()
+    check_choice("--dtype", dtype, MODEL_DTYPES)
     check_lm_eval()
     ruler_cache.check_backends(caches)
     check_int("--limit", limit, 1)
@@ -248,7 +252,7 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     gen = gen_tokens(tasks, max_gen_toks)
     out_dir = Path(out_dir)
     original_of(model)  # a moved or changed original is refused before any model loads, not after the probes
-    loaded = load_language_model(model)
+    loaded = load_language_model(model, dtype=getattr(torch, dtype))
     if loaded.tokenizer is None:
         raise ValueError(f"--model {model}: no tokenizer is saved beside the model; RULER builds its prompts with it")
     check_lengths(lengths, loaded.model)

@@ -279,6 +279,13 @@ def test_a_slimkv_model_folder_runs_with_its_own_cache_measured_by_nbytes(tmp_pa
     row = ruler.evaluate(str(folder), caches=["none"], **options)["cells"]["none/niah_single_1/1024"]
     assert row["bytes_per_token"] == 2 * (8 + 8) * 4  # two layers of one float32 latent row (kv_rank + rope_dim) per token
     assert "itself" in row["ratio_reference"]
+    with pytest.raises(ValueError, match=r"--dtype='float16' is not allowed; allowed values: float32, bfloat16"):
+        ruler.evaluate(str(folder), caches=["none"], **{**options, "out_dir": tmp_path / "b"}, dtype="float16")
+    report = ruler.evaluate(str(folder), caches=["none"], **{**options, "out_dir": tmp_path / "b"}, dtype="bfloat16")
+    assert report["settings"]["dtype"] == "bfloat16"
+    row = report["cells"]["none/niah_single_1/1024"]
+    assert row["bytes_per_token"] == 2 * (8 + 8) * 2  # the same rows held in bfloat16: what a bfloat16 deployment keeps
+    assert row["bytes_ratio_to_bf16_original"] == pytest.approx(1.0)  # the model is its own reference, counted at 2 bytes an element
 
 
 def test_budget_plan_runs_nothing_past_it(tiny_folder, tmp_path, monkeypatch):

@@ -33,10 +33,12 @@ def _tolerance(dtype):
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("out_f,in_f", [(576, 576), (1539, 576), (3, 17), (7, 1536), (64, 1)])
+@pytest.mark.parametrize("out_f,in_f", [(576, 576), (1539, 576), (3, 17), (7, 1536), (64, 1), (5, 50), (9, 110)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_isa_path_matches_torch(isa, dtype, out_f, in_f, bias):
-    """Every path this CPU can run x float32/bfloat16 x widths (rows not a multiple of the 4 read together, odd inputs) x bias."""
+    """Every path this CPU can run x float32/bfloat16 x widths (rows not a multiple of the 4 read together;
+    odd inputs, which bfloat16 reads one element at a time; even inputs with a tail after the last
+    whole step of 32 pairs) x bias."""
     dtype = DTYPES[dtype]
     x, w, b = _layer(out_f, in_f, dtype, bias)
     assert native.supports_linear(x, w, b)
