@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,10 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from slimkv.bench.roofline import bound_context, measure_read_bandwidth
+from slimkv.common.checks import check_int
 from slimkv.common.files import write_text
 from slimkv.common.markdown import markdown_table, provenance_line
 from slimkv.common.results import results_dir
-from slimkv.common.timing import write_results
+from slimkv.common.timing import time_fn, write_results
 from slimkv.ops import native
 from slimkv.ops.native_build import library_isa, runnable_isas
 
@@ -86,13 +86,7 @@ def measure(dtype: torch.dtype, layers: int, rounds: int) -> list[dict]:
     samples: dict[str, list[float]] = {name: [] for name in found}
     for _ in range(rounds):
         for name, (fn, _) in found.items():
-            fn()
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - start)
-            samples[name].append(best)
+            samples[name].append(time_fn(fn, warmup=1, repeats=3)["min_s"])
     return [{"dtype": str(dtype).removeprefix("torch."), "variant": name, "path": ran[name], "bytes_read": nbytes,
              "median_s": statistics.median(samples[name]), "samples_s": samples[name]} for name, (_, nbytes) in found.items()]
 
@@ -122,8 +116,11 @@ def main() -> None:
         path = Path(args.render)
         write_text(path.with_suffix(".md"), render(json.loads(path.read_text(encoding="utf-8"))))
         return
-    if args.threads < 1 or args.layers < 1 or args.rounds < 1:
-        raise SystemExit("error: --threads, --layers and --rounds take positive integers")
+    try:
+        for option in ("threads", "layers", "rounds"):
+            check_int(f"--{option}", getattr(args, option), 1)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     if native.decode_kernel() is None:
         raise SystemExit("error: the native kernel is not available here (no C compiler, or SLIMKV_NATIVE=0): nothing to time")
     torch.set_num_threads(args.threads)

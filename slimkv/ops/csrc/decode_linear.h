@@ -118,22 +118,39 @@ static void *run_linear_job(void *arg) {
     return NULL;
 }
 
-/* y (out_f floats) = w (out_f x in_f, rows contiguous) . x (in_f floats) + bias (out_f, or NULL).
- * Returns 0, or 2 on bad arguments. */
-int LINEAR_ENTRY(const elem_t *w, const float *x, const elem_t *bias, float *y, int64_t out_f, int64_t in_f, int threads) {
-    if (!w || !x || !y || out_f < 1 || in_f < 1) return 2;
-    if (threads < 1) threads = 1;
-    if (threads > 64) threads = 64;
-    if (threads > out_f / 4) threads = out_f / 4 > 0 ? (int)(out_f / 4) : 1;
-    float *x_pairs = NULL; /* stays NULL (another loop) but in bfloat16 AVX2 builds, and there for odd rows or without memory */
+/* row_dot_pairs' input for a row x of in_f floats (its even elements, then its odd ones), to free
+ * after the call; NULL where that loop does not run (every build but bfloat16 on AVX2), for odd
+ * in_f, or without memory (the plain loop then runs). */
+static float *pairs_of(const float *x, int64_t in_f) {
+    float *x_pairs = NULL;
 #if LINEAR_LANES && defined(SLIMKV_BF16)
     if (in_f % 2 == 0 && (x_pairs = (float *)malloc((size_t)in_f * sizeof(float))))
         for (int64_t p = 0; p < in_f / 2; p++) x_pairs[p] = x[2 * p], x_pairs[in_f / 2 + p] = x[2 * p + 1];
+#else
+    (void)x, (void)in_f;
 #endif
+    return x_pairs;
+}
+
+/* LINEAR_ENTRY's work with x's pairs already prepared (pairs_of), so projections sharing one row
+ * prepare them once. */
+static void linear_rows(const elem_t *w, const float *x, const float *x_pairs, const elem_t *bias, float *y, int64_t out_f, int64_t in_f,
+                        int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > 64) threads = 64;
+    if (threads > out_f / 4) threads = out_f / 4 > 0 ? (int)(out_f / 4) : 1;
     LinearJob jobs[64];
     for (int t = 0; t < threads; t++) /* whole groups of four rows per thread */
         jobs[t] = (LinearJob){w, bias, x, x_pairs, y, in_f, out_f / 4 * t / threads * 4, t + 1 == threads ? out_f : out_f / 4 * (t + 1) / threads * 4};
     run_on_threads(run_linear_job, jobs, sizeof *jobs, threads, threads);
+}
+
+/* y (out_f floats) = w (out_f x in_f, rows contiguous) . x (in_f floats) + bias (out_f, or NULL).
+ * Returns 0, or 2 on bad arguments. */
+int LINEAR_ENTRY(const elem_t *w, const float *x, const elem_t *bias, float *y, int64_t out_f, int64_t in_f, int threads) {
+    if (!w || !x || !y || out_f < 1 || in_f < 1) return 2;
+    float *x_pairs = pairs_of(x, in_f);
+    linear_rows(w, x, x_pairs, bias, y, out_f, in_f, threads);
     free(x_pairs);
     return 0;
 }
@@ -148,6 +165,8 @@ int LINEAR_ENTRY(const elem_t *w, const float *x, const elem_t *bias, float *y, 
 int PROJECT_ENTRY(const float *x, const float *gate, int64_t in_f, int count, const elem_t *const *w, const elem_t *const *bias,
                   const int64_t *out_f, float *y, int threads) {
     if (!x || !w || !out_f || !y || count < 1 || in_f < 1) return 2;
+    for (int c = 0; c < count; c++)
+        if (!w[c] || out_f[c] < 1) return 2; /* every call checked before any output is written */
     const float *input = x;
     float *glu = NULL;
     if (gate) {
@@ -156,10 +175,11 @@ int PROJECT_ENTRY(const float *x, const float *gate, int64_t in_f, int count, co
         for (int64_t i = 0; i < in_f; i++) glu[i] = gate[i] / (1.0f + expf(-gate[i])) * x[i];
         input = glu;
     }
-    int status = 0;
-    for (int c = 0; c < count && status == 0; y += out_f[c], c++) status = LINEAR_ENTRY(w[c], input, bias ? bias[c] : NULL, y, out_f[c], in_f, threads);
+    float *x_pairs = pairs_of(input, in_f);
+    for (int c = 0; c < count; y += out_f[c], c++) linear_rows(w[c], input, x_pairs, bias ? bias[c] : NULL, y, out_f[c], in_f, threads);
+    free(x_pairs);
     free(glu);
-    return status;
+    return 0;
 }
 
 /* RMS norm of one row, y = x / sqrt(mean(x^2) + eps) * w, in float32 (the plain reference is
