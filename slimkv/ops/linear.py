@@ -53,9 +53,9 @@ def project(x: torch.Tensor, layers: Sequence[nn.Linear]) -> list[torch.Tensor]:
 
 
 def glu_linear(gate: torch.Tensor, up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """``layer(F.silu(gate) * up)`` (SwiGLU's down projection); one float32 row in one native call
-    (silu and the product in float32, as torch computes them in float32), else through torch."""
-    if gate.dtype == torch.float32 and gate.shape == up.shape and _native_rows(up, [layer]) is not None:
+    """``layer(F.silu(gate) * up)`` (SwiGLU's down projection); one row in one native call (silu and
+    the product rounded to the row's dtype, as torch rounds them), else through torch."""
+    if gate.dtype == up.dtype and gate.shape == up.shape and _native_rows(up, [layer]) is not None:
         return native_project(up, [layer.weight], [layer.bias], decode_kernel(layer.weight.dtype), gate=gate)[0]
     return layer(F.silu(gate) * up)
 

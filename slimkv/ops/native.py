@@ -28,6 +28,7 @@ import functools
 import os
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -36,11 +37,11 @@ from slimkv.ops.codes import QuantizedRows
 from slimkv.ops.native_build import (
     ENTRIES,
     ISAS,
-    LINEAR_ENTRIES,
     NORM_ENTRIES,
     PROJECT_ENTRIES,
     QUANTIZE_ENTRIES,
     QUANTIZED_ENTRIES,
+    ROTATE_ENTRIES,
     build,
     compiler,
     library_isa,
@@ -321,7 +322,7 @@ def supports_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     autograd, and no torch dispatch mode (a FLOP counter must see the call). Whatever torch's
     thread count: on two threads the kernel's loop beat torch's one-row matmul at every SmolLM2
     shape (``benchmarks/decode_threads.py``)."""
-    if weight.dtype not in LINEAR_ENTRIES or x.dtype != weight.dtype or x.device.type != "cpu" or weight.device.type != "cpu":
+    if weight.dtype not in PROJECT_ENTRIES or x.dtype != weight.dtype or x.device.type != "cpu" or weight.device.type != "cpu":
         return False
     if weight.dim() != 2 or x.numel() != weight.shape[1] or x.shape[-1] != weight.shape[1] or not weight.is_contiguous():
         return False
@@ -336,53 +337,56 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x (..., in_features) holding one row -> (..., out_features) = x W^T + bias, in x's dtype (float32
     sums, rounded once). Call ``supports_linear`` first, and pass the library ``decode_kernel`` gave
     for the weights' dtype."""
-    row = x if x.dtype == torch.float32 and x.is_contiguous() else x.reshape(-1).to(torch.float32).contiguous()
-    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)  # sizes unpacked: a torch.Size argument costs 3 us here
-    threads = linear_threads(weight.numel() * weight.element_size())
-    status = getattr(library, LINEAR_ENTRIES[weight.dtype])(weight.data_ptr(), row.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                                            out.data_ptr(), weight.shape[0], weight.shape[1], threads)
-    if status != 0:
-        raise RuntimeError(f"native linear failed (status {status}: bad arguments)")
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return native_project(x, (weight,), (bias,), library)[0]
 
 
 def native_project(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], library: ctypes.CDLL,
                    gate: torch.Tensor | None = None) -> list[torch.Tensor]:
     """x (..., in_features) holding one row through several linear layers in one call: ``[x W_c^T
-    + b_c]``, each in x's dtype (float32 sums, rounded once), as ``native_linear`` computes each;
-    with ``gate`` (x's shape), the input is silu(gate) * x, in float32 (float32 weights only: the
-    torch path rounds silu(gate) and the product to the dtype of a bfloat16 model). Call
-    ``supports_linear`` for each weight first; the weights share a dtype, the library is
-    ``decode_kernel``'s for it. The outputs are views of one buffer."""
-    arrays = _projection_arrays(tuple(w.data_ptr() for w in weights), tuple(0 if b is None else b.data_ptr() for b in biases),
-                                tuple(w.shape[0] for w in weights))
-    row = x if x.dtype == torch.float32 and x.is_contiguous() else x.reshape(-1).to(torch.float32).contiguous()
-    gate_row = None if gate is None else gate if gate.dtype == torch.float32 and gate.is_contiguous() else gate.reshape(-1).to(torch.float32).contiguous()
-    sizes = arrays[3]
-    out = torch.empty(*x.shape[:-1], sum(sizes), dtype=torch.float32)
+    + b_c]``, each in x's dtype (float32 sums, rounded once). With ``gate`` (x's shape and dtype),
+    the input is silu(gate) * x, each of silu and the product rounded to x's dtype as torch rounds
+    them. The row, the gate and the outputs stay in x's dtype (a bfloat16 row is widened in C, not
+    by a torch conversion per call). Call ``supports_linear`` for each weight first; the weights
+    share a dtype, the library is ``decode_kernel``'s for it. The outputs are views of one buffer."""
+    calls = _projections(tuple(w.data_ptr() for w in weights), tuple(0 if b is None else b.data_ptr() for b in biases),
+                         tuple(w.shape[0] for w in weights), weights[0].shape[1] * weights[0].element_size())
+    row = x if x.is_contiguous() else x.contiguous()
+    gate_row = None if gate is None else gate if gate.is_contiguous() else gate.contiguous()
+    out = torch.empty(*x.shape[:-1], calls.total, dtype=x.dtype)  # sizes unpacked: a torch.Size argument costs 3 us here
     status = getattr(library, PROJECT_ENTRIES[weights[0].dtype])(row.data_ptr(), 0 if gate_row is None else gate_row.data_ptr(), x.shape[-1],
-                                                                len(weights), arrays[0], arrays[1], arrays[2], out.data_ptr(),
-                                                                linear_threads(sum(w.numel() * w.element_size() for w in weights)))
+                                                                len(weights), calls.weights, calls.biases, calls.sizes, out.data_ptr(),
+                                                                linear_threads(calls.weight_bytes))
     if status != 0:
         raise RuntimeError(f"native projections failed (status {status}: {'out of memory' if status == 1 else 'bad arguments'})")
-    if x.dtype != torch.float32:
-        out = out.to(x.dtype)
-    return list(out.split(sizes, dim=-1)) if len(sizes) > 1 else [out]
+    return list(out.split_with_sizes(calls.split, -1)) if len(weights) > 1 else [out]  # split_with_sizes: half of Tensor.split's cost
+
+
+class _Projections(NamedTuple):
+    """One set of projections as the C entry takes them: weight and bias addresses and output sizes
+    as C arrays, the sizes as a list (the outputs' split), their sum, and the weights' bytes."""
+
+    weights: ctypes.Array
+    biases: ctypes.Array
+    sizes: ctypes.Array
+    split: list[int]
+    total: int
+    weight_bytes: int
 
 
 @functools.lru_cache(maxsize=1024)
-def _projection_arrays(weights: tuple[int, ...], biases: tuple[int, ...], sizes: tuple[int, ...]) -> tuple:
-    """The C arrays of one set of projections (weight and bias addresses, output sizes): built once
-    per set, since a decode step calls the same layers every step. Keyed by the addresses
-    themselves, so the arrays always hold what they are looked up by."""
+def _projections(weights: tuple[int, ...], biases: tuple[int, ...], sizes: tuple[int, ...], row_bytes: int) -> _Projections:
+    """A set of projections' ``_Projections``, built once per set, since a decode step calls the
+    same layers every step. Keyed by the addresses, output sizes and bytes per weight row
+    themselves, so what is found always describes what it is looked up by."""
     count = len(weights)
-    return ((ctypes.c_void_p * count)(*weights), (ctypes.c_void_p * count)(*biases), (ctypes.c_int64 * count)(*sizes), list(sizes))
+    return _Projections((ctypes.c_void_p * count)(*weights), (ctypes.c_void_p * count)(*biases), (ctypes.c_int64 * count)(*sizes), list(sizes),
+                        sum(sizes), sum(sizes) * row_bytes)
 
 
 def supports_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``native_rms_norm`` takes this call: one row on the CPU, float32 or bfloat16 gain of
-    the row's width, x float32 or the gain's dtype, no autograd, no torch dispatch mode."""
-    if weight.dtype not in NORM_ENTRIES or x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype not in (torch.float32, weight.dtype):
+    the row's width and dtype, no autograd, no torch dispatch mode."""
+    if weight.dtype not in NORM_ENTRIES or x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != weight.dtype:
         return False
     if x.numel() != x.shape[-1] or weight.shape != (x.shape[-1],) or not weight.is_contiguous():
         return False
@@ -392,15 +396,39 @@ def supports_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, library: ctypes.CDLL) -> torch.Tensor:
-    """One row's RMS norm with gain ``weight``, computed in float32 and returned in x's dtype (as
-    ``torch.nn.functional.rms_norm`` on the float32 row). Call ``supports_norm`` first; the library is
-    ``decode_kernel``'s for the gain's dtype."""
-    row = x if x.dtype == torch.float32 and x.is_contiguous() else x.reshape(-1).to(torch.float32).contiguous()
-    out = torch.empty(*x.shape, dtype=torch.float32)
+    """One row's RMS norm with gain ``weight``, computed in float32 and rounded once to x's dtype (as
+    ``torch.nn.functional.rms_norm`` on the float32 row, cast back). Call ``supports_norm`` first; the
+    library is ``decode_kernel``'s for the gain's dtype."""
+    row = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty_like(row)
     status = getattr(library, NORM_ENTRIES[weight.dtype])(row.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[-1], eps)
     if status != 0:
         raise RuntimeError(f"native RMS norm failed (status {status}: bad arguments)")
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out
+
+
+def supports_rotation(x: torch.Tensor) -> bool:
+    """Whether ``native_rotate`` takes this call: one token's heads, x (..., heads, head_dim) float32
+    or bfloat16, contiguous, on the CPU, no autograd, no torch dispatch mode."""
+    if x.dtype not in ROTATE_ENTRIES or x.device.type != "cpu" or x.dim() < 2 or x.numel() != x.shape[-2] * x.shape[-1] or not x.is_contiguous():
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    return torch._C._len_torch_dispatch_stack() == 0
+
+
+def native_rotate(x: torch.Tensor, rotation: torch.Tensor, rot_dim: int, library: ctypes.CDLL) -> torch.Tensor:
+    """RoPE on one token's heads, x (..., heads, head_dim): the first ``rot_dim`` channels as
+    adjacent pairs times ``rotation`` (complex64, rot_dim // 2 values, contiguous: cos + i sin of
+    the token's position), in float32, rounded once to x's dtype. Call ``supports_rotation``
+    first; the library is ``decode_kernel``'s for x's dtype."""
+    if rotation.dtype != torch.complex64 or rotation.numel() != rot_dim // 2 or not rotation.is_contiguous():
+        raise ValueError(f"rotation must be {rot_dim // 2} contiguous complex64 values, got {rotation.numel()} of {rotation.dtype}")
+    out = torch.empty_like(x)
+    status = getattr(library, ROTATE_ENTRIES[x.dtype])(x.data_ptr(), x.shape[-2], x.shape[-1], rot_dim, rotation.data_ptr(), out.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"native rotation failed (status {status}: bad arguments)")
+    return out
 
 
 def native_quantize_groups(x: torch.Tensor, bits: int, group: int, library: ctypes.CDLL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

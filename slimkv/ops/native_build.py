@@ -34,12 +34,12 @@ ENTRIES = {torch.float32: ((), "slimkv_decode_attention_f32"), torch.bfloat16: (
 """Cache element type -> (the build's extra flags, its entry point)."""
 QUANTIZED_ENTRIES = {torch.float32: "slimkv_decode_quantized_f32", torch.bfloat16: "slimkv_decode_quantized_bf16"}
 """Cache element type -> the entry point that reads int8 / int4 codes in place (csrc/decode_quantized.h)."""
-LINEAR_ENTRIES = {torch.float32: "slimkv_decode_linear_f32", torch.bfloat16: "slimkv_decode_linear_bf16"}
-"""Weight element type -> the entry point for one row through a linear layer (csrc/decode_linear.h)."""
 PROJECT_ENTRIES = {torch.float32: "slimkv_decode_project_f32", torch.bfloat16: "slimkv_decode_project_bf16"}
 """Weight element type -> the entry point for one row through several linear layers (csrc/decode_linear.h)."""
 NORM_ENTRIES = {torch.float32: "slimkv_rms_norm_row_f32", torch.bfloat16: "slimkv_rms_norm_row_bf16"}
 """Gain element type -> the entry point for one row's RMS norm (csrc/decode_linear.h)."""
+ROTATE_ENTRIES = {torch.float32: "slimkv_rotate_row_f32", torch.bfloat16: "slimkv_rotate_row_bf16"}
+"""Element type -> the entry point for RoPE on one token's heads (csrc/decode_linear.h)."""
 QUANTIZE_ENTRIES = {torch.float32: "slimkv_quantize_rows_f32", torch.bfloat16: "slimkv_quantize_rows_bf16"}
 """Cache element type -> the entry point that quantizes rows into codes (csrc/quantize_rows.h)."""
 
@@ -121,12 +121,12 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     function.restype = ctypes.c_int
     quantized = getattr(library, QUANTIZED_ENTRIES[dtype])
     quantized.argtypes, quantized.restype = function.argtypes, ctypes.c_int
-    linear = getattr(library, LINEAR_ENTRIES[dtype])
-    linear.argtypes, linear.restype = [pointer, pointer, pointer, pointer, i64, i64, ctypes.c_int], ctypes.c_int
     project = getattr(library, PROJECT_ENTRIES[dtype])
     project.argtypes, project.restype = [pointer, pointer, i64, ctypes.c_int, pointer, pointer, pointer, pointer, ctypes.c_int], ctypes.c_int  # y: one buffer
     norm = getattr(library, NORM_ENTRIES[dtype])
     norm.argtypes, norm.restype = [pointer, pointer, pointer, i64, ctypes.c_float], ctypes.c_int
+    rotate = getattr(library, ROTATE_ENTRIES[dtype])
+    rotate.argtypes, rotate.restype = [pointer, i64, i64, i64, pointer, pointer], ctypes.c_int
     quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
     quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
     for name in ("slimkv_kernel_isa", "slimkv_kernel_threading", "slimkv_row_prefetch_rule"):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from slimkv.ops.native import decode_kernel, native_rotate, supports_rotation
 from slimkv.ops.norm import compute_dtype
 
 ROPE_MODES = ("full", "partial", "none")
@@ -103,6 +104,10 @@ class Rotary:
             return x
         work = compute_dtype(x.dtype)
         rotation = self.rotation(int(start), x.shape[1], x.device, work)
+        if x.shape[1] == 1 and work == torch.float32 and supports_rotation(x):  # one token (a decode step): one native call
+            library = decode_kernel(x.dtype)
+            if library is not None:
+                return native_rotate(x, rotation, self.rot_dim, library)
         if x.dtype == work and x.is_contiguous() and x.shape[-1] % 2 == 0 and x.storage_offset() % 2 == 0:
             # pairs already in place for a complex view (a decode step's q and k): the same product,
             # without the slice, casts and concatenation below, which cost more than it at one token

@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from slimkv.ops import linear as linear_ops
 from slimkv.ops import native
 from slimkv.ops.linear import Linear, linear
+from slimkv.ops.rope import Rotary
 
 LIBRARY = native.decode_kernel()
 needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no C compiler on this machine, so there is no native kernel to test: linear layers "
@@ -37,8 +38,8 @@ def _tolerance(dtype):
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_isa_path_matches_torch(isa, dtype, out_f, in_f, bias):
     """Every path this CPU can run x float32/bfloat16 x widths (rows not a multiple of the 4 read together;
-    odd inputs, which bfloat16 reads one element at a time; even inputs with a tail after the last
-    whole step of 32 pairs) x bias."""
+    odd inputs, which bfloat16 reads one element at a time; inputs with tails after the last whole
+    step of 128 or 32 elements, which the AVX512-BF16 loop reads in steps of both) x bias."""
     dtype = DTYPES[dtype]
     x, w, b = _layer(out_f, in_f, dtype, bias)
     assert native.supports_linear(x, w, b)
@@ -116,11 +117,16 @@ def test_several_projections_of_one_row_match_each_layer(isa, dtype, bias):
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
-def test_swiglu_down_projection_matches_silu_times_up(isa):
-    gate, w, b = _layer(40, 130, torch.float32, True)
-    up = torch.randn(1, 1, 130)
-    (out,) = native.native_project(up, [w], [b], native.isa_kernel(torch.float32, isa), gate=gate)
-    torch.testing.assert_close(out, F.linear(F.silu(gate) * up, w, b), rtol=1e-5, atol=1e-4)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_down_projection_matches_silu_times_up(isa, dtype):
+    """silu(gate) * up rounded to the row's dtype as torch rounds it, then the down projection."""
+    dtype = DTYPES[dtype]
+    gate, w, b = _layer(40, 300, dtype, True)
+    up = torch.randn(1, 1, 300).to(dtype)
+    (out,) = native.native_project(up, [w], [b], native.isa_kernel(dtype, isa), gate=gate)
+    assert out.dtype == dtype
+    row = F.silu(gate) * up  # in dtype: each rounded
+    torch.testing.assert_close(out.float(), F.linear(row.float(), w.float(), b.float()), **_tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -154,3 +160,47 @@ def test_rms_norm_of_one_row_matches_torch(isa, dtype):
     assert out.dtype == dtype and out.shape == x.shape
     torch.testing.assert_close(out.float(), want.float(), **({"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-2}))
     assert not native.supports_norm(x.repeat(1, 2, 1), weight) and not native.supports_norm(x, weight[:-1])
+    if dtype == torch.bfloat16:  # a row of another dtype takes torch's path
+        assert not native.supports_norm(x.float(), weight)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["full", "partial"])
+def test_rotation_of_one_token_matches_the_pair_formula(isa, dtype, mode):
+    """``native_rotate`` (a decode step's RoPE) against the formula written out: pairs (e, o) of the
+    first rot_dim channels -> (e cos - o sin, e sin + o cos) in float32, rounded once; the rest copied."""
+    dtype = DTYPES[dtype]
+    rotary = Rotary(64, mode, fraction=0.25)
+    x = torch.randn(1, 1, 9, 64).to(dtype)
+    start = 1234
+    rotation = rotary.rotation(start, 1, x.device, torch.float32)
+    assert native.supports_rotation(x)
+    out = native.native_rotate(x, rotation, rotary.rot_dim, native.isa_kernel(dtype, isa))
+    cos, sin = rotary.angles(start, 1, x.device, torch.float32)
+    e, o = x[..., 0 : rotary.rot_dim : 2].float(), x[..., 1 : rotary.rot_dim : 2].float()
+    want = x.float().clone()
+    want[..., 0 : rotary.rot_dim : 2], want[..., 1 : rotary.rot_dim : 2] = e * cos - o * sin, e * sin + o * cos
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out.float(), want.to(dtype).float(), **_tolerance(dtype))
+    assert torch.equal(out[..., rotary.rot_dim :], x[..., rotary.rot_dim :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_takes_the_native_call_for_one_token_and_torch_for_more(dtype):
+    """``Rotary`` gives a token the same rotation alone (a decode step, native where the kernel is) as
+    inside a prefill (torch's complex product)."""
+    dtype = DTYPES[dtype]
+    rotary = Rotary(64, "full")
+    x = torch.randn(1, 5, 4, 64).to(dtype)
+    together = rotary(x, 100)
+    alone = torch.cat([rotary(x[:, t : t + 1].contiguous(), 100 + t) for t in range(5)], dim=1)
+    torch.testing.assert_close(alone.float(), together.float(), **_tolerance(dtype))
+
+
+@needs_kernel
+def test_rotation_refuses_a_rotation_of_the_wrong_size():
+    rotary = Rotary(64, "full")
+    with pytest.raises(ValueError, match="rotation must be 32 contiguous complex64 values, got 64"):
+        native.native_rotate(torch.randn(1, 1, 4, 64), rotary.rotation(0, 2, torch.device("cpu"), torch.float32), 64, LIBRARY)

@@ -57,8 +57,8 @@
  *
  * Quantized caches (int8 / int4 codes with per-group scales and minima, slimkv/ops/quantize.py)
  * have their own entry point, QUANTIZED_ENTRY (decode_quantized.h), which reads the codes in place;
- * LINEAR_ENTRY (decode_linear.h) is a decode step's projections: one row through a linear layer
- * (PROJECT_ENTRY: through several that share the row; NORM_ENTRY: the row's RMS norm);
+ * PROJECT_ENTRY (decode_linear.h) is a decode step's projections: one row through the linear layers
+ * that share it (NORM_ENTRY: the row's RMS norm; ROTATE_ENTRY: RoPE on its heads);
  * QUANTIZE_ENTRY (quantize_rows.h) turns the rows leaving a quantized cache's residual window into codes.
  */
 #include <math.h>
@@ -95,9 +95,9 @@
 typedef uint16_t elem_t;
 #define ENTRY slimkv_decode_attention_bf16
 #define QUANTIZED_ENTRY slimkv_decode_quantized_bf16
-#define LINEAR_ENTRY slimkv_decode_linear_bf16
 #define PROJECT_ENTRY slimkv_decode_project_bf16
 #define NORM_ENTRY slimkv_rms_norm_row_bf16
+#define ROTATE_ENTRY slimkv_rotate_row_bf16
 #define QUANTIZE_ENTRY slimkv_quantize_rows_bf16
 static inline float to_float(elem_t x) {
     const uint32_t bits = (uint32_t)x << 16;
@@ -105,15 +105,23 @@ static inline float to_float(elem_t x) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+/* x rounded to the nearest bfloat16, ties to even, a NaN kept a NaN (torch's float -> bfloat16 cast). */
+static inline elem_t from_float(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (x != x) return (elem_t)0x7FC0u;
+    return (elem_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
 #else
 typedef float elem_t;
 #define ENTRY slimkv_decode_attention_f32
 #define QUANTIZED_ENTRY slimkv_decode_quantized_f32
-#define LINEAR_ENTRY slimkv_decode_linear_f32
 #define PROJECT_ENTRY slimkv_decode_project_f32
 #define NORM_ENTRY slimkv_rms_norm_row_f32
+#define ROTATE_ENTRY slimkv_rotate_row_f32
 #define QUANTIZE_ENTRY slimkv_quantize_rows_f32
 static inline float to_float(elem_t x) { return x; }
+static inline elem_t from_float(float x) { return x; }
 #endif
 
 typedef struct {

@@ -1,5 +1,5 @@
-/* One row through a linear layer, y = W x (+ bias), for decode steps (included by
- * decode_attention.c, after elem_t and to_float): a decode step multiplies one token's row by
+/* One row through linear layers, y = W x (+ bias), for decode steps (included by
+ * decode_attention.c, after elem_t, to_float and from_float): a decode step multiplies one token's row by
  * every projection's weights, a matrix-vector product whose time is reading the weights, and
  * torch's CPU matmul for one row was measured at about half the read bandwidth here (15 GB/s
  * against 30 for this loop, one thread, weights not in cache).
@@ -14,8 +14,11 @@
  * The inner loop differs by build, each the fastest of three measured on the development machine
  * (interleaved runs, one thread, 212 MB of bfloat16 and 424 MB of float32 rows;
  * benchmarks/decode_linear.py times the paths against the read rate):
- * - AVX-512: row_dot_plain, the compiler's 512-bit loop (bfloat16 widened one element at a time by
- *   a zero-extending shuffle and a shift); row_dot_pairs ran 10-12% slower there.
+ * - AVX-512: float32 rows by row_dot_plain, the compiler's 512-bit loop. bfloat16 rows with
+ *   AVX512-BF16 by row_dot_dpbf16 (vdpbf16ps: 32 products of weights and the bfloat16 row per
+ *   instruction, no widening; the row of a bfloat16 model is bfloat16, so nothing is rounded);
+ *   without it by row_dot_plain (widened one element at a time by a zero-extending shuffle and a
+ *   shift; row_dot_pairs ran 10-12% slower there).
  * - AVX2: bfloat16 rows by row_dot_pairs (4-23% faster than row_dot_plain in three runs), float32
  *   rows by row_dot_lanes (within the runs' noise of row_dot_plain: -6% to +6%).
  * - portable (the compiler's default target): float32 by row_dot_lanes (16-17% faster), bfloat16
@@ -24,7 +27,12 @@
 #if !defined(__AVX512F__) && (defined(__AVX2__) || !defined(SLIMKV_BF16))
 #define LINEAR_LANES 1 /* row_dot_lanes (float32) or row_dot_pairs (bfloat16, AVX2) */
 #else
-#define LINEAR_LANES 0 /* row_dot_plain */
+#define LINEAR_LANES 0 /* row_dot_plain, or row_dot_dpbf16 where LINEAR_DPBF16 */
+#endif
+#if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
+#define LINEAR_DPBF16 1 /* bfloat16 rows by row_dot_dpbf16 */
+#else
+#define LINEAR_DPBF16 0
 #endif
 
 /* w . x over one row, one running sum the compiler vectorizes. */
@@ -93,10 +101,30 @@ static inline float row_dot_pairs(const elem_t *restrict w, const float *restric
 #endif
 #endif
 
+#if LINEAR_DPBF16
+/* w . x over one bfloat16 row and the row x_bf16 in bfloat16: vdpbf16ps adds 16 lanes' pairs of
+ * products (each exact in float32) into float32 sums, 128 elements a step in four sums (one would
+ * wait on each instruction's latency), then 32 at a time, then one at a time. */
+static inline float row_dot_dpbf16(const elem_t *restrict w, const uint16_t *restrict x_bf16, int64_t in_f) {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps(), c = _mm512_setzero_ps(), d = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 128 <= in_f; i += 128) {
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x_bf16 + i));
+        b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512(w + i + 32), (__m512bh)_mm512_loadu_si512(x_bf16 + i + 32));
+        c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512(w + i + 64), (__m512bh)_mm512_loadu_si512(x_bf16 + i + 64));
+        d = _mm512_dpbf16_ps(d, (__m512bh)_mm512_loadu_si512(w + i + 96), (__m512bh)_mm512_loadu_si512(x_bf16 + i + 96));
+    }
+    for (; i + 32 <= in_f; i += 32) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x_bf16 + i));
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
+    for (; i < in_f; i++) s += to_float(w[i]) * to_float(x_bf16[i]);
+    return s;
+}
+#endif
+
 typedef struct {
     const elem_t *w, *bias;
     const float *x;
-    const float *x_pairs; /* row_dot_pairs' input: x's even elements, then its odd ones (NULL: another loop) */
+    const void *x_ready; /* x as the build's loop reads it (ready_row); NULL: row_dot_plain or row_dot_lanes on x */
     float *y;
     int64_t in_f, first, last; /* output rows [first, last) */
 } LinearJob;
@@ -105,8 +133,10 @@ static void *run_linear_job(void *arg) {
     const LinearJob *job = (const LinearJob *)arg;
     for (int64_t o = job->first; o < job->last; o++) {
         const elem_t *w = job->w + o * job->in_f;
-#if LINEAR_LANES && defined(SLIMKV_BF16)
-        job->y[o] = job->x_pairs ? row_dot_pairs(w, job->x_pairs, job->in_f) : row_dot_plain(w, job->x, job->in_f);
+#if LINEAR_DPBF16
+        job->y[o] = job->x_ready ? row_dot_dpbf16(w, (const uint16_t *)job->x_ready, job->in_f) : row_dot_plain(w, job->x, job->in_f);
+#elif LINEAR_LANES && defined(SLIMKV_BF16)
+        job->y[o] = job->x_ready ? row_dot_pairs(w, (const float *)job->x_ready, job->in_f) : row_dot_plain(w, job->x, job->in_f);
 #elif LINEAR_LANES
         job->y[o] = row_dot_lanes(w, job->x, job->in_f);
 #else
@@ -118,79 +148,111 @@ static void *run_linear_job(void *arg) {
     return NULL;
 }
 
-/* row_dot_pairs' input for a row x of in_f floats (its even elements, then its odd ones), to free
- * after the call; NULL where that loop does not run (every build but bfloat16 on AVX2), for odd
- * in_f, or without memory (the plain loop then runs). */
-static float *pairs_of(const float *x, int64_t in_f) {
+/* x (in_f floats) as the build's loop reads it, to free after the call: its bfloat16 rounding for
+ * row_dot_dpbf16, its even elements then its odd ones for row_dot_pairs (in_f even). NULL where
+ * the loop reads x itself (float32 rows, bfloat16 on AVX-512 without AVX512-BF16 or portable), for
+ * odd in_f on AVX2, or without memory (row_dot_plain then runs). */
+static void *ready_row(const float *x, int64_t in_f) {
+#if LINEAR_DPBF16
+    uint16_t *x_bf16 = (uint16_t *)malloc((size_t)in_f * sizeof(uint16_t));
+    if (x_bf16)
+        for (int64_t i = 0; i < in_f; i++) x_bf16[i] = from_float(x[i]);
+    return x_bf16;
+#elif LINEAR_LANES && defined(SLIMKV_BF16)
     float *x_pairs = NULL;
-#if LINEAR_LANES && defined(SLIMKV_BF16)
     if (in_f % 2 == 0 && (x_pairs = (float *)malloc((size_t)in_f * sizeof(float))))
         for (int64_t p = 0; p < in_f / 2; p++) x_pairs[p] = x[2 * p], x_pairs[in_f / 2 + p] = x[2 * p + 1];
+    return x_pairs;
 #else
     (void)x, (void)in_f;
+    return NULL;
 #endif
-    return x_pairs;
 }
 
-/* LINEAR_ENTRY's work with x's pairs already prepared (pairs_of), so projections sharing one row
- * prepare them once. */
-static void linear_rows(const elem_t *w, const float *x, const float *x_pairs, const elem_t *bias, float *y, int64_t out_f, int64_t in_f,
+/* y (out_f floats) = w (out_f x in_f, rows contiguous) . x (in_f floats) + bias (out_f, or NULL),
+ * with x already prepared (ready_row), so projections sharing one row prepare it once. */
+static void linear_rows(const elem_t *w, const float *x, const void *x_ready, const elem_t *bias, float *y, int64_t out_f, int64_t in_f,
                         int threads) {
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
     if (threads > out_f / 4) threads = out_f / 4 > 0 ? (int)(out_f / 4) : 1;
     LinearJob jobs[64];
     for (int t = 0; t < threads; t++) /* whole groups of four rows per thread */
-        jobs[t] = (LinearJob){w, bias, x, x_pairs, y, in_f, out_f / 4 * t / threads * 4, t + 1 == threads ? out_f : out_f / 4 * (t + 1) / threads * 4};
+        jobs[t] = (LinearJob){w, bias, x, x_ready, y, in_f, out_f / 4 * t / threads * 4, t + 1 == threads ? out_f : out_f / 4 * (t + 1) / threads * 4};
     run_on_threads(run_linear_job, jobs, sizeof *jobs, threads, threads);
 }
 
-/* y (out_f floats) = w (out_f x in_f, rows contiguous) . x (in_f floats) + bias (out_f, or NULL).
- * Returns 0, or 2 on bad arguments. */
-int LINEAR_ENTRY(const elem_t *w, const float *x, const elem_t *bias, float *y, int64_t out_f, int64_t in_f, int threads) {
-    if (!w || !x || !y || out_f < 1 || in_f < 1) return 2;
-    float *x_pairs = pairs_of(x, in_f);
-    linear_rows(w, x, x_pairs, bias, y, out_f, in_f, threads);
-    free(x_pairs);
-    return 0;
-}
-
-/* A decode step's projections that share one input row, in one call (a decode step pays the
- * Python and dispatch cost of every call; a layer's q, k and v, or its MLP's gate and up, read
- * one row): y[c] = w[c] . x + bias[c] for c < count, each as LINEAR_ENTRY computes it, written one
- * after the other into y (the sum of out_f floats). With
- * ``gate`` (in_f floats), the input is silu(gate) * x instead (SwiGLU's down projection; the plain
- * reference is torch.nn.functional.silu(gate) * x, float32). Returns 0, or 2 on bad arguments
- * (1: no memory for the SwiGLU row). */
-int PROJECT_ENTRY(const float *x, const float *gate, int64_t in_f, int count, const elem_t *const *w, const elem_t *const *bias,
-                  const int64_t *out_f, float *y, int threads) {
+/* A decode step's projections that share one input row, in one call, in the model's element type
+ * (a decode step pays the Python and dispatch cost of every call; a layer's q, k and v, or its
+ * MLP's gate and up, read one row): y[c] = w[c] . x + bias[c] for c < count, each by linear_rows
+ * (float32 sums) and rounded once to the element type, written one after the other
+ * into y (the sum of out_f elements). With ``gate`` (in_f elements), the input is silu(gate) * x,
+ * rounded as torch rounds it in the element type: silu(gate) rounded, then the product rounded
+ * (the plain reference is torch.nn.functional.silu(gate) * x in x's dtype). Returns 0, or 2 on bad
+ * arguments, 1 without memory. */
+int PROJECT_ENTRY(const elem_t *x, const elem_t *gate, int64_t in_f, int count, const elem_t *const *w, const elem_t *const *bias,
+                  const int64_t *out_f, elem_t *y, int threads) {
     if (!x || !w || !out_f || !y || count < 1 || in_f < 1) return 2;
-    for (int c = 0; c < count; c++)
+    int64_t total = 0;
+    for (int c = 0; c < count; c++) {
         if (!w[c] || out_f[c] < 1) return 2; /* every call checked before any output is written */
-    const float *input = x;
-    float *glu = NULL;
-    if (gate) {
-        glu = (float *)malloc((size_t)in_f * sizeof(float));
-        if (!glu) return 1;
-        for (int64_t i = 0; i < in_f; i++) glu[i] = gate[i] / (1.0f + expf(-gate[i])) * x[i];
-        input = glu;
+        total += out_f[c];
     }
-    float *x_pairs = pairs_of(input, in_f);
-    for (int c = 0; c < count; y += out_f[c], c++) linear_rows(w[c], input, x_pairs, bias ? bias[c] : NULL, y, out_f[c], in_f, threads);
-    free(x_pairs);
-    free(glu);
+#ifdef SLIMKV_BF16
+    float *row = (float *)malloc((size_t)(in_f + total) * sizeof(float)), *sums = row + in_f;
+    if (!row) return 1;
+    for (int64_t i = 0; i < in_f; i++) row[i] = to_float(x[i]);
+#else
+    float *row = NULL, *sums = y;
+    if (gate && !(row = (float *)malloc((size_t)in_f * sizeof(float)))) return 1;
+#endif
+    if (gate)
+        for (int64_t i = 0; i < in_f; i++) {
+            const float g = to_float(gate[i]), silu = to_float(from_float(g / (1.0f + expf(-g))));
+            row[i] = to_float(from_float(silu * to_float(x[i])));
+        }
+    const float *input = row ? row : (const float *)x;
+    void *x_ready = ready_row(input, in_f);
+    float *out = sums;
+    for (int c = 0; c < count; out += out_f[c], c++) linear_rows(w[c], input, x_ready, bias ? bias[c] : NULL, out, out_f[c], in_f, threads);
+#ifdef SLIMKV_BF16
+    for (int64_t i = 0; i < total; i++) y[i] = from_float(sums[i]);
+#endif
+    free(x_ready);
+    free(row);
     return 0;
 }
 
-/* RMS norm of one row, y = x / sqrt(mean(x^2) + eps) * w, in float32 (the plain reference is
- * torch.nn.functional.rms_norm on the float32 row). Returns 0, or 2 on bad arguments. */
-int NORM_ENTRY(const float *x, const elem_t *w, float *y, int64_t n, float eps) {
+/* RMS norm of one row, y = x / sqrt(mean(x^2) + eps) * w, in float32 and rounded once to the
+ * element type (the plain reference is torch.nn.functional.rms_norm on the float32 row, cast back).
+ * Returns 0, or 2 on bad arguments. */
+int NORM_ENTRY(const elem_t *x, const elem_t *w, elem_t *y, int64_t n, float eps) {
     if (!x || !w || !y || n < 1) return 2;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    for (int64_t i = 0; i < n; i++) sum += to_float(x[i]) * to_float(x[i]);
     const float scale = 1.0f / sqrtf(sum / (float)n + eps);
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) y[i] = x[i] * scale * to_float(w[i]);
+    for (int64_t i = 0; i < n; i++) y[i] = from_float(to_float(x[i]) * scale * to_float(w[i]));
+    return 0;
+}
+
+/* RoPE on one token's heads: ``rows`` rows of head_dim elements, contiguous; the first rot_dim
+ * channels are adjacent pairs (even e, odd o) turned by rotation[p] = (cos, sin) (float32 pairs, a
+ * complex64 row), the rest copied: e cos - o sin and e sin + o cos in float32, rounded once to the
+ * element type (the plain reference is slimkv.ops.rope.Rotary's torch path: the complex product in
+ * float32). Returns 0, or 2 on bad arguments. */
+int ROTATE_ENTRY(const elem_t *x, int64_t rows, int64_t head_dim, int64_t rot_dim, const float *rotation, elem_t *y) {
+    if (!x || !rotation || !y || rows < 1 || head_dim < 1 || rot_dim < 0 || rot_dim > head_dim || rot_dim % 2) return 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const elem_t *xr = x + r * head_dim;
+        elem_t *yr = y + r * head_dim;
+        for (int64_t p = 0; p < rot_dim / 2; p++) {
+            const float e = to_float(xr[2 * p]), o = to_float(xr[2 * p + 1]), c = rotation[2 * p], sn = rotation[2 * p + 1];
+            yr[2 * p] = from_float(e * c - o * sn);
+            yr[2 * p + 1] = from_float(e * sn + o * c);
+        }
+        for (int64_t i = rot_dim; i < head_dim; i++) yr[i] = xr[i];
+    }
     return 0;
 }

@@ -10,14 +10,9 @@
 #include <float.h>
 
 #ifdef SLIMKV_BF16
-static inline uint16_t bf16_bits_nearest(float x) { /* round to nearest even (torch's float -> bfloat16 cast) */
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 /* x in the element type, rounded down (direction < 0) or up where the cast is inexact, as quantize._round_toward. */
 static inline elem_t stored_toward(float x, int direction) {
-    uint16_t y = bf16_bits_nearest(x);
+    uint16_t y = from_float(x);
     const float yf = to_float(y);
     if (direction < 0 && yf > x) y = (y & 0x7FFFu) == 0 ? 0x8001u : (y & 0x8000u) ? (uint16_t)(y + 1) : (uint16_t)(y - 1);
     if (direction > 0 && yf < x) y = (y & 0x7FFFu) == 0 ? 0x0001u : (y & 0x8000u) ? (uint16_t)(y - 1) : (uint16_t)(y + 1);
