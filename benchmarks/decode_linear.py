@@ -37,7 +37,7 @@ from slimkv.common.files import write_text
 from slimkv.common.markdown import markdown_table, provenance_line
 from slimkv.common.results import results_dir
 from slimkv.common.timing import time_fn, write_results
-from slimkv.ops import native
+from slimkv.ops import native, native_rows
 from slimkv.ops.native_build import library_isa, runnable_isas
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -70,10 +70,10 @@ def variants(dtype: torch.dtype, layers: int) -> tuple[dict[str, tuple[Callable[
             continue
         for call in calls[:4]:
             x = rows[call[0].shape[1]]
-            for got, w in zip(native.native_project(x, call, [None] * len(call), library), call, strict=True):
+            for got, w in zip(native_rows.native_project(x, call, [None] * len(call), library), call, strict=True):
                 torch.testing.assert_close(got.float(), F.linear(x, w).float(), **tolerance)
-        found[f"model pass, {isa}"] = (lambda lib=library: [native.native_project(rows[c[0].shape[1]], c, [None] * len(c), lib) for c in calls], nbytes)
-        found[f"one call, {isa}"] = (lambda lib=library: native.native_linear(rows[576], big, None, lib), big.numel() * big.element_size())
+        found[f"model pass, {isa}"] = (lambda lib=library: [native_rows.native_project(rows[c[0].shape[1]], c, [None] * len(c), lib) for c in calls], nbytes)
+        found[f"one call, {isa}"] = (lambda lib=library: native_rows.native_linear(rows[576], big, None, lib), big.numel() * big.element_size())
         ran[f"model pass, {isa}"] = ran[f"one call, {isa}"] = library_isa(library)
     found["model pass, torch"] = (lambda: [F.linear(rows[w.shape[1]], w) for c in calls for w in c], nbytes)
     ran["model pass, torch"] = f"torch ({torch.backends.cpu.get_cpu_capability()})"

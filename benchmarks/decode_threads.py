@@ -35,7 +35,7 @@ from decode_native import call_cost  # the bytes and FLOPs of one kernel call
 from slimkv.common.markdown import provenance_line
 from slimkv.common.results import results_dir
 from slimkv.common.timing import time_fn, write_results
-from slimkv.ops import native
+from slimkv.ops import native, native_rows
 from slimkv.ops.attention import buffer_segments
 from slimkv.ops.codes import QuantizedRows
 from slimkv.ops.quantize import parse_storage
@@ -78,7 +78,7 @@ def interleaved(calls: dict[str, tuple[Callable[[], object], int]], rounds: int)
     for _ in range(rounds):
         for name, (call, threads) in calls.items():
             torch.set_num_threads(threads)
-            with mock.patch.object(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0), mock.patch.object(native, "PARALLEL_MIN_BYTES", 0):
+            with mock.patch.object(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0), mock.patch.object(native_rows, "PARALLEL_MIN_BYTES", 0):
                 samples[name] += time_fn(call, warmup=1, repeats=5)["samples_s"]
     return samples
 
@@ -98,12 +98,12 @@ def measure_projection(name: str, dtype: torch.dtype, threads: int, rounds: int)
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(out_f, in_f, generator=gen).to(dtype), torch.randn(1, 1, in_f, generator=gen).to(dtype)
     library = native.decode_kernel(dtype)
-    calls = {"one": (lambda: native.native_linear(x, w, None, library), 1), "many": (lambda: native.native_linear(x, w, None, library), threads),
+    calls = {"one": (lambda: native_rows.native_linear(x, w, None, library), 1), "many": (lambda: native_rows.native_linear(x, w, None, library), threads),
              "torch": (lambda: torch.nn.functional.linear(x, w), threads)}
     samples = interleaved(calls, rounds)
     one, many, by_torch = (statistics.median(samples[k]) for k in ("one", "many", "torch"))
     torch.set_num_threads(threads)
-    rule = native.supports_linear(x, w, None) and native.linear_threads(w.numel() * w.element_size()) > 1
+    rule = native_rows.supports_linear(x, w, None) and native_rows.linear_threads(w.numel() * w.element_size()) > 1
     return {"layout": f"linear {name}", "storage": str(dtype).removeprefix("torch."), "context": 0, "bytes": w.numel() * w.element_size(),
             "flops": 2 * in_f * out_f, "one_thread_s": one, "threads_s": many, "torch_threads_s": by_torch, "speedup": one / many,
             "rule_starts_threads": rule, "samples_s": samples}
@@ -156,7 +156,7 @@ def main() -> None:
     name = f"decode_threads_{args.threads}thread"
     settings = {"threads": args.threads, "rounds": args.rounds, "contexts": args.contexts, "kernel_isa": native.kernel_isa(torch.float32),
                 "load_average_before": load_before, "attention_parallel_min_flops": native.ATTENTION_PARALLEL_MIN_FLOPS,
-                "parallel_min_bytes": native.PARALLEL_MIN_BYTES}
+                "parallel_min_bytes": native_rows.PARALLEL_MIN_BYTES}
     path = write_results(name, {"settings": settings, "rows": rows}, results_dir(RESULTS, name))
     path.with_suffix(".md").write_text(render(json.loads(path.read_text(encoding="utf-8"))), encoding="utf-8")
     print(f"wrote {path} and {path.with_suffix('.md').name}")

@@ -1,5 +1,5 @@
-"""Where a decode step's time goes: the native linear layers, the native attention kernel, and the
-rest (norms, RoPE, cache appends, MLA's absorbed query and context products, the logits' argmax,
+"""Where a decode step's time goes: the native linear layers (with a SwiGLU block's norm and sum,
+which its one call does too), the native attention kernel, and the rest (the attention's norm, RoPE, cache appends, MLA's absorbed query and context products, the logits' argmax,
 Python between the calls).
 
 ``timed_parts`` times every call of the kernels' Python entry points during a block, at the names
@@ -22,12 +22,15 @@ import slimkv.ops.attention as attention_ops
 import slimkv.ops.kvm.core as kvm_ops
 import slimkv.ops.linear as linear_ops
 
-LINEAR_ENTRIES = ((linear_ops, "native_linear"), (linear_ops, "native_project"))
+LINEAR_ENTRIES = ((linear_ops, "native_linear"), (linear_ops, "native_project"), (linear_ops, "native_swiglu_residual"))
 ATTENTION_ENTRIES = ((attention_ops, "native_decode_attention"), (attention_ops, "native_stored_attention"), (kvm_ops, "native_decode_attention"))
 
 
 def _weights(name: str, args: tuple) -> list:
-    """The weights one linear entry's call reads (its second argument: a weight or a list of them)."""
+    """The weights one linear entry's call reads: its second argument (a weight or a list of them),
+    or a SwiGLU block's gate, up and down (its norm and sum are counted in the call's time)."""
+    if name == "native_swiglu_residual":
+        return list(args[3:6])
     return list(args[1]) if name == "native_project" else [args[1]]
 
 

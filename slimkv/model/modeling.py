@@ -23,7 +23,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from slimkv.attention import Attention, AttentionCache, build_attention
 from slimkv.common.quiet import quiet_transformers
 from slimkv.model.config import ModelConfig
-from slimkv.ops.linear import Linear, glu_linear, project
+from slimkv.ops.linear import Linear, glu_linear, project, swiglu_residual
 from slimkv.ops.norm import RMSNorm
 from slimkv.ops.quantize import DEFAULT_GROUP, DEFAULT_RESIDUAL, KVStorage, parse_storage
 
@@ -79,6 +79,15 @@ class MLP(nn.Module):
             return glu_linear(gate, up, self.down_proj)
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
+    def residual(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """x + self(norm(x)) (the block's second half); a decode step's row of a SwiGLU MLP in one
+        native call (``swiglu_residual``: the norm, gate and up, SwiGLU, down and the sum)."""
+        if self.gate_proj is not None:
+            fused = swiglu_residual(x, norm.weight, norm.eps, self.gate_proj, self.up_proj, self.down_proj)
+            if fused is not None:
+                return fused
+        return x + self(norm(x))
+
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
@@ -93,7 +102,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cache=cache)
-        return x + self.mlp(self.mlp_norm(x))
+        return self.mlp.residual(x, self.mlp_norm)
 
 
 class SlimKVPreTrainedModel(PreTrainedModel):

@@ -2,7 +2,7 @@
 
 A decode step multiplies one token's row by every projection's weights: a matrix-vector product
 whose time is reading the weights. ``linear`` sends such a call (one row, no autograd, float32 or
-bfloat16) to the native kernel's loop (``slimkv.ops.native.native_linear``, csrc/decode_linear.h),
+bfloat16) to the native kernel's loop (``slimkv.ops.native_rows.native_linear``, csrc/decode_linear.h),
 which reads the weights at about twice the rate torch's one-row matmul was measured at on the
 development machine; every other call (prefill, training, batches, other dtypes, no kernel) is
 ``torch.nn.functional.linear``, the plain reference the tests compare it with. ``Linear`` is
@@ -22,7 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimkv.ops.native import decode_kernel, native_linear, native_project, supports_linear
+from slimkv.ops.native import decode_kernel
+from slimkv.ops.native_rows import (
+    native_linear,
+    native_project,
+    native_swiglu_residual,
+    supports_linear,
+    supports_swiglu_residual,
+)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,6 +65,18 @@ def glu_linear(gate: torch.Tensor, up: torch.Tensor, layer: nn.Linear) -> torch.
     if gate.dtype == up.dtype and gate.shape == up.shape and _native_rows(up, [layer]) is not None:
         return native_project(up, [layer.weight], [layer.bias], decode_kernel(layer.weight.dtype), gate=gate)[0]
     return layer(F.silu(gate) * up)
+
+
+def swiglu_residual(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> torch.Tensor | None:
+    """x + down(silu(gate n) * up n) with n = rms_norm(x) * norm_weight (a pre-norm SwiGLU block's
+    second half) for one row in one native call, or None where the kernel does not take it (the
+    caller then composes its own modules, the plain path this is tested against)."""
+    if x.numel() != x.shape[-1] or any(layer.bias is not None for layer in (gate, up, down)):
+        return None
+    if not supports_swiglu_residual(x, norm_weight, gate.weight, up.weight, down.weight):
+        return None
+    library = decode_kernel(x.dtype)
+    return None if library is None else native_swiglu_residual(x, norm_weight, eps, gate.weight, up.weight, down.weight, library)
 
 
 class Linear(nn.Linear):

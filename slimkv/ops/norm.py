@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimkv.ops.native import decode_kernel, native_rms_norm, supports_norm
+from slimkv.ops.native import decode_kernel
+from slimkv.ops.native_rows import native_rms_norm, supports_norm
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -18,7 +19,7 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension with a learnable gain.
 
     Computes in float32 (float64 for float64 inputs) and returns the input dtype. One row (a
-    decode step) takes the native kernel's norm where it can (``slimkv.ops.native.native_rms_norm``:
+    decode step) takes the native kernel's norm where it can (``slimkv.ops.native_rows.native_rms_norm``:
     the same float32 arithmetic in one call instead of torch's half-dozen); ``F.rms_norm`` is the
     reference it is tested against.
     """

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from slimkv.ops.native import decode_kernel, native_rotate, supports_rotation
+from slimkv.ops.native import decode_kernel
+from slimkv.ops.native_rows import native_rotate, supports_rotation
 from slimkv.ops.norm import compute_dtype
 
 ROPE_MODES = ("full", "partial", "none")

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from slimkv.ops import linear as linear_ops
-from slimkv.ops import native
+from slimkv.ops import native, native_rows
 from slimkv.ops.linear import Linear, linear
 from slimkv.ops.rope import Rotary
 
@@ -42,8 +42,8 @@ def test_every_isa_path_matches_torch(isa, dtype, out_f, in_f, bias):
     step of 128 or 32 elements, which the AVX512-BF16 loop reads in steps of both) x bias."""
     dtype = DTYPES[dtype]
     x, w, b = _layer(out_f, in_f, dtype, bias)
-    assert native.supports_linear(x, w, b)
-    out = native.native_linear(x, w, b, native.isa_kernel(dtype, isa))
+    assert native_rows.supports_linear(x, w, b)
+    out = native_rows.native_linear(x, w, b, native.isa_kernel(dtype, isa))
     assert out.dtype == dtype and out.shape == (1, 1, out_f)
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), None if b is None else b.float()), **_tolerance(dtype))
 
@@ -51,11 +51,11 @@ def test_every_isa_path_matches_torch(isa, dtype, out_f, in_f, bias):
 @needs_kernel
 def test_threads_split_the_rows_without_changing_the_result(monkeypatch):
     x, w, b = _layer(1030, 300, torch.float32, True)
-    one = native.native_linear(x, w, b, LIBRARY)
-    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    one = native_rows.native_linear(x, w, b, LIBRARY)
+    monkeypatch.setattr(native_rows, "PARALLEL_MIN_BYTES", 0)
     torch.set_num_threads(2)
     try:
-        two = native.native_linear(x, w, b, LIBRARY)
+        two = native_rows.native_linear(x, w, b, LIBRARY)
     finally:
         torch.set_num_threads(1)
     torch.testing.assert_close(one, two, rtol=0, atol=0)
@@ -63,12 +63,12 @@ def test_threads_split_the_rows_without_changing_the_result(monkeypatch):
 
 def test_calls_the_kernel_does_not_take_go_to_torch():
     x, w, b = _layer(32, 16, torch.float32, True)
-    assert not native.supports_linear(x.repeat(1, 2, 1), w, b)  # two rows: prefill, a batch
-    assert not native.supports_linear(x.double(), w.double(), b.double())
-    assert not native.supports_linear(x, w.t().contiguous().t(), b)  # weight rows not contiguous
-    assert not native.supports_linear(x, w, b.bfloat16())
+    assert not native_rows.supports_linear(x.repeat(1, 2, 1), w, b)  # two rows: prefill, a batch
+    assert not native_rows.supports_linear(x.double(), w.double(), b.double())
+    assert not native_rows.supports_linear(x, w.t().contiguous().t(), b)  # weight rows not contiguous
+    assert not native_rows.supports_linear(x, w, b.bfloat16())
     with torch.enable_grad():
-        assert not native.supports_linear(x, w.clone().requires_grad_(), b)
+        assert not native_rows.supports_linear(x, w.clone().requires_grad_(), b)
     with FlopCounterMode(display=False) as counter:  # a FLOP counter sees a decode step's projections
         linear(x, w, b)
     assert counter.get_total_flops() == 2 * 32 * 16
@@ -81,7 +81,7 @@ def test_linear_is_nn_linear_with_the_same_answer(dtype, monkeypatch):
     layer = Linear(48, 20).to(dtype)
     assert isinstance(layer, nn.Linear) and set(layer.state_dict()) == {"weight", "bias"}
     calls = []
-    original = native.native_linear
+    original = native_rows.native_linear
     monkeypatch.setattr(linear_ops, "native_linear", lambda *a: calls.append(1) or original(*a))
     x = torch.randn(1, 1, 48).to(dtype)
     threads = torch.get_num_threads()
@@ -109,7 +109,7 @@ def test_several_projections_of_one_row_match_each_layer(isa, dtype, bias):
     dtype = DTYPES[dtype]
     x, _, _ = _layer(1, 96, dtype, False)
     layers = [_layer(out_f, 96, dtype, bias, seed=s)[1:] for s, out_f in enumerate((96, 33, 33))]
-    outs = native.native_project(x, [w for w, _ in layers], [b for _, b in layers], native.isa_kernel(dtype, isa))
+    outs = native_rows.native_project(x, [w for w, _ in layers], [b for _, b in layers], native.isa_kernel(dtype, isa))
     assert [o.shape for o in outs] == [(1, 1, 96), (1, 1, 33), (1, 1, 33)] and all(o.dtype == dtype for o in outs)
     for out, (w, b) in zip(outs, layers):
         torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), None if b is None else b.float()), **_tolerance(dtype))
@@ -123,7 +123,7 @@ def test_swiglu_down_projection_matches_silu_times_up(isa, dtype):
     dtype = DTYPES[dtype]
     gate, w, b = _layer(40, 300, dtype, True)
     up = torch.randn(1, 1, 300).to(dtype)
-    (out,) = native.native_project(up, [w], [b], native.isa_kernel(dtype, isa), gate=gate)
+    (out,) = native_rows.native_project(up, [w], [b], native.isa_kernel(dtype, isa), gate=gate)
     assert out.dtype == dtype
     row = F.silu(gate) * up  # in dtype: each rounded
     torch.testing.assert_close(out.float(), F.linear(row.float(), w.float(), b.float()), **_tolerance(dtype))
@@ -154,14 +154,14 @@ def test_rms_norm_of_one_row_matches_torch(isa, dtype):
     dtype = DTYPES[dtype]
     x, _, _ = _layer(1, 577, dtype, False)
     weight = torch.randn(577).to(dtype)
-    assert native.supports_norm(x, weight)
-    out = native.native_rms_norm(x, weight, 1e-5, native.isa_kernel(dtype, isa))
+    assert native_rows.supports_norm(x, weight)
+    out = native_rows.native_rms_norm(x, weight, 1e-5, native.isa_kernel(dtype, isa))
     want = F.rms_norm(x.float(), (577,), weight.float(), 1e-5).to(dtype)
     assert out.dtype == dtype and out.shape == x.shape
     torch.testing.assert_close(out.float(), want.float(), **({"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-2}))
-    assert not native.supports_norm(x.repeat(1, 2, 1), weight) and not native.supports_norm(x, weight[:-1])
+    assert not native_rows.supports_norm(x.repeat(1, 2, 1), weight) and not native_rows.supports_norm(x, weight[:-1])
     if dtype == torch.bfloat16:  # a row of another dtype takes torch's path
-        assert not native.supports_norm(x.float(), weight)
+        assert not native_rows.supports_norm(x.float(), weight)
 
 
 @needs_kernel
@@ -176,8 +176,8 @@ def test_rotation_of_one_token_matches_the_pair_formula(isa, dtype, mode):
     x = torch.randn(1, 1, 9, 64).to(dtype)
     start = 1234
     rotation = rotary.rotation(start, 1, x.device, torch.float32)
-    assert native.supports_rotation(x)
-    out = native.native_rotate(x, rotation, rotary.rot_dim, native.isa_kernel(dtype, isa))
+    assert native_rows.supports_rotation(x)
+    out = native_rows.native_rotate(x, rotation, rotary.rot_dim, native.isa_kernel(dtype, isa))
     cos, sin = rotary.angles(start, 1, x.device, torch.float32)
     e, o = x[..., 0 : rotary.rot_dim : 2].float(), x[..., 1 : rotary.rot_dim : 2].float()
     want = x.float().clone()
@@ -203,4 +203,30 @@ def test_rotary_takes_the_native_call_for_one_token_and_torch_for_more(dtype):
 def test_rotation_refuses_a_rotation_of_the_wrong_size():
     rotary = Rotary(64, "full")
     with pytest.raises(ValueError, match="rotation must be 32 contiguous complex64 values, got 64"):
-        native.native_rotate(torch.randn(1, 1, 4, 64), rotary.rotation(0, 2, torch.device("cpu"), torch.float32), 64, LIBRARY)
+        native_rows.native_rotate(torch.randn(1, 1, 4, 64), rotary.rotation(0, 2, torch.device("cpu"), torch.float32), 64, LIBRARY)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_block_of_one_row_matches_its_modules(isa, dtype):
+    """``native_swiglu_residual`` (norm, gate and up, SwiGLU, down, the sum in one call) against the
+    same steps through torch in the row's dtype (the plain path ``MLP.residual`` composes); a decode
+    step runs without autograd."""
+    dtype = DTYPES[dtype]
+    torch.manual_seed(0)
+    d_model, d_ff = 160, 300
+    with torch.no_grad():
+        x = torch.randn(1, 1, d_model).to(dtype)
+        norm_weight = (1 + 0.1 * torch.randn(d_model)).to(dtype)
+        gate, up, down = (Linear(i, o, bias=False).to(dtype) for i, o in ((d_model, d_ff), (d_model, d_ff), (d_ff, d_model)))
+        assert native_rows.supports_swiglu_residual(x, norm_weight, gate.weight, up.weight, down.weight)
+        out = native_rows.native_swiglu_residual(x, norm_weight, 1e-5, gate.weight, up.weight, down.weight, native.isa_kernel(dtype, isa))
+        n = F.rms_norm(x.float(), (d_model,), norm_weight.float(), 1e-5).to(dtype)
+        want = x + F.linear(F.silu(F.linear(n, gate.weight)) * F.linear(n, up.weight), down.weight)
+        assert out.dtype == dtype and out.shape == x.shape
+        torch.testing.assert_close(out.float(), want.float(), **_tolerance(dtype))
+        assert linear_ops.swiglu_residual(x, norm_weight, 1e-5, gate, up, down) is not None
+        assert linear_ops.swiglu_residual(x.repeat(1, 2, 1), norm_weight, 1e-5, gate, up, down) is None  # several rows: torch's path
+        assert not native_rows.supports_swiglu_residual(x, norm_weight, gate.weight, up.weight, down.weight.t())
+    assert not native_rows.supports_swiglu_residual(x, norm_weight, gate.weight, up.weight, down.weight)  # training keeps torch's path

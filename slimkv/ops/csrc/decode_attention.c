@@ -58,7 +58,8 @@
  * Quantized caches (int8 / int4 codes with per-group scales and minima, slimkv/ops/quantize.py)
  * have their own entry point, QUANTIZED_ENTRY (decode_quantized.h), which reads the codes in place;
  * PROJECT_ENTRY (decode_linear.h) is a decode step's projections: one row through the linear layers
- * that share it (NORM_ENTRY: the row's RMS norm; ROTATE_ENTRY: RoPE on its heads);
+ * that share it (NORM_ENTRY: the row's RMS norm; ROTATE_ENTRY: RoPE on its heads; SWIGLU_ENTRY: a
+ * pre-norm SwiGLU block's second half);
  * QUANTIZE_ENTRY (quantize_rows.h) turns the rows leaving a quantized cache's residual window into codes.
  */
 #include <math.h>
@@ -98,6 +99,7 @@ typedef uint16_t elem_t;
 #define PROJECT_ENTRY slimkv_decode_project_bf16
 #define NORM_ENTRY slimkv_rms_norm_row_bf16
 #define ROTATE_ENTRY slimkv_rotate_row_bf16
+#define SWIGLU_ENTRY slimkv_swiglu_residual_bf16
 #define QUANTIZE_ENTRY slimkv_quantize_rows_bf16
 static inline float to_float(elem_t x) {
     const uint32_t bits = (uint32_t)x << 16;
@@ -119,6 +121,7 @@ typedef float elem_t;
 #define PROJECT_ENTRY slimkv_decode_project_f32
 #define NORM_ENTRY slimkv_rms_norm_row_f32
 #define ROTATE_ENTRY slimkv_rotate_row_f32
+#define SWIGLU_ENTRY slimkv_swiglu_residual_f32
 #define QUANTIZE_ENTRY slimkv_quantize_rows_f32
 static inline float to_float(elem_t x) { return x; }
 static inline elem_t from_float(float x) { return x; }

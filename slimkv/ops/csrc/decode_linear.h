@@ -256,3 +256,24 @@ int ROTATE_ENTRY(const elem_t *x, int64_t rows, int64_t head_dim, int64_t rot_di
     }
     return 0;
 }
+
+/* A pre-norm SwiGLU block's second half for one row, in one call: y = x + down(silu(gate(n)) *
+ * up(n)) with n = rms_norm(x) * norm_w, each step as NORM_ENTRY and PROJECT_ENTRY compute it and
+ * rounded to the element type where torch's path rounds (n, gate and up, silu, the product, down,
+ * the sum). gate_w and up_w are d_ff x d_model, down_w d_model x d_ff, no biases; threads_in for
+ * gate and up, threads_out for down. Returns 0, 2 on bad arguments, 1 without memory. */
+int SWIGLU_ENTRY(const elem_t *x, const elem_t *norm_w, float eps, const elem_t *gate_w, const elem_t *up_w, const elem_t *down_w,
+                 int64_t d_model, int64_t d_ff, elem_t *y, int threads_in, int threads_out) {
+    if (!x || !norm_w || !gate_w || !up_w || !down_w || !y || d_model < 1 || d_ff < 1) return 2;
+    elem_t *n = (elem_t *)malloc((size_t)(2 * d_model + 2 * d_ff) * sizeof(elem_t)), *gate_up = n + d_model, *m = gate_up + 2 * d_ff;
+    if (!n) return 1;
+    const elem_t *in_w[2] = {gate_w, up_w}, *out_w[1] = {down_w};
+    const int64_t gate_up_f[2] = {d_ff, d_ff}, down_f[1] = {d_model};
+    int status = NORM_ENTRY(x, norm_w, n, d_model, eps);
+    if (!status) status = PROJECT_ENTRY(n, NULL, d_model, 2, in_w, NULL, gate_up_f, gate_up, threads_in);
+    if (!status) status = PROJECT_ENTRY(gate_up + d_ff, gate_up, d_ff, 1, out_w, NULL, down_f, m, threads_out);
+    if (!status)
+        for (int64_t i = 0; i < d_model; i++) y[i] = from_float(to_float(x[i]) + to_float(m[i]));
+    free(n);
+    return status;
+}
