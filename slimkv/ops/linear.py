@@ -41,28 +41,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _native_rows(x: torch.Tensor, layers: Sequence[nn.Linear]):
+def _native_rows(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]):
     """The kernel library when one native call takes x through every layer (one row, one weight dtype), else None."""
-    if x.numel() != x.shape[-1] or len({layer.weight.dtype for layer in layers}) != 1:
+    if x.numel() != x.shape[-1]:
         return None
-    if not all(supports_linear(x, layer.weight, layer.bias) for layer in layers):
-        return None
-    return decode_kernel(layers[0].weight.dtype)
+    dtype = weights[0].dtype
+    for weight, bias in zip(weights, biases, strict=True):
+        if weight.dtype != dtype or not supports_linear(x, weight, bias):
+            return None
+    return decode_kernel(dtype)
 
 
 def project(x: torch.Tensor, layers: Sequence[nn.Linear]) -> list[torch.Tensor]:
     """``[layer(x) for layer in layers]``: one row through every layer in one native call where the
     kernel takes it, else each layer's own forward."""
-    library = _native_rows(x, layers)
+    weights, biases = [layer.weight for layer in layers], [layer.bias for layer in layers]
+    library = _native_rows(x, weights, biases)
     if library is None:
         return [layer(x) for layer in layers]
-    return native_project(x, [layer.weight for layer in layers], [layer.bias for layer in layers], library)
+    return native_project(x, weights, biases, library)
 
 
 def glu_linear(gate: torch.Tensor, up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """``layer(F.silu(gate) * up)`` (SwiGLU's down projection); one row in one native call (silu and
     the product rounded to the row's dtype, as torch rounds them), else through torch."""
-    if gate.dtype == up.dtype and gate.shape == up.shape and _native_rows(up, [layer]) is not None:
+    if gate.dtype == up.dtype and gate.shape == up.shape and _native_rows(up, [layer.weight], [layer.bias]) is not None:
         return native_project(up, [layer.weight], [layer.bias], decode_kernel(layer.weight.dtype), gate=gate)[0]
     return layer(F.silu(gate) * up)
 
