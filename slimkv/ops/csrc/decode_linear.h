@@ -16,7 +16,9 @@
  * benchmarks/decode_linear.py times the paths against the read rate):
  * - AVX-512: float32 rows by row_dot_plain, the compiler's 512-bit loop. bfloat16 rows with
  *   AVX512-BF16 by row_dot_dpbf16 (vdpbf16ps: 32 products of weights and the bfloat16 row per
- *   instruction, no widening; the row of a bfloat16 model is bfloat16, so nothing is rounded);
+ *   instruction, no widening; the row of a bfloat16 model is bfloat16, so nothing is rounded;
+ *   12-16% faster than row_dot_plain in three interleaved runs over 212 MB in one call, 0.90-0.98
+ *   of the read rate against 0.78-0.85);
  *   without it by row_dot_plain (widened one element at a time by a zero-extending shuffle and a
  *   shift; row_dot_pairs ran 10-12% slower there).
  * - AVX2: bfloat16 rows by row_dot_pairs (4-23% faster than row_dot_plain in three runs), float32
