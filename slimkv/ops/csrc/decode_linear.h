@@ -203,7 +203,8 @@ int PROJECT_ENTRY(const elem_t *x, const elem_t *gate, int64_t in_f, int count, 
 #ifdef SLIMKV_BF16
     float *row = (float *)malloc((size_t)(in_f + total) * sizeof(float)), *sums = row + in_f;
     if (!row) return 1;
-    for (int64_t i = 0; i < in_f; i++) row[i] = to_float(x[i]);
+    if (!gate) /* with a gate the SwiGLU row below is the input */
+        for (int64_t i = 0; i < in_f; i++) row[i] = to_float(x[i]);
 #else
     float *row = NULL, *sums = y;
     if (gate && !(row = (float *)malloc((size_t)in_f * sizeof(float)))) return 1;
