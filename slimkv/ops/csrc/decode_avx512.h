@@ -109,22 +109,100 @@ static inline void unpair_row(const float *restrict pairs, float *restrict row, 
 }
 #endif
 
+/* A block of int4 / int8 cache codes (csrc/decode_quantized.h's storage) that the row tiles read in
+ * place: each key's and value's codes, one scale and one minimum per group, strides per row. */
+typedef struct {
+    const uint8_t *k, *v;            /* the block's first key's and first value's codes */
+    const elem_t *ks, *kl, *vs, *vl; /* their groups' scales and minima */
+    int64_t k_row, v_row;            /* bytes from one row's codes to the next */
+    int64_t ks_row, kl_row, vs_row, vl_row; /* elements from one row's scales (minima) to the next */
+} CodeBlock;
+
+/* One side's row of a code block as N 16-float chunks in the tiles' order (pair order in
+ * bfloat16 builds, row order in float32 ones): code * scale + minimum in float32, one fused
+ * multiply-add (code_row_avx512 rounds it as the cache's element type holds it). ``group`` is 32
+ * or 64, so each 32 channels share one scale. int4's channel 2j is byte j's low nibble, so the low
+ * nibbles are pair order's even channels as they come; int8's even and odd bytes come apart by a
+ * mask and a shift of 16-bit lanes. */
+static inline __attribute__((always_inline)) void code_row_float_avx512(const uint8_t *restrict codes, const elem_t *restrict scales,
+                                                                         const elem_t *restrict lows, const int N, const int bits, const int group,
+                                                                         __m512 *out) {
+    for (int j = 0; j < N; j += 2) {
+        const __m512 s = _mm512_set1_ps(to_float(scales[16 * j / group])), m = _mm512_set1_ps(to_float(lows[16 * j / group]));
+        __m512i a, b; /* the 32 channels' codes as 32-bit integers, in the tiles' order */
+        if (bits == 4) {
+            const __m128i x = _mm_loadu_si128((const __m128i *)(codes + 8 * j)), nibble = _mm_set1_epi8(15);
+            const __m128i lo = _mm_and_si128(x, nibble), hi = _mm_and_si128(_mm_srli_epi16(x, 4), nibble);
+#ifdef SLIMKV_BF16
+            a = _mm512_cvtepu8_epi32(lo);
+            b = _mm512_cvtepu8_epi32(hi);
+#else
+            a = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+            b = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi));
+#endif
+        } else {
+#ifdef SLIMKV_BF16
+            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(codes + 16 * j)));
+            a = _mm512_and_si512(w, _mm512_set1_epi32(255));
+            b = _mm512_srli_epi32(w, 8);
+#else
+            a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * j)));
+            b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * j + 16)));
+#endif
+        }
+        out[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, m);
+        out[j + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), s, m);
+    }
+}
+
+/* 16 floats rounded to the nearest bfloat16 (ties to even), still as floats: the dequantized
+ * value as a bfloat16 cache holds it (quantize.dequantize_groups rounds it so). */
+#ifdef SLIMKV_BF16
+static inline __m512 round_to_bf16(__m512 x) {
+#ifdef __AVX512BF16__
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+#else
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
+                                                _mm512_set1_epi32((int)0xFFFF0000u)));
+#endif
+}
+#endif
+
+/* code_row_float_avx512, each value as the cache's element type holds it (bfloat16 builds round). */
+static inline __attribute__((always_inline)) void code_row_avx512(const uint8_t *restrict codes, const elem_t *restrict scales,
+                                                                   const elem_t *restrict lows, const int N, const int bits, const int group,
+                                                                   __m512 *out) {
+    code_row_float_avx512(codes, scales, lows, N, bits, group, out);
+#ifdef SLIMKV_BF16
+    for (int j = 0; j < N; j++) out[j] = round_to_bf16(out[j]);
+#endif
+}
+
 /* R query rows (g0 .. g0 + R - 1 of one item) against one block of n keys, with AVX-512, for
  * dim = 16 * ND and v_dim = 16 * NV: each key and value vector is loaded once for the R rows, the
  * R accumulators stay in registers. Same arithmetic as attend_item. bfloat16 rows are widened 32
  * at a time into pair order (load32_pair; the accumulators hold their values in that order), and
  * with AVX512-BF16 the logits are dot products of the bfloat16 query (exact: the queries of a
  * bfloat16 cache come from bfloat16 tensors) and the keys as stored, the scale applied to the sums.
- * ``fetch``: prefetch the rows PREFETCH_BLOCKS blocks ahead (ROW_PREFETCH_ALWAYS). */
+ * ``fetch``: prefetch the rows PREFETCH_BLOCKS blocks ahead (ROW_PREFETCH_ALWAYS). ``codes`` (NULL
+ * for rows): read the block from int4 / int8 codes of ``bits`` and ``group`` instead of kb and vb,
+ * dequantized in registers to the values the cache's own dequantization gives
+ * (code_row_avx512), each code row prefetched PREFETCH_BLOCKS blocks ahead. */
 static inline __attribute__((always_inline)) void block_rows_avx512(const float *restrict q, const elem_t *restrict kb, const elem_t *restrict vb,
                                                                      int64_t k_row, int64_t v_row, int n, const int R, const int ND, const int NV, __m512 scale16, int fetch,
+                                                                     const CodeBlock *codes, const int bits, const int group,
                                                                      float *restrict acc, float *restrict run_max, float *restrict run_sum) {
     float logits[4][BLOCK_KEYS] __attribute__((aligned(64)));
 #if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
-    __m512i qv[4][4]; /* bfloat16 pairs: 32 channels per vector */
+    __m512i qv[4][4]; /* bfloat16 pairs: 32 channels per vector (in pair order for codes, as code_row_avx512 gives the keys) */
     for (int i = 0; i < R; i++)
-        for (int j = 0; j < ND / 2; j++)
-            qv[i][j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + i * 16 * ND + 32 * j + 16), _mm512_loadu_ps(q + i * 16 * ND + 32 * j));
+        for (int j = 0; j < ND / 2; j++) {
+            __m512 lo = _mm512_loadu_ps(q + i * 16 * ND + 32 * j), hi = _mm512_loadu_ps(q + i * 16 * ND + 32 * j + 16);
+            if (codes) pair_order(lo, hi, &lo, &hi);
+            qv[i][j] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        }
 #else
     __m512 qv[4][8];
     for (int i = 0; i < R; i++)
@@ -136,23 +214,36 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
 #endif
     for (int t = 0; t < n; t++) {
         const elem_t *kt = kb + t * k_row;
-        if (PREFETCH_BLOCKS > 0 && fetch)
+        if (codes) {
+            if (PREFETCH_BLOCKS > 0) _mm_prefetch((const char *)(codes->k + (t + PREFETCH_BLOCKS * BLOCK_KEYS) * codes->k_row), _MM_HINT_T0);
+        } else if (PREFETCH_BLOCKS > 0 && fetch) {
             for (int j = 0; j < ND * (int)sizeof(elem_t) / 4; j++) _mm_prefetch((const char *)(kt + PREFETCH_BLOCKS * BLOCK_KEYS * k_row) + 64 * j, ROW_HINT);
+        }
         __m512 dots[4];
 #if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
         __m512i kr[4];
-        for (int j = 0; j < ND / 2; j++) kr[j] = _mm512_loadu_si512(kt + 32 * j);
+        if (codes) {
+            __m512 kf[8]; /* rounded to bfloat16 by the conversion, as code_row_avx512 would */
+            code_row_float_avx512(codes->k + t * codes->k_row, codes->ks + t * codes->ks_row, codes->kl + t * codes->kl_row, ND, bits, group, kf);
+            for (int j = 0; j < ND / 2; j++) kr[j] = (__m512i)_mm512_cvtne2ps_pbh(kf[2 * j + 1], kf[2 * j]);
+        } else {
+            for (int j = 0; j < ND / 2; j++) kr[j] = _mm512_loadu_si512(kt + 32 * j);
+        }
         for (int i = 0; i < R; i++) {
             dots[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[i][0], (__m512bh)kr[0]);
             for (int j = 1; j < ND / 2; j++) dots[i] = _mm512_dpbf16_ps(dots[i], (__m512bh)qv[i][j], (__m512bh)kr[j]);
         }
 #else
         __m512 kv[8];
+        if (codes) {
+            code_row_avx512(codes->k + t * codes->k_row, codes->ks + t * codes->ks_row, codes->kl + t * codes->kl_row, ND, bits, group, kv);
+        } else {
 #ifdef SLIMKV_BF16
-        for (int j = 0; j < ND; j += 2) load32_pair(kt + 16 * j, &kv[j], &kv[j + 1]);
+            for (int j = 0; j < ND; j += 2) load32_pair(kt + 16 * j, &kv[j], &kv[j + 1]);
 #else
-        for (int j = 0; j < ND; j++) kv[j] = load16(kt + 16 * j);
+            for (int j = 0; j < ND; j++) kv[j] = load16(kt + 16 * j);
 #endif
+        }
         for (int i = 0; i < R; i++) {
             dots[i] = _mm512_mul_ps(qv[i][0], kv[0]);
             for (int j = 1; j < ND; j++) dots[i] = _mm512_fmadd_ps(qv[i][j], kv[j], dots[i]);
@@ -191,14 +282,19 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
     }
     for (int t = 0; t < n; t++) {
         const elem_t *vt = vb + t * v_row;
-        if (PREFETCH_BLOCKS > 0 && fetch)
-            for (int j = 0; j < NV * (int)sizeof(elem_t) / 4; j++) _mm_prefetch((const char *)(vt + PREFETCH_BLOCKS * BLOCK_KEYS * v_row) + 64 * j, ROW_HINT);
         __m512 vv[8];
+        if (codes) {
+            if (PREFETCH_BLOCKS > 0) _mm_prefetch((const char *)(codes->v + (t + PREFETCH_BLOCKS * BLOCK_KEYS) * codes->v_row), _MM_HINT_T0);
+            code_row_avx512(codes->v + t * codes->v_row, codes->vs + t * codes->vs_row, codes->vl + t * codes->vl_row, NV, bits, group, vv);
+        } else {
+            if (PREFETCH_BLOCKS > 0 && fetch)
+                for (int j = 0; j < NV * (int)sizeof(elem_t) / 4; j++) _mm_prefetch((const char *)(vt + PREFETCH_BLOCKS * BLOCK_KEYS * v_row) + 64 * j, ROW_HINT);
 #ifdef SLIMKV_BF16
-        for (int j = 0; j < NV; j += 2) load32_pair(vt + 16 * j, &vv[j], &vv[j + 1]);
+            for (int j = 0; j < NV; j += 2) load32_pair(vt + 16 * j, &vv[j], &vv[j + 1]);
 #else
-        for (int j = 0; j < NV; j++) vv[j] = load16(vt + 16 * j);
+            for (int j = 0; j < NV; j++) vv[j] = load16(vt + 16 * j);
 #endif
+        }
         for (int i = 0; i < R; i++) {
             const __m512 p = _mm512_set1_ps(logits[i][t]);
             for (int j = 0; j < NV; j++) av[i][j] = _mm512_fmadd_ps(p, vv[j], av[i][j]);
@@ -213,17 +309,18 @@ static inline int row_tile_avx512(const int NV) { return NV > 4 ? 2 : 4; }
 
 /* Every one of an item's ``groups`` query rows against one block of n keys (block_rows_avx512), in the
  * fewest tiles of at most row_tile_avx512 rows, evenly filled: 3 rows are one tile of 3 (each
- * block's keys read once), 6 two of 3. */
+ * block's keys read once), 6 two of 3. ``codes``: the block is int4 / int8 codes (block_rows_avx512). */
 static inline __attribute__((always_inline)) void rows_in_tiles_avx512(const float *restrict q, const elem_t *restrict kb, const elem_t *restrict vb,
                                                                         int64_t k_row, int64_t v_row, int n, int64_t groups, const int ND,
-                                                                        const int NV, __m512 scale16, int fetch, float *restrict acc,
+                                                                        const int NV, __m512 scale16, int fetch, const CodeBlock *codes,
+                                                                        const int bits, const int group, float *restrict acc,
                                                                         float *restrict run_max, float *restrict run_sum) {
     const int64_t dim = 16 * ND, v_dim = 16 * NV;
     const int tile = row_tile_avx512(NV);
     for (int64_t g = 0; g < groups;) {
         const int64_t left = groups - g, tiles = (left + tile - 1) / tile;
         const int rows = (int)((left + tiles - 1) / tiles);
-#define ROWS_AVX512(R) block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, (R), ND, NV, scale16, fetch, acc + g * v_dim, run_max + g, run_sum + g)
+#define ROWS_AVX512(R) block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, (R), ND, NV, scale16, fetch, codes, bits, group, acc + g * v_dim, run_max + g, run_sum + g)
         switch (rows) {
         case 4: ROWS_AVX512(4); break;
         case 3: ROWS_AVX512(3); break;
@@ -258,7 +355,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(int64_t ite
             const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
             const elem_t *restrict kb = kh + t0 * k_row;
             const elem_t *restrict vb = vh + t0 * v_row;
-            rows_in_tiles_avx512(q, kb, vb, k_row, v_row, n, groups, ND, NV, scale16, fetch, acc, run_max, run_sum);
+            rows_in_tiles_avx512(q, kb, vb, k_row, v_row, n, groups, ND, NV, scale16, fetch, NULL, 0, 0, acc, run_max, run_sum);
         }
     }
     for (int64_t g = 0; g < groups; g++) {

@@ -21,9 +21,10 @@
  * the build's target (-march=native), so every instruction-set path has it.
  *
  * Dequantized values are what the cache's own dequantization gives (in bfloat16 builds, rounded
- * to bfloat16: as_stored), so the plain reference is slimkv.ops.attention.reference_attention over
- * the buffer's rows (slimkv.ops.quantize.dequantize_groups); tests/ops/test_native_quantized.py
- * compares them on every instruction-set path. */
+ * to bfloat16: as_stored, here and in the AVX-512 path's registers), so the plain reference is
+ * slimkv.ops.attention.reference_attention over the buffer's rows
+ * (slimkv.ops.quantize.dequantize_groups); tests/ops/test_native_quantized.py compares them on
+ * every instruction-set path. */
 
 #define QBLOCK 32 /* keys per block: 32 rows of keys and values of 64 float32 channels are 16 KB of scratch */
 #define QFIELDS 28 /* integers per segment in the quantized entry point's ``fields`` */
@@ -52,6 +53,11 @@ static inline void keep_split_stats(const QJob *job, int64_t item, const float *
     if (!job->stats_max) return;
     memcpy(job->stats_max + item * job->groups, run_max, sizeof(float) * (size_t)job->groups);
     memcpy(job->stats_sum + item * job->groups, run_sum, sizeof(float) * (size_t)job->groups);
+}
+
+/* Row (b, h, t) of a strided array of ``size``-byte elements (strides in elements). */
+static inline const void *row_at(const void *p, const int64_t *st, int64_t b, int64_t h, int64_t t, size_t size) {
+    return (const char *)p + (size_t)(b * st[0] + h * st[1] + t * st[2]) * size;
 }
 
 /* A dequantized value as the cache's element type holds it: bfloat16 builds round to the nearest
@@ -190,54 +196,13 @@ static inline __attribute__((always_inline)) void attend_item_quantized(const QJ
 
 
 #if defined(SLIMKV_PATH_AVX512)
-/* The AVX-512 path for rows of 32, 64 or 128 channels in groups of 32 or 64: each block of
- * BLOCK_KEYS keys and values is dequantized in natural channel order (int4 nibbles interleaved
- * back in registers) into scratch rows of the cache's element type, then served by the plain
- * kernel's register tiles (block_rows_avx512), so the arithmetic after dequantization is the
- * plain kernel's; residual rows are read in place. bfloat16 builds round each dequantized value
- * to bfloat16 (as_stored, in registers). */
-static inline void store16_dequantized(elem_t *dst, __m512 x) {
-#ifdef SLIMKV_BF16
-    __m512i bits = _mm512_castps_si512(x);
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1))));
-    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-#else
-    _mm512_storeu_ps(dst, x);
-#endif
-}
-
-/* Rows t0 .. t0 + n of one side of a quantized segment, dequantized into ``dst`` (rows of ``dim``). */
-static inline __attribute__((always_inline)) void dequantize_block_avx512(const QSegment *seg, int side, int64_t b, int64_t h, int64_t t0, int n,
-                                                                           const int64_t dim, const int64_t bits, const int64_t group,
-                                                                           elem_t *restrict dst) {
-    const int64_t *st = side ? seg->v_st : seg->k_st, *sst = side ? seg->vs_st : seg->ks_st, *lst = side ? seg->vl_st : seg->kl_st;
-    const uint8_t *codes = (const uint8_t *)(side ? seg->v : seg->k) + b * st[0] + h * st[1] + t0 * st[2];
-    const elem_t *scales = (side ? seg->vs : seg->ks) + b * sst[0] + h * sst[1] + t0 * sst[2];
-    const elem_t *lows = (side ? seg->vl : seg->kl) + b * lst[0] + h * lst[1] + t0 * lst[2];
-    const __m128i nibble = _mm_set1_epi8(15);
-    for (int t = 0; t < n; t++) {
-        const uint8_t *c = codes + t * st[2];
-        elem_t *d = dst + t * dim;
-        if (PREFETCH_BLOCKS > 0) _mm_prefetch((const char *)(c + PREFETCH_BLOCKS * BLOCK_KEYS * st[2]), _MM_HINT_T0);
-        for (int64_t chunk = 0; chunk < dim / 16; chunk++) { /* 16 channels at a time; a group is 2 or 4 chunks */
-            const int64_t g = chunk * 16 / group;
-            const __m512 s = _mm512_set1_ps(to_float(scales[t * sst[2] + g])), m = _mm512_set1_ps(to_float(lows[t * lst[2] + g]));
-            __m128i bytes;
-            if (bits == 4) {
-                const __m128i x = _mm_loadu_si128((const __m128i *)(c + chunk / 2 * 16)); /* 32 channels: channel 2j in byte j's low nibble */
-                const __m128i lo = _mm_and_si128(x, nibble), hi = _mm_and_si128(_mm_srli_epi16(x, 4), nibble);
-                bytes = chunk % 2 ? _mm_unpackhi_epi8(lo, hi) : _mm_unpacklo_epi8(lo, hi);
-            } else {
-                bytes = _mm_loadu_si128((const __m128i *)(c + chunk * 16));
-            }
-            store16_dequantized(d + chunk * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), s, m));
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) void attend_item_quantized_avx512(const QJob *job, int64_t item, const int ND, const int64_t bits,
-                                                                                const int64_t group, elem_t *restrict kbuf, elem_t *restrict vbuf,
-                                                                                float *restrict acc, float *restrict run_max, float *restrict run_sum) {
+/* The AVX-512 path for rows of 32, 64 or 128 channels in groups of 32 or 64: the plain kernel's
+ * register tiles (block_rows_avx512) read each block's codes in place, dequantizing every row in
+ * registers (code_row_avx512) where the plain rows would be loaded, so the arithmetic after
+ * dequantization is the plain kernel's; residual rows are read as rows. */
+static inline __attribute__((always_inline)) void attend_item_quantized_avx512(const QJob *job, int64_t item, const int ND, const int bits,
+                                                                                const int group, float *restrict acc, float *restrict run_max,
+                                                                                float *restrict run_sum) {
     const int64_t groups = job->groups, b = item / job->kv_heads, h = item % job->kv_heads, dim = 16 * ND;
     const int fetch = ROW_PREFETCH_ALWAYS || groups > row_tile_avx512(ND); /* the exact window's rows (ROW_PREFETCH_ALWAYS) */
     for (int64_t g = 0; g < groups; g++) {
@@ -249,20 +214,20 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx512(c
     for (int s = 0; s < job->n_segments; s++) {
         const QSegment *seg = job->segments + s;
         const float *restrict q = seg->q + item * groups * dim;
+        const int64_t *kst = seg->k_st, *vst = seg->v_st;
         for (int64_t t0 = 0; t0 < seg->keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg->keys - t0 < BLOCK_KEYS ? seg->keys - t0 : BLOCK_KEYS);
-            const elem_t *kb = kbuf, *vb = vbuf;
-            int64_t k_row = dim, v_row = dim;
             if (seg->bits) {
-                dequantize_block_avx512(seg, 0, b, h, t0, n, dim, bits, group, kbuf);
-                dequantize_block_avx512(seg, 1, b, h, t0, n, dim, bits, group, vbuf);
+                const CodeBlock block = {row_at(seg->k, kst, b, h, t0, 1), row_at(seg->v, vst, b, h, t0, 1),
+                                         row_at(seg->ks, seg->ks_st, b, h, t0, sizeof(elem_t)), row_at(seg->kl, seg->kl_st, b, h, t0, sizeof(elem_t)),
+                                         row_at(seg->vs, seg->vs_st, b, h, t0, sizeof(elem_t)), row_at(seg->vl, seg->vl_st, b, h, t0, sizeof(elem_t)),
+                                         kst[2], vst[2], seg->ks_st[2], seg->kl_st[2], seg->vs_st[2], seg->vl_st[2]};
+                rows_in_tiles_avx512(q, NULL, NULL, 0, 0, n, groups, ND, ND, scale16, 0, &block, bits, group, acc, run_max, run_sum);
             } else {
-                kb = (const elem_t *)seg->k + b * seg->k_st[0] + h * seg->k_st[1] + t0 * seg->k_st[2];
-                vb = (const elem_t *)seg->v + b * seg->v_st[0] + h * seg->v_st[1] + t0 * seg->v_st[2];
-                k_row = seg->k_st[2];
-                v_row = seg->v_st[2];
+                const elem_t *kb = (const elem_t *)seg->k + b * kst[0] + h * kst[1] + t0 * kst[2];
+                const elem_t *vb = (const elem_t *)seg->v + b * vst[0] + h * vst[1] + t0 * vst[2];
+                rows_in_tiles_avx512(q, kb, vb, kst[2], vst[2], n, groups, ND, ND, scale16, fetch, NULL, 0, 0, acc, run_max, run_sum);
             }
-            rows_in_tiles_avx512(q, kb, vb, k_row, v_row, n, groups, ND, ND, scale16, seg->bits ? 0 : fetch, acc, run_max, run_sum); /* codes: their block is in L1 */
         }
     }
     keep_split_stats(job, item, run_max, run_sum);
@@ -280,8 +245,8 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx512(c
 #define DISPATCH_QUANTIZED_AVX512(ND, BITS, G)                                                                            \
     if (job->dim == 16 * (ND) && job->v_dim == 16 * (ND) && job->bits == (BITS) && job->group == (G)) {                  \
         for (int64_t i = job->first; i < job->last; i++)                                                                  \
-            attend_item_quantized_avx512(job, i, (ND), (BITS), (G), tiles, tiles + BLOCK_KEYS * 16 * (ND), scratch,        \
-                                         scratch + job->groups * job->v_dim, scratch + job->groups * job->v_dim + job->groups); \
+            attend_item_quantized_avx512(job, i, (ND), (BITS), (G), scratch, scratch + job->groups * job->v_dim,            \
+                                         scratch + job->groups * job->v_dim + job->groups);                              \
         goto done;                                                                                                        \
     }
 #endif
@@ -304,7 +269,6 @@ static void *run_quantized_job(void *arg) {
     int32_t *position = (int32_t *)(scratch + job->groups * (v_pad + d_pad + 2) + QBLOCK * (d_pad + v_pad)); /* channel -> its place in split order */
     for (int64_t c = 0; c < width; c++) position[c] = (int32_t)split_position(c, job->bits, job->group);
 #if defined(SLIMKV_PATH_AVX512)
-    elem_t tiles[2 * BLOCK_KEYS * 128] __attribute__((aligned(64))); /* a block's dequantized keys and values, rows of up to 128 */
     DISPATCH_QUANTIZED_AVX512(4, 4, 32)
     DISPATCH_QUANTIZED_AVX512(4, 8, 32)
     DISPATCH_QUANTIZED_AVX512(8, 4, 32)
