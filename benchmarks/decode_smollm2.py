@@ -112,20 +112,28 @@ def _exact_copy_label(label: str) -> str:
     return label.replace("transformers (SDPA, DynamicCache)", "slimkv exact copy (gqa)")
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def render_parts(results: dict) -> str:
     """The page of a ``--parts`` run: per model and context, the timed step against its roofline bound,
-    then one instrumented step cut into linears, attention and the rest, each beside its bound."""
+    then one instrumented step cut into linears, attention (and blocks that ran as one call, when
+    any did) and the rest, each beside its bound."""
+    with_blocks = any(r.get("parts", {}).get("block_calls") for r in results["rows"])
     headers = ["model", "context", "dtype", "step ms", "tokens/s", "bound ms", "x bound", "instrumented ms", "linears ms (x bound)",
-               "attention ms (x bound, bound)", "rest ms (share)", "bound by parts ms", "step x bound by parts"]
+               "attention ms (x bound, bound)", *(["one-call blocks ms (x bound)"] if with_blocks else []), "rest ms (share)", "bound by parts ms",
+               "step x bound by parts"]
     cells = []
     for r in results["rows"]:
         if "parts" not in r:
             continue
         part = r["parts"]
-        parts_bound = part["linear_bound_s"] + part["attention_bound_s"]
+        parts_bound = part["linear_bound_s"] + part["attention_bound_s"] + part.get("block_bound_s", 0.0)
+        blocks = [f"{part['block_s'] * 1e3:.1f} ({_ratio(part['block_over_bound'])})"] if with_blocks else []
         cells.append([r["model"], r["context"], r["dtype"], f"{r['median_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.1f}", f"{r['bound_s'] * 1e3:.1f} ({r['bound']})",
-                      f"{r['time_over_bound']:.2f}", f"{part['step_s'] * 1e3:.1f}", f"{part['linear_s'] * 1e3:.1f} ({part['linear_over_bound']:.2f})",
-                      f"{part['attention_s'] * 1e3:.1f} ({part['attention_over_bound']:.2f}, {part['attention_bound']})",
+                      f"{r['time_over_bound']:.2f}", f"{part['step_s'] * 1e3:.1f}", f"{part['linear_s'] * 1e3:.1f} ({_ratio(part['linear_over_bound'])})",
+                      f"{part['attention_s'] * 1e3:.1f} ({_ratio(part['attention_over_bound'])}, {part['attention_bound']})", *blocks,
                       f"{part['rest_s'] * 1e3:.1f} ({part['rest_s'] / part['step_s']:.2f})", f"{parts_bound * 1e3:.1f}",
                       f"{r['median_s'] / parts_bound:.2f}"])
     s, rates = results["settings"], results["roofline"]["rates"]
@@ -138,7 +146,9 @@ def render_parts(results: dict) -> str:
         f"then {s['steps']} instrumented steps per model. Rates (best of before and after the run): {rate_text}.", "",
         "Step: the median timed step; bound: max((weights + cache bytes) / read rate, FLOPs / FMA rate). The instrumented step "
         "(`slimkv.bench.step_parts`) times every native linear call (bound: its weights over the read rate), every native attention "
-        "call (bound: the cache bytes over the read rate or the attention's FLOPs over the FMA rate, whichever is larger) and "
+        "call (bound: the cache bytes over the read rate or the attention's FLOPs over the FMA rate, whichever is larger)"
+        + (", every block that ran as one native call (`slimkv.model.block_step`: its projections, MLP and attention; bound: its "
+           "weights over the read rate plus its layer's share of the attention's bound)" if with_blocks else "") + " and "
         "leaves the rest (norms, RoPE, cache appends, MLA's absorbed products, the logits' argmax, Python between calls; bound 0). "
         "The parts run one after the other, so the sum of their bounds (bound by parts) is the tighter bound where one part is "
         "compute-bound and another memory-bound; the last column is the timed step over it. Attention work outside the native "
@@ -262,11 +272,12 @@ def main() -> None:
             if "instrumented_step" in r:
                 measured = r.pop("instrumented_step")
                 r["parts"] = split_step(measured["step_s"], measured, cache_bytes=r["cache_bytes"], rates=rate,
-                                        attention_flops=r["flops"] - 2 * measured["linear_weight_elements"])
+                                        attention_flops=r["flops"] - 2 * (measured["linear_weight_elements"] + measured["block_weight_elements"]))
                 part = r["parts"]
                 print(f"         instrumented step {part['step_s'] * 1e3:7.2f} ms: linears {part['linear_s'] * 1e3:6.2f} ms (x{part['linear_over_bound']:.2f} "
                       f"of their bound), attention {part['attention_s'] * 1e3:6.2f} ms (x{part['attention_over_bound']:.2f}, "
-                      f"{part['attention_bound']}), rest {part['rest_s'] * 1e3:6.2f} ms")
+                      f"{part['attention_bound']}), one-call blocks {part['block_s'] * 1e3:6.2f} ms ({part['block_calls']:.0f} calls), "
+                      f"rest {part['rest_s'] * 1e3:6.2f} ms")
     threads_key = thread_counts[0] if len(thread_counts) == 1 else thread_counts
     payload = {"settings": {"contexts": contexts, "threads": threads_key, "dtypes": dtypes, "native_kernel": {name: kernel_path(DTYPES[name]) for name in dtypes},
                             "kernel_isa": {name: kernel_isa(DTYPES[name]) for name in dtypes}, "steps": steps, "rounds": rounds, "models": list(models)},

@@ -67,6 +67,20 @@ class GrowableBuffer:
         """``append`` without returning the view (the interface ``QuantizedBuffer`` shares)."""
         self.append(x)
 
+    def reserve(self, n: int) -> tuple[torch.Tensor, int, int]:
+        """Room for ``n`` more rows, written by someone else (a native step writes a token's row
+        straight into the storage): (the storage, its first live row, its first free row). The
+        rows count only after ``commit(n)``; until then the buffer is as it was."""
+        if self._end + n > self.capacity:
+            self._make_room(n)
+        return self._storage, self._start, self._end
+
+    def commit(self, n: int) -> None:
+        """Count the ``n`` rows written after the live ones (``reserve``) as appended."""
+        if self._end + n > self.capacity:
+            raise ValueError(f"commit({n}): only {self.capacity - self._end} rows were reserved past the live ones")
+        self._end += n
+
     def segments(self) -> list[torch.Tensor]:
         """The live part as one segment (the interface ``QuantizedBuffer`` shares), none when empty."""
         return [self.view()] if len(self) else []

@@ -22,6 +22,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from slimkv.attention import Attention, AttentionCache, build_attention
 from slimkv.common.quiet import quiet_transformers
+from slimkv.model.block_step import block_step
 from slimkv.model.config import ModelConfig
 from slimkv.ops.linear import Linear, glu_linear, project, swiglu_residual
 from slimkv.ops.norm import RMSNorm
@@ -99,8 +100,13 @@ class Block(nn.Module):
         self.attn = build_attention(kind, config.d_model, config.n_heads, config.head_dim, **config.layer_options(layer))
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config.d_model, config.d_ff, config.mlp)
+        self.one_call_step = True  # a decode step of a plain GQA block in one native call (block_step); False: the module path
 
     def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+        if cache is not None:
+            out = block_step(self, x, cache)
+            if out is not None:
+                return out
         x = x + self.attn(self.attn_norm(x), cache=cache)
         return self.mlp.residual(x, self.mlp_norm)
 

@@ -42,6 +42,8 @@ ROTATE_ENTRIES = {torch.float32: "slimkv_rotate_row_f32", torch.bfloat16: "slimk
 """Element type -> the entry point for RoPE on one token's heads (csrc/decode_linear.h)."""
 SWIGLU_ENTRIES = {torch.float32: "slimkv_swiglu_residual_f32", torch.bfloat16: "slimkv_swiglu_residual_bf16"}
 """Element type -> the entry point for a pre-norm SwiGLU block's second half, one row (csrc/decode_linear.h)."""
+BLOCK_ENTRIES = {torch.float32: "slimkv_decode_block_f32", torch.bfloat16: "slimkv_decode_block_bf16"}
+"""Element type -> the entry point for a pre-norm GQA block's decode step, one token (csrc/decode_block.h)."""
 QUANTIZE_ENTRIES = {torch.float32: "slimkv_quantize_rows_f32", torch.bfloat16: "slimkv_quantize_rows_bf16"}
 """Cache element type -> the entry point that quantizes rows into codes (csrc/quantize_rows.h)."""
 
@@ -131,6 +133,8 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     rotate.argtypes, rotate.restype = [pointer, i64, i64, i64, pointer, pointer], ctypes.c_int
     swiglu = getattr(library, SWIGLU_ENTRIES[dtype])
     swiglu.argtypes, swiglu.restype = [pointer, pointer, ctypes.c_float, pointer, pointer, pointer, i64, i64, pointer, ctypes.c_int, ctypes.c_int], ctypes.c_int
+    block = getattr(library, BLOCK_ENTRIES[dtype])
+    block.argtypes, block.restype = [pointer, pointer, ctypes.c_float, ctypes.c_float, ctypes.c_float], ctypes.c_int
     quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
     quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
     for name in ("slimkv_kernel_isa", "slimkv_kernel_threading", "slimkv_row_prefetch_rule"):

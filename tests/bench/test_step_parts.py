@@ -15,22 +15,30 @@ from slimkv.ops.native import decode_kernel
 
 
 @pytest.mark.skipif(decode_kernel(torch.float32) is None, reason="the native kernel could not be built here: no native call to time")
-def test_a_decode_step_counts_every_linear_weight_once_and_its_attention_calls():
+@pytest.mark.parametrize("one_call", [False, True], ids=["module-path", "one-call-blocks"])
+def test_a_decode_step_counts_every_linear_weight_once_and_its_attention_calls(one_call):
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, attention="gqa", attention_options={"n_kv_heads": 2})
     model = SlimKVForCausalLM(config).eval()
+    for block in model.model.layers:
+        block.one_call_step = one_call
     with torch.no_grad():
         cache = model.new_cache(1)
         model(torch.randint(0, 61, (1, 9)), cache=cache)
         with timed_parts() as totals:
             model(torch.tensor([[3]]), cache=cache)
-    linear_weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name]
+    block_weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name and "layers." in name]
     lm_head = model.get_output_embeddings().weight
-    expected = sum(p.numel() for p in linear_weights) + (lm_head.numel() if all(p is not lm_head for p in linear_weights) else 0)
-    assert totals["linear_weight_elements"] == expected
-    assert totals["linear_weight_bytes"] == 4 * expected
-    assert totals["attention_calls"] == config.n_layers and totals["linear_calls"] >= config.n_layers
-    assert 0 < totals["linear_s"] and 0 < totals["attention_s"]
+    head = lm_head.numel() if all(p is not lm_head for p in block_weights) else 0
+    counted = totals["linear_weight_elements"] + totals["block_weight_elements"]
+    assert counted == sum(p.numel() for p in block_weights) + head
+    assert totals["linear_weight_bytes"] + totals["block_weight_bytes"] == 4 * counted
+    if one_call:  # each block one call: its linears and attention inside it
+        assert totals["block_calls"] == config.n_layers and totals["attention_calls"] == 0 and totals["linear_weight_elements"] == head
+        assert 0 < totals["block_s"]
+    else:
+        assert totals["attention_calls"] == config.n_layers and totals["linear_calls"] >= config.n_layers and totals["block_calls"] == 0
+        assert 0 < totals["linear_s"] and 0 < totals["attention_s"]
 
 
 def test_the_entries_are_restored_even_when_the_block_fails():
@@ -49,6 +57,16 @@ def test_the_split_puts_each_part_beside_its_bound():
     assert split["attention_bound"] == "memory" and split["attention_bound_s"] == pytest.approx(0.02)
     assert split["rest_s"] == pytest.approx(0.01)
     assert split_step(0.06, parts, cache_bytes=1e8, attention_flops=5e9, rates=rates)["attention_bound"] == "compute"
+
+
+def test_blocks_in_one_call_take_their_share_of_the_attention_bound():
+    """Two layers, one in one call (its weights 1e9 bytes) and one on the module path: the attention's bound is halved between them."""
+    parts = {"linear_s": 0.01, "linear_calls": 3, "linear_weight_bytes": 5e8, "linear_weight_elements": 1.25e8, "attention_s": 0.01,
+             "attention_calls": 1, "block_s": 0.03, "block_calls": 1, "block_weight_bytes": 1e9, "block_weight_elements": 2.5e8}
+    split = split_step(0.06, parts, cache_bytes=2e9, attention_flops=1e9, rates={"read_bytes_per_s": 1e11, "fma_flop_per_s": 1e11})
+    assert split["attention_bound_s"] == pytest.approx(0.01) and split["block_bound_s"] == pytest.approx(0.01 + 0.01)
+    assert split["block_over_bound"] == pytest.approx(1.5) and split["rest_s"] == pytest.approx(0.01)
+    assert split["parts_bound_s"] == pytest.approx(0.005 + 0.01 + 0.02)
 
 
 @pytest.mark.parametrize("name", ["decode_smollm2_16k_parts_1thread", "decode_smollm2_16k_parts_bf16_1thread"])

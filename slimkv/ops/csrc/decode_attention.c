@@ -100,6 +100,7 @@ typedef uint16_t elem_t;
 #define NORM_ENTRY slimkv_rms_norm_row_bf16
 #define ROTATE_ENTRY slimkv_rotate_row_bf16
 #define SWIGLU_ENTRY slimkv_swiglu_residual_bf16
+#define BLOCK_ENTRY slimkv_decode_block_bf16
 #define QUANTIZE_ENTRY slimkv_quantize_rows_bf16
 static inline float to_float(elem_t x) {
     const uint32_t bits = (uint32_t)x << 16;
@@ -122,6 +123,7 @@ typedef float elem_t;
 #define NORM_ENTRY slimkv_rms_norm_row_f32
 #define ROTATE_ENTRY slimkv_rotate_row_f32
 #define SWIGLU_ENTRY slimkv_swiglu_residual_f32
+#define BLOCK_ENTRY slimkv_decode_block_f32
 #define QUANTIZE_ENTRY slimkv_quantize_rows_f32
 static inline float to_float(elem_t x) { return x; }
 static inline elem_t from_float(float x) { return x; }
@@ -447,6 +449,7 @@ static inline void split_range(int64_t total_keys, int64_t splits, int64_t j, in
 
 #include "decode_quantized.h"
 #include "decode_linear.h"
+#include "decode_block.h"
 #include "quantize_rows.h"
 
 /* Runs ``jobs[0..count)`` on at most ``threads`` threads (``run_on_threads``); returns their statuses or-ed. */

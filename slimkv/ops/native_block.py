@@ -1,0 +1,79 @@
+"""A pre-norm GQA block's decode step in one native call (csrc/decode_block.h).
+
+``BlockWeights`` names what the call reads of a block (its norms, projections and MLP); one
+``native_block_step`` call then does, for one token, the attention's norm, q/k/v, RoPE, the new
+key and value rows written into the cache's storage, the attention over the live rows, the output
+projection and residual, and the SwiGLU half, each by the entry the module path would call and
+rounded where it rounds. ``slimkv.model.block_step`` decides when a block may take it; the module
+path is its reference (tests/model/test_block_step.py).
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+from typing import NamedTuple
+
+import torch
+
+from slimkv.ops.native import attention_threads
+from slimkv.ops.native_build import BLOCK_ENTRIES
+from slimkv.ops.native_rows import linear_threads
+
+
+class BlockWeights(NamedTuple):
+    """The tensors a block's step reads, each contiguous in the block's dtype: the attention's norm
+    gain, wq (n_heads * head_dim, d_model), wk and wv (kv_heads * head_dim, d_model), wo (d_model,
+    n_heads * head_dim), the MLP's norm gain, gate and up (d_ff, d_model) and down (d_model, d_ff)."""
+
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+class BlockShape(NamedTuple):
+    """A block's sizes and constants: widths, heads, rotary channels, the norms' eps and the attention's scale."""
+
+    d_model: int
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    rot_dim: int
+    d_ff: int
+    attn_eps: float
+    mlp_eps: float
+    scale: float
+
+
+def block_fields(weights: BlockWeights, shape: BlockShape) -> tuple[int, ...]:
+    """What the entry keeps from step to step (the first 15 of its fields), built once per block."""
+    return (*(w.data_ptr() for w in weights), shape.d_model, shape.n_heads, shape.kv_heads, shape.head_dim, shape.rot_dim, shape.d_ff)
+
+
+def native_block_step(x: torch.Tensor, fields: tuple[int, ...], weights: BlockWeights, shape: BlockShape, rotation: torch.Tensor,
+                      k_storage: torch.Tensor, v_storage: torch.Tensor, first: int, row: int, library: ctypes.CDLL) -> torch.Tensor:
+    """One token's step through the block: x (1, 1, d_model) -> (1, 1, d_model) in x's dtype. The
+    new key and value rows are written at ``row`` of ``k_storage`` / ``v_storage`` (1, kv_heads,
+    capacity, head_dim, rows contiguous; ``row`` < capacity) and the attention reads rows ``first``
+    .. ``row``; the caller then counts the row as stored. ``fields``: ``block_fields(weights,
+    shape)``; ``rotation``: the token's cos + i sin, rot_dim // 2 contiguous complex64 values; the
+    library is ``decode_kernel``'s for x's dtype. RuntimeError if the kernel fails (nothing counted)."""
+    out = torch.empty_like(x)
+    ks, vs = k_storage.stride(), v_storage.stride()
+    keys = row - first + 1
+    qkv_bytes = (weights.wq.numel() + weights.wk.numel() + weights.wv.numel()) * x.element_size()
+    gate_up_bytes = 2 * weights.gate.numel() * x.element_size()
+    packed = array.array("q", (*fields, x.data_ptr(), out.data_ptr(), k_storage.data_ptr(), v_storage.data_ptr(), ks[1], ks[2], vs[1], vs[2],
+                               first, row, linear_threads(qkv_bytes), attention_threads(4 * shape.n_heads * keys * shape.head_dim),
+                               linear_threads(weights.wo.numel() * x.element_size()), linear_threads(gate_up_bytes),
+                               linear_threads(weights.down.numel() * x.element_size())))
+    status = getattr(library, BLOCK_ENTRIES[x.dtype])(packed.buffer_info()[0], rotation.data_ptr(), shape.attn_eps, shape.mlp_eps, shape.scale)
+    if status != 0:
+        raise RuntimeError(f"native block step failed (status {status}: {'out of memory or threads' if status == 1 else 'bad arguments'})")
+    return out

@@ -1,0 +1,176 @@
+"""A decode step of a plain GQA block in one native call (slimkv.model.block_step, csrc/decode_block.h)
+against the module path, its reference: the same logits and the same cache to the bit, and the
+module path wherever the block or the call is not one the entry takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from slimkv import ModelConfig, SlimKVForCausalLM
+from slimkv.model.block_step import block_step
+from slimkv.model.modeling import Block
+from slimkv.ops import native
+
+needs_kernel = pytest.mark.skipif(native.decode_kernel() is None, reason="no C compiler on this machine, so there is no native kernel: every "
+                                  "block takes the module path, which tests/model/test_model.py checks")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def tiny(kind="gqa", opts=None, **kw) -> SlimKVForCausalLM:
+    torch.manual_seed(0)
+    opts = {"n_kv_heads": 2} if opts is None and kind == "gqa" else opts or {}
+    cfg = ModelConfig(vocab_size=61, d_model=64, n_layers=2, n_heads=4, attention=kind, attention_options=opts, **kw)
+    return SlimKVForCausalLM(cfg).eval()
+
+
+def blocks(model) -> list[Block]:
+    return [m for m in model.modules() if isinstance(m, Block)]
+
+
+def decode(model, ids, steps, one_call):
+    """Prefill ``ids``, then ``steps`` greedy tokens one at a time: (every step's logits, the cache)."""
+    for block in blocks(model):
+        block.one_call_step = one_call
+    cache = model.new_cache(1)
+    logits = [model(ids, cache=cache).logits[:, -1:]]
+    for _ in range(steps):
+        logits.append(model(logits[-1].argmax(-1), cache=cache).logits)
+    return torch.cat(logits, 1), cache
+
+
+def same_cache(a, b) -> bool:
+    return all(x.seq_len == y.seq_len and torch.equal(x.k.view(), y.k.view()) and torch.equal(x.v.view(), y.v.view()) for x, y in zip(a.layers, b.layers))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("kind", "opts", "extra"), [("gqa", None, {}), ("mha", None, {}), ("mqa", None, {}),
+                                                     ("gqa", {"n_kv_heads": 2, "rope_fraction": 0.5}, {})], ids=["gqa", "mha", "mqa", "gqa-half-rope"])
+def test_one_call_step_equals_the_module_path_to_the_bit(dtype, kind, opts, extra):
+    """Prefill 60 tokens then 12 steps: the buffers grow past their first 64 rows mid-way (the
+    reserve moves the storage), and the first step after an empty cache is covered by the 1-token prefill case below."""
+    model = tiny(kind, opts, **extra).to(DTYPES[dtype])
+    ids = torch.randint(0, 61, (1, 60))
+    with torch.no_grad():
+        module_logits, module_cache = decode(model, ids, 12, one_call=False)
+        calls = []
+        original = block_step.__globals__["native_block_step"]
+        block_step.__globals__["native_block_step"] = lambda *a, **k: calls.append(1) or original(*a, **k)
+        try:
+            fused_logits, fused_cache = decode(model, ids, 12, one_call=True)
+        finally:
+            block_step.__globals__["native_block_step"] = original
+    assert len(calls) == 12 * len(blocks(model)), "the one-call step did not take every decode step"
+    assert torch.equal(fused_logits, module_logits)
+    assert same_cache(fused_cache, module_cache)
+    assert fused_cache.nbytes() == module_cache.nbytes()
+
+
+@needs_kernel
+def test_the_first_token_and_generate_agree():
+    """A 1-token prompt (the first step reads an empty cache: the module path) and generate()."""
+    model = tiny()
+    prompt = torch.randint(1, 61, (1, 1))
+    outputs = {}
+    for one_call in (False, True):
+        for block in blocks(model):
+            block.one_call_step = one_call
+        with torch.no_grad():
+            outputs[one_call] = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(outputs[True], outputs[False])
+
+
+@needs_kernel
+def test_a_weight_replaced_between_steps_is_read_anew():
+    """The plan keeps weight addresses: after .to(bfloat16) or a load_state_dict the step must read the new weights."""
+    model = tiny()
+    ids = torch.randint(0, 61, (1, 20))
+    with torch.no_grad():
+        decode(model, ids, 3, one_call=True)  # plans built for float32
+        model.to(torch.bfloat16)
+        fused, _ = decode(model, ids, 5, one_call=True)
+        module, _ = decode(model, ids, 5, one_call=False)
+        assert torch.equal(fused, module)
+        other = tiny()
+        torch.manual_seed(1)
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        model.load_state_dict({k: v.to(torch.bfloat16) for k, v in other.state_dict().items()})
+        fused, _ = decode(model, ids, 5, one_call=True)
+        module, _ = decode(model, ids, 5, one_call=False)
+    assert torch.equal(fused, module)
+
+
+def _first_block_and_cache(model, tokens=5):
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        model(torch.randint(0, 61, (1, tokens)), cache=cache)
+    return blocks(model)[0], cache.layers[0]
+
+
+@pytest.mark.parametrize(("kind", "opts", "extra", "storage"), [
+    ("swa", {"n_kv_heads": 2, "window": 8}, {}, None),
+    ("streaming", {"n_kv_heads": 2, "window": 8, "sink_len": 2}, {}, None),
+    ("gqa", {"n_kv_heads": 2, "qk_norm": True}, {}, None),
+    ("gqa", {"n_kv_heads": 2, "bias": True}, {}, None),
+    ("gqa", None, {"mlp": "relu2"}, None),
+    ("gqa", None, {}, "int4"),
+    ("mla", {"kv_rank": 16, "rope_dim": 8}, {}, None),
+], ids=["swa", "streaming", "qk-norm", "bias", "relu2-mlp", "int4-storage", "mla"])
+def test_blocks_the_entry_does_not_compute_take_the_module_path(kind, opts, extra, storage):
+    model = tiny(kind, opts, **extra)
+    cache = model.new_cache(1, storage=storage) if storage else model.new_cache(1)
+    with torch.no_grad():
+        model(torch.randint(0, 61, (1, 5)), cache=cache)
+        assert block_step(blocks(model)[0], torch.randn(1, 1, 64), cache.layers[0]) is None
+
+
+def test_calls_the_entry_does_not_take_take_the_module_path():
+    model = tiny()
+    block, cache = _first_block_and_cache(model)
+    x = torch.randn(1, 1, 64)
+    assert block_step(block, torch.randn(1, 2, 64), cache) is None  # two tokens
+    assert block_step(block, x.double(), cache) is None  # another dtype than the weights'
+    with torch.enable_grad():
+        assert block_step(block, x, cache) is None  # autograd: the weights need grad
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Watch():
+        assert block_step(block, x, cache) is None  # a FLOP counter must see the module path's operations
+    handle = block.attn.q_proj.register_forward_hook(lambda *a: None)
+    with torch.no_grad():
+        assert block_step(block, x, cache) is None  # a hook must see its module's call
+    handle.remove()
+    block.attn.set_runtime_options(backend="reference")
+    with torch.no_grad():
+        assert block_step(block, x, cache) is None  # the reference backend is a request for the plain path
+    block.attn.set_runtime_options(backend="sdpa")
+    empty = model.new_cache(1).layers[0]
+    with torch.no_grad():
+        assert block_step(block, x, empty) is None  # the first token: the module path
+    block.one_call_step = False
+    with torch.no_grad():
+        assert block_step(block, x, cache) is None
+    assert cache.seq_len == 5
+    if native.decode_kernel() is not None:  # and the same call, every condition met, takes it
+        block.one_call_step = True
+        with torch.no_grad():
+            assert block_step(block, x, cache) is not None
+        assert cache.seq_len == 6
+
+
+@needs_kernel
+def test_a_cache_of_another_block_is_refused_before_anything_is_written():
+    model = tiny()
+    other = tiny("gqa", {"n_kv_heads": 4})
+    block = blocks(model)[0]
+    _, foreign = _first_block_and_cache(other)
+    before = foreign.k.view().clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="cache was made by a module"):
+        block_step(block, torch.randn(1, 1, 64), foreign)
+    assert foreign.seq_len == 5 and torch.equal(foreign.k.view(), before)
