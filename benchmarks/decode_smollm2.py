@@ -63,6 +63,7 @@ from slimkv.convert.source import Source, exact_copy
 from slimkv.data.texts import evaluation_text, tokenize
 from slimkv.eval.cache import layer_bytes
 from slimkv.eval.models import load_language_model
+from slimkv.model.block_step import one_call_blocks
 from slimkv.ops.native import kernel_isa, kernel_path
 from slimkv.pretrained import SMOLLM2, fetch_smollm2, load_pretrained
 
@@ -78,6 +79,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps per model per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--parts", action="store_true", help="also time each slimkv model's linears, attention and the rest in instrumented steps")
+    p.add_argument("--module-path", action="store_true", help="also time each slimkv model whose blocks take the one-call step on the module path "
+                   "(slimkv.model.block_step: Block.one_call_step False), interleaved with it")
     p.add_argument("--render", metavar="JSON", help="write the parts page of a --parts results file beside it, and measure nothing")
     p.add_argument("--quick", action="store_true", help="contexts 256,1024; 1 round of 3 steps")
     p.add_argument("--name", default=None, help="results file name (default decode_smollm2_<threads>thread, threads joined by '-')")
@@ -179,6 +182,12 @@ def main() -> None:
     for folder in args.converted:
         loaded = load_language_model(folder)
         float32_models[f"slimkv {Path(folder).name}"] = (loaded.model, True)
+    for label, (model, slim) in list(float32_models.items()) if args.module_path else []:
+        if slim and one_call_blocks(model)[0]:
+            module_path = copy.deepcopy(model)
+            for block in module_path.model.layers:
+                block.one_call_step = False
+            float32_models[f"{label}, module path"] = (module_path, True)
     models = {}  # every model in every dtype, dtype by dtype (transformers' run first in each: the traffic baseline)
     for name in dtypes:
         for label, (model, slim) in float32_models.items():
@@ -248,6 +257,8 @@ def main() -> None:
                        "prefill_s": state[label][2], "time_over_traffic_prediction": median / ((weights + cache_bytes) / base_bytes[dtype, n]),
                        "samples_s": samples[label, n], "flops": flops[label] if slim else flops.get(_exact_copy_label(label), flops[label]),
                        "flops_source": "counted" if slim or _exact_copy_label(label) not in flops else "slimkv exact copy's count"}
+                if slim:
+                    row["one_call_blocks"], row["blocks"] = one_call_blocks(model)
                 if (label, n) in instrumented:
                     row["instrumented_step"] = {"step_s": instrumented[label, n][0], **instrumented[label, n][1]}
                 if n != thread_counts[0]:
@@ -274,10 +285,10 @@ def main() -> None:
                 r["parts"] = split_step(measured["step_s"], measured, cache_bytes=r["cache_bytes"], rates=rate,
                                         attention_flops=r["flops"] - 2 * (measured["linear_weight_elements"] + measured["block_weight_elements"]))
                 part = r["parts"]
-                print(f"         instrumented step {part['step_s'] * 1e3:7.2f} ms: linears {part['linear_s'] * 1e3:6.2f} ms (x{part['linear_over_bound']:.2f} "
-                      f"of their bound), attention {part['attention_s'] * 1e3:6.2f} ms (x{part['attention_over_bound']:.2f}, "
-                      f"{part['attention_bound']}), one-call blocks {part['block_s'] * 1e3:6.2f} ms ({part['block_calls']:.0f} calls), "
-                      f"rest {part['rest_s'] * 1e3:6.2f} ms")
+                print(f"         instrumented step {part['step_s'] * 1e3:7.2f} ms: linears {part['linear_s'] * 1e3:6.2f} ms (x{_ratio(part['linear_over_bound'])} "
+                      f"of their bound), attention {part['attention_s'] * 1e3:6.2f} ms (x{_ratio(part['attention_over_bound'])}, "
+                      f"{part['attention_bound']}), one-call blocks {part['block_s'] * 1e3:6.2f} ms ({part['block_calls']:.0f} calls, "
+                      f"x{_ratio(part['block_over_bound'])}), rest {part['rest_s'] * 1e3:6.2f} ms")
     threads_key = thread_counts[0] if len(thread_counts) == 1 else thread_counts
     payload = {"settings": {"contexts": contexts, "threads": threads_key, "dtypes": dtypes, "native_kernel": {name: kernel_path(DTYPES[name]) for name in dtypes},
                             "kernel_isa": {name: kernel_isa(DTYPES[name]) for name in dtypes}, "steps": steps, "rounds": rounds, "models": list(models)},

@@ -40,12 +40,20 @@ class StepPlan(NamedTuple):
     fields: tuple[int, ...]
     requires_grad: bool
     modules: tuple[torch.nn.Module, ...]
+    children: tuple[tuple[torch.nn.Module, str, torch.nn.Module], ...]
+    owners: tuple[torch.nn.Module, ...]
 
 
-def _weights(block) -> BlockWeights:
-    attn, mlp = block.attn, block.mlp
-    return BlockWeights(block.attn_norm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
-                        block.mlp_norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+CHILDREN = (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("attn_norm", ()), ("mlp", ("gate_proj", "up_proj", "down_proj")), ("mlp_norm", ()))
+OWNERS = ("attn_norm", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+"""The modules whose ``weight`` the entry reads, in ``BlockWeights``' order."""
+
+
+def _still_valid(plan: StepPlan) -> bool:
+    """Whether the block still has the modules and weights its plan was made from (a weight replaced
+    or moved by .to() or load_state_dict, or a module swapped, means a new plan)."""
+    return (all(parent._modules.get(name) is child for parent, name, child in plan.children)
+            and all(owner._parameters.get("weight") is w and w.data_ptr() == f for owner, w, f in zip(plan.owners, plan.weights, plan.fields)))
 
 
 def _plan(block) -> StepPlan | None:
@@ -58,13 +66,23 @@ def _plan(block) -> StepPlan | None:
     projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if any(type(p) is not Linear or p.bias is not None for p in projections) or attn.rotary.rot_dim == 0:
         return None
-    weights = _weights(block)
+    owners = tuple(block.get_submodule(name) for name in OWNERS)
+    weights = BlockWeights(*(owner.weight for owner in owners))
     dtype = weights[0].dtype
     if any(w.dtype != dtype or w.device.type != "cpu" or not w.is_contiguous() for w in weights):
         return None
     shape = BlockShape(attn.d_model, attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.rotary.rot_dim, mlp.gate_proj.out_features,
                        block.attn_norm.eps, block.mlp_norm.eps, 1.0 / math.sqrt(attn.head_dim))  # decode_attention's default scale
-    return StepPlan(weights, shape, block_fields(weights, shape), any(w.requires_grad for w in weights), tuple(block.modules()))
+    children = tuple((block, name, block._modules[name]) for name, _ in CHILDREN)
+    children += tuple((block._modules[name], sub, block._modules[name]._modules[sub]) for name, subs in CHILDREN for sub in subs)
+    return StepPlan(weights, shape, block_fields(weights, shape), any(w.requires_grad for w in weights), tuple(block.modules()), children, owners)
+
+
+def one_call_blocks(model: torch.nn.Module) -> tuple[int, int]:
+    """(blocks whose modules the one-call step computes and that have it switched on, all blocks) of
+    ``model``: what a benchmark records beside a decode time, so a reader knows which path ran."""
+    blocks = [m for m in model.modules() if hasattr(m, "one_call_step")]  # slimkv.model.modeling.Block (which imports this module)
+    return sum(1 for b in blocks if b.one_call_step and _plan(b) is not None), len(blocks)
 
 
 def _hooked(modules: tuple[torch.nn.Module, ...]) -> bool:
@@ -83,9 +101,8 @@ def block_step(block, x: torch.Tensor, cache) -> torch.Tensor | None:
     if len(cache.k) < 1 or type(cache.k) is not GrowableBuffer or torch._C._len_torch_dispatch_stack() > 0:
         return None  # the first token takes the module path (its attention is the prefill's kernel, not the decode kernel)
     plan = block.__dict__.get("_step_plan")
-    if plan is None or (plan and (any(a is not b for a, b in zip(plan.weights, _weights(block)))
-                                  or any(w.data_ptr() != f for w, f in zip(plan.weights, plan.fields)))):
-        plan = block.__dict__["_step_plan"] = _plan(block) or False  # built again when a weight was replaced or moved (.to(), load_state_dict)
+    if plan is None or (plan and not _still_valid(plan)):
+        plan = block.__dict__["_step_plan"] = _plan(block) or False
     if plan is False or x.dtype != plan.weights.wq.dtype or not x.is_contiguous() or x.device.type != "cpu":
         return None
     if (torch.is_grad_enabled() and (plan.requires_grad or x.requires_grad)) or block.attn.backend == "reference" or _hooked(plan.modules):

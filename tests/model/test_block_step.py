@@ -100,7 +100,14 @@ def test_a_weight_replaced_between_steps_is_read_anew():
         model.load_state_dict({k: v.to(torch.bfloat16) for k, v in other.state_dict().items()})
         fused, _ = decode(model, ids, 5, one_call=True)
         module, _ = decode(model, ids, 5, one_call=False)
+        assert torch.equal(fused, module)
+        attn = blocks(model)[1].attn
+        swapped = type(attn.q_proj)(64, 64, bias=False).to(torch.bfloat16)  # a module swapped in: its weights, not the old ones
+        attn.q_proj = swapped
+        fused, _ = decode(model, ids, 5, one_call=True)
+        module, _ = decode(model, ids, 5, one_call=False)
     assert torch.equal(fused, module)
+    assert blocks(model)[1].__dict__["_step_plan"].weights.wq is swapped.weight
 
 
 def _first_block_and_cache(model, tokens=5):
