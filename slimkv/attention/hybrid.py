@@ -85,9 +85,15 @@ class HybridAttention(MultiHeadAttention):
         return batch_size * rows * 2 * self.head_dim * dtype_bytes(dtype)
 
     def _forward(self, x: torch.Tensor, cache: HybridCache | None) -> torch.Tensor:
-        start = cache.seq_len if cache is not None else 0
-        q, k, v = self.project_qkv(x, start)  # (b, H, t, d), (b, G, t, d)
+        q, k, v = self.project_qkv(x, cache.seq_len if cache is not None else 0)  # (b, H, t, d), (b, G, t, d)
+        out = self.attend_rows(q, k, v, cache)
         b, t = x.shape[:2]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: HybridCache | None) -> torch.Tensor:
+        """``MultiHeadAttention.attend_rows`` with each KV head's role: (b, H, t, d) before the output projection."""
+        start = cache.seq_len if cache is not None else 0
+        t = q.shape[2]
         codes = cache is not None and cache.reads_codes(t, self.backend)
         parts = []
         if self.full_heads:
@@ -106,14 +112,13 @@ class HybridAttention(MultiHeadAttention):
                 parts.append(stored_decode_attention(qs, [*cache.stored_segments(), (ks, vs)]))
                 cache.add(ks, vs)
             else:
-                q_pos = torch.arange(start, start + t, device=x.device)
+                q_pos = torch.arange(start, start + t, device=q.device)
                 keys, values, k_pos = (ks, vs, q_pos) if cache is None else cache.extend(ks, vs, q_pos)
                 run = streaming_attention_reference if self.backend == "reference" else streaming_attention
                 parts.append(run(qs, keys, values, q_pos, k_pos, self.sink_len, self.window))
         elif cache is not None:
             cache.seq_len += t  # no streaming head: only the full heads' buffers hold tokens
-        out = self._select(torch.cat(parts, dim=1), "order") if len(parts) > 1 else parts[0]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return self._select(torch.cat(parts, dim=1), "order") if len(parts) > 1 else parts[0]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", sink_len={self.sink_len}, full_heads={self.full_heads}"

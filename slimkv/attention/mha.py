@@ -111,9 +111,16 @@ class MultiHeadAttention(Attention):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _forward(self, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        start = cache.seq_len if cache is not None else 0
-        q, k, v = self.project_qkv(x, start)
-        if cache is not None and self.window is None and cache.reads_codes(x.shape[1], self.backend):
+        q, k, v = self.project_qkv(x, cache.seq_len if cache is not None else 0)
+        out = self.attend_rows(q, k, v, cache)
+        b, t = x.shape[:2]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """The attention between ``project_qkv``'s rows and the cache, which takes the new keys and
+        values: (batch, n_heads, time, head_dim), before the output projection. A decode step whose
+        block computes the projections in one native call (``slimkv.model.block_step``) calls this."""
+        if cache is not None and self.window is None and cache.reads_codes(q.shape[2], self.backend):
             cache.store(k, v)
             out = stored_decode_attention(q, buffer_segments(cache.k, cache.v))
         else:
@@ -122,8 +129,7 @@ class MultiHeadAttention(Attention):
             out = attend(q, k, v, window=self.window, backend=self.backend)
         if cache is not None:
             cache.trim()
-        b, t = x.shape[:2]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return out
 
     def extra_repr(self) -> str:
         window = f", window={self.window}" if self.window is not None else ""

@@ -1,17 +1,23 @@
-"""A decoder block's decode step in one native call, where the block allows it.
+"""A decoder block's decode step in one native call (or two around the attention), where the block allows it.
 
 A decode step of a small model is mostly calls: a SmolLM2 layer's module path makes some ten
 kernel calls and tens of torch operations, about 300 us a layer in Python and dispatch on the
-development machine. ``block_step`` runs the whole block for one token through
-``slimkv.ops.native_block.native_block_step`` (csrc/decode_block.h) instead, when the block is the
-plain pre-norm GQA/MHA/MQA block with a SwiGLU MLP (no biases, no query/key norms, no window,
-RoPE on some channels) over a full-precision cache holding at least one token, in float32 or
-bfloat16 on the CPU, with no autograd, no torch dispatch mode (a FLOP counter must see the module
-path's operations), no forward hook on any of the block's modules and a backend other than
-"reference". Otherwise it returns None and ``Block.forward`` takes the module path,
-which is the reference: the one-call step computes every value as the module path's kernels do
-and rounds it where they round, so the two agree to the bit (tests/model/test_block_step.py).
-``Block.one_call_step`` (True by default) lets a test or benchmark run the module path instead.
+development machine. ``block_step`` runs a pre-norm block with a SwiGLU MLP (no biases, no
+query/key norms, RoPE on some channels, plain ``Linear`` projections) for one token through
+``slimkv.ops.native_block`` (csrc/decode_block.h) instead:
+- the plain GQA/MHA/MQA block (no window) over a full-precision cache holding at least one token:
+  the whole block in one call (``native_block_step``), the new rows written into the cache;
+- any other attention of the ``MultiHeadAttention`` family that keeps its own cache (``hybrid``'s
+  per-head roles, a sliding window, quantized rows): the norm, q/k/v and RoPE in one call, the
+  attention's own ``attend_rows`` in Python, then the output projection, the residual and the
+  SwiGLU half in one call (``native_block_input``, ``native_block_output``).
+Both need float32 or bfloat16 on the CPU, no autograd, no torch dispatch mode (a FLOP counter must
+see the module path's operations), no forward hook on any of the block's modules and a backend
+other than "reference". Otherwise ``block_step`` returns None and ``Block.forward`` takes the
+module path, which is the reference: the native calls compute every value as the module path's
+kernels do and round it where they round, so the two agree to the bit
+(tests/model/test_block_step.py). ``Block.one_call_step`` (True by default) lets a test or
+benchmark run the module path instead.
 """
 
 from __future__ import annotations
@@ -22,14 +28,26 @@ from typing import NamedTuple
 import torch
 from torch.nn.modules import module as nn_module
 
-from slimkv.attention.mha import GQA, MHA, MQA, KVCache
+from slimkv.attention.hybrid import HybridAttention
+from slimkv.attention.mha import GQA, MHA, MQA, KVCache, MultiHeadAttention
 from slimkv.common.buffer import GrowableBuffer
 from slimkv.ops.linear import Linear
 from slimkv.ops.native import decode_kernel
-from slimkv.ops.native_block import BlockShape, BlockWeights, block_fields, native_block_step
+from slimkv.ops.native_block import (
+    BlockShape,
+    BlockWeights,
+    block_fields,
+    native_block_input,
+    native_block_output,
+    native_block_step,
+)
 from slimkv.ops.norm import RMSNorm
 
 KINDS = (MHA, GQA, MQA)
+"""Attention kinds whose whole block step is one call (with no window and a full-precision cache)."""
+HALVES = (MultiHeadAttention._forward, HybridAttention._forward)
+"""The ``_forward`` methods that are ``project_qkv``, ``attend_rows`` and ``o_proj`` in turn: a class
+that runs one of them takes the two-call step."""
 
 
 class StepPlan(NamedTuple):
@@ -42,6 +60,7 @@ class StepPlan(NamedTuple):
     modules: tuple[torch.nn.Module, ...]
     children: tuple[tuple[torch.nn.Module, str, torch.nn.Module], ...]
     owners: tuple[torch.nn.Module, ...]
+    whole: bool  # the whole block in one call (KINDS, no window); else the two calls around attend_rows
 
 
 CHILDREN = (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("attn_norm", ()), ("mlp", ("gate_proj", "up_proj", "down_proj")), ("mlp_norm", ()))
@@ -59,7 +78,7 @@ def _still_valid(plan: StepPlan) -> bool:
 def _plan(block) -> StepPlan | None:
     """The block's plan, or None when its modules are not the ones the entry computes."""
     attn, mlp = block.attn, block.mlp
-    if type(attn) not in KINDS or attn.window is not None or attn.use_qk_norm or attn.use_bias:
+    if not isinstance(attn, MultiHeadAttention) or type(attn)._forward not in HALVES or attn.use_qk_norm or attn.use_bias:
         return None
     if type(block.attn_norm) is not RMSNorm or type(block.mlp_norm) is not RMSNorm or mlp.gate_proj is None:
         return None
@@ -75,7 +94,8 @@ def _plan(block) -> StepPlan | None:
                        block.attn_norm.eps, block.mlp_norm.eps, 1.0 / math.sqrt(attn.head_dim))  # decode_attention's default scale
     children = tuple((block, name, block._modules[name]) for name, _ in CHILDREN)
     children += tuple((block._modules[name], sub, block._modules[name]._modules[sub]) for name, subs in CHILDREN for sub in subs)
-    return StepPlan(weights, shape, block_fields(weights, shape), any(w.requires_grad for w in weights), tuple(block.modules()), children, owners)
+    return StepPlan(weights, shape, block_fields(weights, shape), any(w.requires_grad for w in weights), tuple(block.modules()), children, owners,
+                    type(attn) in KINDS and attn.window is None)
 
 
 def one_call_blocks(model: torch.nn.Module) -> tuple[int, int]:
@@ -93,13 +113,11 @@ def _hooked(modules: tuple[torch.nn.Module, ...]) -> bool:
 
 
 def block_step(block, x: torch.Tensor, cache) -> torch.Tensor | None:
-    """``block(x, cache)`` for one token in one native call, or None when the call is not one the
-    entry takes (the caller then runs the module path). x (1, 1, d_model); ``cache`` the block's
+    """``block(x, cache)`` for one token in one or two native calls, or None when the call is not
+    one they take (the caller then runs the module path). x (1, 1, d_model); ``cache`` the block's
     attention cache, advanced by the token as the module path would advance it."""
-    if not block.one_call_step or type(cache) is not KVCache or x.shape[:2] != (1, 1) or cache.keep is not None or cache.storage.bits is not None:
+    if not block.one_call_step or x.shape[:2] != (1, 1) or torch._C._len_torch_dispatch_stack() > 0:
         return None
-    if len(cache.k) < 1 or type(cache.k) is not GrowableBuffer or torch._C._len_torch_dispatch_stack() > 0:
-        return None  # the first token takes the module path (its attention is the prefill's kernel, not the decode kernel)
     plan = block.__dict__.get("_step_plan")
     if plan is None or (plan and not _still_valid(plan)):
         plan = block.__dict__["_step_plan"] = _plan(block) or False
@@ -115,13 +133,35 @@ def block_step(block, x: torch.Tensor, cache) -> torch.Tensor | None:
     if spec is None:
         spec = attn.__dict__["_spec"] = attn.cache_spec()
     cache.check_compatible(spec, x)
-    k_storage, first, row = cache.k.reserve(1)
-    v_storage, v_first, v_row = cache.v.reserve(1)
-    if (v_first, v_row) != (first, row) or k_storage.stride(3) != 1 or v_storage.stride(3) != 1:
-        return None
     rotation = attn.rotary.rotation(cache.seq_len, 1, x.device, torch.float32)
-    out = native_block_step(x, plan.fields, plan.weights, plan.shape, rotation, k_storage, v_storage, first, row, library)
-    cache.k.commit(1)
-    cache.v.commit(1)
-    cache.seq_len += 1
-    return out
+    if plan.whole and type(cache) is KVCache and cache.storage.bits is None and cache.keep is None and len(cache.k) >= 1 \
+            and type(cache.k) is GrowableBuffer:  # the first token takes two calls: its attention is the prefill's kernel, not the decode kernel
+        k_storage, first, row = cache.k.reserve(1)
+        v_storage, v_first, v_row = cache.v.reserve(1)
+        if (v_first, v_row) == (first, row) and k_storage.stride(3) == 1 and v_storage.stride(3) == 1:
+            out = native_block_step(x, plan.fields, plan.weights, plan.shape, rotation, k_storage, v_storage, first, row, library)
+            cache.k.commit(1)
+            cache.v.commit(1)
+            cache.seq_len += 1
+            return out
+    return _two_calls(plan, attn, x, cache, rotation, library)
+
+
+def _two_calls(plan: StepPlan, attn: MultiHeadAttention, x: torch.Tensor, cache, rotation: torch.Tensor, library) -> torch.Tensor:
+    """The block around ``attn.attend_rows``: one native call before it, one after (the views between
+    them are the module path's, so the attention sees the tensors it would see there). A failure
+    leaves the cache as it was, as ``Attention.forward`` does."""
+    shape = plan.shape
+    qkv = native_block_input(x, plan.weights, shape, rotation, library)
+    q_width, kv_width = shape.n_heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    q, k, v = qkv.split_with_sizes((q_width, kv_width, kv_width), -1)
+    q = q.view(1, 1, shape.n_heads, shape.head_dim).transpose(1, 2)
+    k = k.view(1, 1, shape.kv_heads, shape.head_dim).transpose(1, 2)
+    v = v.view(1, 1, shape.kv_heads, shape.head_dim).transpose(1, 2)
+    mark = cache.mark()
+    try:
+        out = attn.attend_rows(q, k, v, cache)
+        return native_block_output(x, out.transpose(1, 2).reshape(1, 1, q_width), plan.weights, shape, library)
+    except BaseException:
+        cache.rollback(mark)
+        raise

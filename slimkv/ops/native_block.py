@@ -1,11 +1,13 @@
-"""A pre-norm GQA block's decode step in one native call (csrc/decode_block.h).
+"""A pre-norm block's decode step in one native call, or in two around the attention (csrc/decode_block.h).
 
-``BlockWeights`` names what the call reads of a block (its norms, projections and MLP); one
-``native_block_step`` call then does, for one token, the attention's norm, q/k/v, RoPE, the new
-key and value rows written into the cache's storage, the attention over the live rows, the output
-projection and residual, and the SwiGLU half, each by the entry the module path would call and
-rounded where it rounds. ``slimkv.model.block_step`` decides when a block may take it; the module
-path is its reference (tests/model/test_block_step.py).
+``BlockWeights`` names what the calls read of a block (its norms, projections and MLP). One
+``native_block_step`` call does, for one token of a plain GQA block, the attention's norm, q/k/v,
+RoPE, the new key and value rows written into the cache's storage, the attention over the live
+rows, the output projection and residual, and the SwiGLU half, each by the entry the module path
+would call and rounded where it rounds. For a block whose attention keeps its own kind of cache
+(per-head roles, quantized rows), ``native_block_input`` does everything before the attention and
+``native_block_output`` everything after it. ``slimkv.model.block_step`` decides when a block may
+take them; the module path is their reference (tests/model/test_block_step.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from slimkv.ops.native import attention_threads
-from slimkv.ops.native_build import BLOCK_ENTRIES
+from slimkv.ops.native_build import BLOCK_ENTRIES, BLOCK_INPUT_ENTRIES, BLOCK_OUTPUT_ENTRIES
 from slimkv.ops.native_rows import linear_threads
 
 
@@ -76,4 +78,34 @@ def native_block_step(x: torch.Tensor, fields: tuple[int, ...], weights: BlockWe
     status = getattr(library, BLOCK_ENTRIES[x.dtype])(packed.buffer_info()[0], rotation.data_ptr(), shape.attn_eps, shape.mlp_eps, shape.scale)
     if status != 0:
         raise RuntimeError(f"native block step failed (status {status}: {'out of memory or threads' if status == 1 else 'bad arguments'})")
+    return out
+
+
+def native_block_input(x: torch.Tensor, weights: BlockWeights, shape: BlockShape, rotation: torch.Tensor, library: ctypes.CDLL) -> torch.Tensor:
+    """The block's first half for one token: x (1, 1, d_model) -> (1, 1, (n_heads + 2 * kv_heads) *
+    head_dim) in x's dtype, the rotated queries, the rotated keys and the values, one after the
+    other (the module path's ``project_qkv`` before its views)."""
+    qkv = torch.empty(1, 1, (shape.n_heads + 2 * shape.kv_heads) * shape.head_dim, dtype=x.dtype)
+    status = getattr(library, BLOCK_INPUT_ENTRIES[x.dtype])(x.data_ptr(), weights.attn_norm.data_ptr(), shape.attn_eps, weights.wq.data_ptr(),
+                                                            weights.wk.data_ptr(), weights.wv.data_ptr(), shape.d_model, shape.n_heads,
+                                                            shape.kv_heads, shape.head_dim, shape.rot_dim, rotation.data_ptr(), qkv.data_ptr(),
+                                                            linear_threads((weights.wq.numel() + 2 * weights.wk.numel()) * x.element_size()))
+    if status != 0:
+        raise RuntimeError(f"native block input failed (status {status}: {'out of memory' if status == 1 else 'bad arguments'})")
+    return qkv
+
+
+def native_block_output(x: torch.Tensor, attended: torch.Tensor, weights: BlockWeights, shape: BlockShape, library: ctypes.CDLL) -> torch.Tensor:
+    """The block's second half for one token: x (1, 1, d_model) and the attention's output
+    ``attended`` (n_heads * head_dim elements, contiguous, x's dtype) -> h + mlp(norm(h)) with
+    h = x + Wo attended, (1, 1, d_model) in x's dtype."""
+    out = torch.empty_like(x)
+    size = x.element_size()
+    status = getattr(library, BLOCK_OUTPUT_ENTRIES[x.dtype])(x.data_ptr(), attended.data_ptr(), weights.wo.data_ptr(), weights.mlp_norm.data_ptr(),
+                                                             shape.mlp_eps, weights.gate.data_ptr(), weights.up.data_ptr(), weights.down.data_ptr(),
+                                                             shape.d_model, shape.n_heads * shape.head_dim, shape.d_ff, out.data_ptr(),
+                                                             linear_threads(weights.wo.numel() * size), linear_threads(2 * weights.gate.numel() * size),
+                                                             linear_threads(weights.down.numel() * size))
+    if status != 0:
+        raise RuntimeError(f"native block output failed (status {status}: {'out of memory' if status == 1 else 'bad arguments'})")
     return out

@@ -44,6 +44,10 @@ SWIGLU_ENTRIES = {torch.float32: "slimkv_swiglu_residual_f32", torch.bfloat16: "
 """Element type -> the entry point for a pre-norm SwiGLU block's second half, one row (csrc/decode_linear.h)."""
 BLOCK_ENTRIES = {torch.float32: "slimkv_decode_block_f32", torch.bfloat16: "slimkv_decode_block_bf16"}
 """Element type -> the entry point for a pre-norm GQA block's decode step, one token (csrc/decode_block.h)."""
+BLOCK_INPUT_ENTRIES = {torch.float32: "slimkv_block_input_f32", torch.bfloat16: "slimkv_block_input_bf16"}
+"""Element type -> a block's first half for one token: norm, q/k/v, RoPE (csrc/decode_block.h)."""
+BLOCK_OUTPUT_ENTRIES = {torch.float32: "slimkv_block_output_f32", torch.bfloat16: "slimkv_block_output_bf16"}
+"""Element type -> a block's second half for one token: Wo, the residual, the SwiGLU half (csrc/decode_block.h)."""
 QUANTIZE_ENTRIES = {torch.float32: "slimkv_quantize_rows_f32", torch.bfloat16: "slimkv_quantize_rows_bf16"}
 """Cache element type -> the entry point that quantizes rows into codes (csrc/quantize_rows.h)."""
 
@@ -135,6 +139,13 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     swiglu.argtypes, swiglu.restype = [pointer, pointer, ctypes.c_float, pointer, pointer, pointer, i64, i64, pointer, ctypes.c_int, ctypes.c_int], ctypes.c_int
     block = getattr(library, BLOCK_ENTRIES[dtype])
     block.argtypes, block.restype = [pointer, pointer, ctypes.c_float, ctypes.c_float, ctypes.c_float], ctypes.c_int
+    block_input = getattr(library, BLOCK_INPUT_ENTRIES[dtype])
+    block_input.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, pointer, i64, i64, i64, i64, i64, pointer, pointer, ctypes.c_int]
+    block_input.restype = ctypes.c_int
+    block_output = getattr(library, BLOCK_OUTPUT_ENTRIES[dtype])
+    block_output.argtypes = [pointer, pointer, pointer, pointer, ctypes.c_float, pointer, pointer, pointer, i64, i64, i64, pointer, ctypes.c_int,
+                             ctypes.c_int, ctypes.c_int]
+    block_output.restype = ctypes.c_int
     quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
     quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
     for name in ("slimkv_kernel_isa", "slimkv_kernel_threading", "slimkv_row_prefetch_rule"):

@@ -101,6 +101,8 @@ typedef uint16_t elem_t;
 #define ROTATE_ENTRY slimkv_rotate_row_bf16
 #define SWIGLU_ENTRY slimkv_swiglu_residual_bf16
 #define BLOCK_ENTRY slimkv_decode_block_bf16
+#define BLOCK_INPUT_ENTRY slimkv_block_input_bf16
+#define BLOCK_OUTPUT_ENTRY slimkv_block_output_bf16
 #define QUANTIZE_ENTRY slimkv_quantize_rows_bf16
 static inline float to_float(elem_t x) {
     const uint32_t bits = (uint32_t)x << 16;
@@ -124,6 +126,8 @@ typedef float elem_t;
 #define ROTATE_ENTRY slimkv_rotate_row_f32
 #define SWIGLU_ENTRY slimkv_swiglu_residual_f32
 #define BLOCK_ENTRY slimkv_decode_block_f32
+#define BLOCK_INPUT_ENTRY slimkv_block_input_f32
+#define BLOCK_OUTPUT_ENTRY slimkv_block_output_f32
 #define QUANTIZE_ENTRY slimkv_quantize_rows_f32
 static inline float to_float(elem_t x) { return x; }
 static inline elem_t from_float(float x) { return x; }
