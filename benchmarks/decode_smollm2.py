@@ -63,7 +63,7 @@ from slimkv.convert.source import Source, exact_copy
 from slimkv.data.texts import evaluation_text, tokenize
 from slimkv.eval.cache import layer_bytes
 from slimkv.eval.models import load_language_model
-from slimkv.model.block_step import one_call_blocks
+from slimkv.model.block_step import block_step_counts
 from slimkv.ops.native import kernel_isa, kernel_path
 from slimkv.pretrained import SMOLLM2, fetch_smollm2, load_pretrained
 
@@ -79,7 +79,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps per model per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--parts", action="store_true", help="also time each slimkv model's linears, attention and the rest in instrumented steps")
-    p.add_argument("--module-path", action="store_true", help="also time each slimkv model whose blocks take the one-call step on the module path "
+    p.add_argument("--module-path", action="store_true", help="also time each slimkv model whose blocks take native block steps on the module path "
                    "(slimkv.model.block_step: Block.one_call_step False), interleaved with it")
     p.add_argument("--render", metavar="JSON", help="write the parts page of a --parts results file beside it, and measure nothing")
     p.add_argument("--quick", action="store_true", help="contexts 256,1024; 1 round of 3 steps")
@@ -183,7 +183,7 @@ def main() -> None:
         loaded = load_language_model(folder)
         float32_models[f"slimkv {Path(folder).name}"] = (loaded.model, True)
     for label, (model, slim) in list(float32_models.items()) if args.module_path else []:
-        if slim and one_call_blocks(model)[0]:
+        if slim and block_step_counts(model)["module_path"] < len(model.model.layers):
             module_path = copy.deepcopy(model)
             for block in module_path.model.layers:
                 block.one_call_step = False
@@ -258,7 +258,7 @@ def main() -> None:
                        "samples_s": samples[label, n], "flops": flops[label] if slim else flops.get(_exact_copy_label(label), flops[label]),
                        "flops_source": "counted" if slim or _exact_copy_label(label) not in flops else "slimkv exact copy's count"}
                 if slim:
-                    row["one_call_blocks"], row["blocks"] = one_call_blocks(model)
+                    row["block_steps"] = block_step_counts(model)
                 if (label, n) in instrumented:
                     row["instrumented_step"] = {"step_s": instrumented[label, n][0], **instrumented[label, n][1]}
                 if n != thread_counts[0]:

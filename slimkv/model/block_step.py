@@ -98,11 +98,16 @@ def _plan(block) -> StepPlan | None:
                     type(attn) in KINDS and attn.window is None)
 
 
-def one_call_blocks(model: torch.nn.Module) -> tuple[int, int]:
-    """(blocks whose modules the one-call step computes and that have it switched on, all blocks) of
-    ``model``: what a benchmark records beside a decode time, so a reader knows which path ran."""
-    blocks = [m for m in model.modules() if hasattr(m, "one_call_step")]  # slimkv.model.modeling.Block (which imports this module)
-    return sum(1 for b in blocks if b.one_call_step and _plan(b) is not None), len(blocks)
+def block_step_counts(model: torch.nn.Module) -> dict[str, int]:
+    """How ``model``'s decoder blocks take a decode step: ``one_call`` (the whole block, over a
+    full-precision cache), ``two_calls`` (around the attention's own cache code) and ``module_path``
+    (a block the native calls do not compute, or with ``one_call_step`` off). What a benchmark or
+    ``slimkv eval cache`` records beside a decode time, so a reader knows which path ran."""
+    counts = {"one_call": 0, "two_calls": 0, "module_path": 0}
+    for block in (m for m in model.modules() if hasattr(m, "one_call_step")):  # slimkv.model.modeling.Block (which imports this module)
+        plan = _plan(block) if block.one_call_step else None
+        counts["module_path" if plan is None else "one_call" if plan.whole else "two_calls"] += 1
+    return counts
 
 
 def _hooked(modules: tuple[torch.nn.Module, ...]) -> bool:

@@ -86,6 +86,8 @@ def test_end_to_end_the_roles_are_recorded_and_a_long_window_is_the_original(tin
         assert torch.allclose(reloaded.model(ids).logits, original.model(ids).logits, atol=1e-4)
     report = cache_report(str(out), 120, new_tokens=4, text=str(tmp_path / "held.txt"))
     assert report["model"]["bytes_per_token"] < report["original"]["bytes_per_token"]  # the streaming heads forget past their window
+    layers = len(reloaded.model.model.layers)  # every hybrid block steps in two native calls around its attention (slimkv.model.block_step)
+    assert report["block_steps"] == {"one_call": 0, "two_calls": layers, "module_path": 0}
 
 
 @pytest.mark.parametrize("method, ratio, message", [

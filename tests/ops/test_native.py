@@ -446,6 +446,10 @@ def test_slimkv_eval_cache_prints_the_kernel_path():
     assert text.endswith("native decode kernel path: avx2; threads: torch's OpenMP team")
     text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": "avx512", "kernel_row_prefetch": "several-tiles"})
     assert text.endswith("native decode kernel path: avx512; row-tile prefetch: several-tiles")
+    text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": "avx512",
+                          "block_steps": {"one_call": 28, "two_calls": 2, "module_path": 0}})
+    assert text.endswith("decode steps of the model's blocks: 28 in one native call, 2 in two around the attention, 0 on the module path "
+                         "(slimkv.model.block_step)")
 
 
 @needs_kernel
