@@ -73,7 +73,7 @@ def test_blocks_in_one_call_take_their_share_of_the_attention_bound():
     assert split["parts_bound_s"] == pytest.approx(0.005 + 0.01 + 0.02)
 
 
-@pytest.mark.parametrize("name", ["decode_smollm2_16k_parts_1thread", "decode_smollm2_16k_parts_bf16_1thread"])
+@pytest.mark.parametrize("name", ["decode_smollm2_16k_parts_1thread", "decode_smollm2_16k_parts_bf16_1thread", "decode_smollm2_16k_block_steps_bf16_1thread"])
 def test_the_committed_parts_page_is_what_its_json_renders(name):
     from slimkv.common.results import results_path
     from tests.helpers import load_benchmark
