@@ -1,7 +1,8 @@
-/* A pre-norm GQA decoder block's decode step for one token in one call (included by
- * decode_attention.c after decode_linear.h): a decode step of a small model pays Python and
- * dispatch costs per call (some ten calls and tens of torch operations a layer: about 300 us a
- * SmolLM2 layer on the development machine, the --parts pages' "rest"), and this entry makes them one.
+/* A pre-norm GQA decoder block's decode step for one token in one call, or in two around an
+ * attention that keeps its own kind of cache (included by decode_attention.c after
+ * decode_linear.h): a decode step of a small model pays Python and dispatch costs per call (some
+ * ten calls and tens of torch operations a layer: about 300 us a SmolLM2 layer on the development
+ * machine, the --parts pages' "rest"), and these entries make them one or two.
  *
  *   n = rms_norm(x) * attn_norm;  q, k, v = Wq n, Wk n, Wv n;  q, k = RoPE(q), RoPE(k)
  *   the cache's rows at ``row`` = k, v;  a = attention(q, the rows first .. row)
@@ -11,9 +12,10 @@
  * ENTRY, SWIGLU_ENTRY) and every value is rounded to the element type where the module path
  * rounds it (the attention's output once, the residual sum once), so the result is the module
  * path's to the bit: tests/model/test_block_step.py compares them, and the module path, whose
- * every kernel has its own plain reference, is this entry's reference. One batch row, no biases,
- * no query/key norms, full-precision cache rows (slimkv/model/block_step.py checks, and takes the
- * module path otherwise). */
+ * every kernel has its own plain reference, is these entries' reference. BLOCK_INPUT_ENTRY is the
+ * first line, BLOCK_OUTPUT_ENTRY the last, BLOCK_ENTRY all three with the attention between (one
+ * batch row, no biases, no query/key norms, full-precision cache rows; slimkv/model/block_step.py
+ * checks, and takes the module path otherwise). */
 
 #define BLOCK_FIELDS 30 /* integers in the block entry's ``fields`` */
 
