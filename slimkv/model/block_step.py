@@ -80,6 +80,8 @@ def _plan(block) -> StepPlan | None:
     attn, mlp = block.attn, block.mlp
     if not isinstance(attn, MultiHeadAttention) or type(attn)._forward not in HALVES or attn.use_qk_norm or attn.use_bias:
         return None
+    if type(attn).project_qkv is not MultiHeadAttention.project_qkv:  # what BLOCK_INPUT_ENTRY computes
+        return None
     if type(block.attn_norm) is not RMSNorm or type(block.mlp_norm) is not RMSNorm or mlp.gate_proj is None:
         return None
     projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)

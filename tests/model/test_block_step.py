@@ -174,6 +174,16 @@ def test_blocks_the_entry_does_not_compute_take_the_module_path(kind, opts, extr
         assert block_step(blocks(model)[0], torch.randn(1, 1, 64), cache.layers[0]) is None
 
 
+def test_a_kind_that_projects_its_own_way_takes_the_module_path():
+    """A subclass overriding project_qkv computes something the native input half does not."""
+    model = tiny("swa", {"n_kv_heads": 2, "window": 8})
+    block, cache = _first_block_and_cache(model)
+    base = type(block.attn)
+    block.attn.__class__ = type("ScaledProjection", (base,), {"project_qkv": lambda self, x, start: base.project_qkv(self, 2 * x, start)})
+    with torch.no_grad():
+        assert block_step(block, torch.randn(1, 1, 64), cache) is None
+
+
 def test_calls_the_entry_does_not_take_take_the_module_path():
     model = tiny()
     block, cache = _first_block_and_cache(model)
