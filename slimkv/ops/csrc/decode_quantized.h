@@ -177,11 +177,12 @@ static inline __attribute__((always_inline)) void attend_item_quantized(const QJ
                     block_sum += logits[t];
                 }
                 run_sum[g] += block_sum;
+                for (int64_t t = 0; t < n; t++) { /* key by key, all channels at once: the vectors of channels accumulate side by
+                                                      side (channel-vector by channel-vector, each add waited on the last's latency) */
+                    const float w = logits[t];
+                    const float *restrict vt = vbuf + t * v_pad;
 #pragma omp simd
-                for (int64_t p = 0; p < v_pad; p++) { /* each channel's sum over the block's keys stays in a register */
-                    float a = ag[p];
-                    for (int64_t t = 0; t < n; t++) a += logits[t] * vbuf[t * v_pad + p];
-                    ag[p] = a;
+                    for (int64_t p = 0; p < v_pad; p++) ag[p] += w * vt[p];
                 }
             }
         }
