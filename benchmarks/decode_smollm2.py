@@ -36,6 +36,13 @@ tabulates them (``--render JSON`` writes that page again from a results file, me
 
     .venv/bin/python benchmarks/decode_smollm2.py --contexts 1024,16384 --parts --converted runs/smollm2-mla50
 
+With ``--module-path`` every slimkv model whose blocks take native block steps (``slimkv.model.block_step``:
+the whole block in one call, or two around a hybrid or quantized attention) also runs as a copy of
+itself on the module path (``Block.one_call_step`` False), interleaved with it; every slimkv row
+records how its blocks stepped (``block_steps``).
+
+    .venv/bin/python benchmarks/decode_smollm2.py --contexts 16384 --dtypes bfloat16 --parts --module-path --converted runs/smollm2-gqa50
+
 Writes benchmarks/results/decode/<name>.json and .png (the name's experiment folder).
 """
 
