@@ -72,6 +72,20 @@ static inline float as_stored(float x) {
     return x;
 }
 
+#if defined(SLIMKV_PATH_AVX2)
+/* as_stored on 8 lanes. */
+static inline __m256 as_stored8(__m256 x) {
+#ifdef SLIMKV_BF16
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))),
+                                                _mm256_set1_epi32((int)0xFFFF0000u)));
+#else
+    return x;
+#endif
+}
+#endif
+
 /* Position of channel c in split order (int4: within a group, the even channels then the odd ones). */
 static inline int64_t split_position(int64_t c, int64_t bits, int64_t group) {
     if (bits != 4) return c;
@@ -110,8 +124,17 @@ static inline __attribute__((always_inline)) void load_rows(const QSegment *seg,
             float *restrict dg = d + g * group;
             if (bits == 4) {
                 const uint8_t *restrict cg = c + g * half;
+                int64_t j0 = 0;
+#if defined(SLIMKV_PATH_AVX2)
+                for (; j0 + 8 <= half; j0 += 8) { /* 8 bytes: their low nibbles and their high ones as 8 floats each (the compiler took 4 at a time) */
+                    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cg + j0)));
+                    const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m);
+                    _mm256_storeu_ps(dg + j0, as_stored8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15))), sv, mv)));
+                    _mm256_storeu_ps(dg + half + j0, as_stored8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), sv, mv)));
+                }
+#endif
 #pragma omp simd
-                for (int64_t j = 0; j < half; j++) {
+                for (int64_t j = j0; j < half; j++) {
                     dg[j] = as_stored((float)(cg[j] & 15) * s + m);
                     dg[half + j] = as_stored((float)(cg[j] >> 4) * s + m);
                 }
