@@ -184,7 +184,7 @@ def test_a_kind_that_projects_its_own_way_takes_the_module_path():
         assert block_step(block, torch.randn(1, 1, 64), cache) is None
 
 
-def test_calls_the_entry_does_not_take_take_the_module_path():
+def test_calls_the_entry_does_not_take_go_to_the_module_path():
     model = tiny()
     block, cache = _first_block_and_cache(model)
     x = torch.randn(1, 1, 64)
