@@ -38,7 +38,7 @@ tabulates them (``--render JSON`` writes that page again from a results file, me
 
 With ``--module-path`` every slimkv model whose blocks take native block steps (``slimkv.model.block_step``:
 the whole block in one call, or two around a hybrid or quantized attention) also runs as a copy of
-itself on the module path (``Block.one_call_step`` False), interleaved with it; every slimkv row
+itself on the module path (``Block.native_step`` False), interleaved with it; every slimkv row
 records how its blocks stepped (``block_steps``).
 
     .venv/bin/python benchmarks/decode_smollm2.py --contexts 16384 --dtypes bfloat16 --parts --module-path --converted runs/smollm2-gqa50
@@ -87,7 +87,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--parts", action="store_true", help="also time each slimkv model's linears, attention and the rest in instrumented steps")
     p.add_argument("--module-path", action="store_true", help="also time each slimkv model whose blocks take native block steps on the module path "
-                   "(slimkv.model.block_step: Block.one_call_step False), interleaved with it")
+                   "(slimkv.model.block_step: Block.native_step False), interleaved with it")
     p.add_argument("--render", metavar="JSON", help="write the parts page of a --parts results file beside it, and measure nothing")
     p.add_argument("--quick", action="store_true", help="contexts 256,1024; 1 round of 3 steps")
     p.add_argument("--name", default=None, help="results file name (default decode_smollm2_<threads>thread, threads joined by '-')")
@@ -193,7 +193,7 @@ def main() -> None:
         if slim and block_step_counts(model)["module_path"] < len(model.model.layers):
             module_path = copy.deepcopy(model)
             for block in module_path.model.layers:
-                block.one_call_step = False
+                block.native_step = False
             float32_models[f"{label}, module path"] = (module_path, True)
     models = {}  # every model in every dtype, dtype by dtype (transformers' run first in each: the traffic baseline)
     for name in dtypes:

@@ -16,7 +16,7 @@ see the module path's operations), no forward hook on any of the block's modules
 other than "reference". Otherwise ``block_step`` returns None and ``Block.forward`` takes the
 module path, which is the reference: the native calls compute every value as the module path's
 kernels do and round it where they round, so the two agree to the bit
-(tests/model/test_block_step.py). ``Block.one_call_step`` (True by default) lets a test or
+(tests/model/test_block_step.py). ``Block.native_step`` (True by default) lets a test or
 benchmark run the module path instead.
 """
 
@@ -103,11 +103,11 @@ def _plan(block) -> StepPlan | None:
 def block_step_counts(model: torch.nn.Module) -> dict[str, int]:
     """How ``model``'s decoder blocks take a decode step: ``one_call`` (the whole block, over a
     full-precision cache), ``two_calls`` (around the attention's own cache code) and ``module_path``
-    (a block the native calls do not compute, or with ``one_call_step`` off). What a benchmark or
+    (a block the native calls do not compute, or with ``native_step`` off). What a benchmark or
     ``slimkv eval cache`` records beside a decode time, so a reader knows which path ran."""
     counts = {"one_call": 0, "two_calls": 0, "module_path": 0}
-    for block in (m for m in model.modules() if hasattr(m, "one_call_step")):  # slimkv.model.modeling.Block (which imports this module)
-        plan = _plan(block) if block.one_call_step else None
+    for block in (m for m in model.modules() if hasattr(m, "native_step")):  # slimkv.model.modeling.Block (which imports this module)
+        plan = _plan(block) if block.native_step else None
         counts["module_path" if plan is None else "one_call" if plan.whole else "two_calls"] += 1
     return counts
 
@@ -123,7 +123,7 @@ def block_step(block, x: torch.Tensor, cache) -> torch.Tensor | None:
     """``block(x, cache)`` for one token in one or two native calls, or None when the call is not
     one they take (the caller then runs the module path). x (1, 1, d_model); ``cache`` the block's
     attention cache, advanced by the token as the module path would advance it."""
-    if not block.one_call_step or x.shape[:2] != (1, 1) or torch._C._len_torch_dispatch_stack() > 0:
+    if not block.native_step or x.shape[:2] != (1, 1) or torch._C._len_torch_dispatch_stack() > 0:
         return None
     plan = block.__dict__.get("_step_plan")
     if plan is None or (plan and not _still_valid(plan)):

@@ -100,7 +100,7 @@ class Block(nn.Module):
         self.attn = build_attention(kind, config.d_model, config.n_heads, config.head_dim, **config.layer_options(layer))
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config.d_model, config.d_ff, config.mlp)
-        self.one_call_step = True  # a decode step in one or two native calls where the block allows (block_step); False: the module path
+        self.native_step = True  # a decode step in one or two native calls where the block allows (block_step); False: the module path
 
     def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         if cache is not None:

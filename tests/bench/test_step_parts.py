@@ -23,7 +23,7 @@ def test_a_decode_step_counts_every_linear_weight_once_and_its_attention_calls(o
     config = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, attention=kind, attention_options=options)
     model = SlimKVForCausalLM(config).eval()
     for block in model.model.layers:
-        block.one_call_step = one_call
+        block.native_step = one_call
     with torch.no_grad():
         cache = model.new_cache(1)
         model(torch.randint(0, 61, (1, 9)), cache=cache)

@@ -32,7 +32,7 @@ def blocks(model) -> list[Block]:
 def decode(model, ids, steps, one_call, storage=None):
     """Prefill ``ids``, then ``steps`` greedy tokens one at a time: (every step's logits, the cache)."""
     for block in blocks(model):
-        block.one_call_step = one_call
+        block.native_step = one_call
     cache = model.new_cache(1, storage=storage) if storage else model.new_cache(1)
     logits = [model(ids, cache=cache).logits[:, -1:]]
     for _ in range(steps):
@@ -48,7 +48,7 @@ def same_cache(a, b) -> bool:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("kind", "opts", "extra"), [("gqa", None, {}), ("mha", None, {}), ("mqa", None, {}),
                                                      ("gqa", {"n_kv_heads": 2, "rope_fraction": 0.5}, {})], ids=["gqa", "mha", "mqa", "gqa-half-rope"])
-def test_one_call_step_equals_the_module_path_to_the_bit(dtype, kind, opts, extra):
+def test_native_step_equals_the_module_path_to_the_bit(dtype, kind, opts, extra):
     """Prefill 60 tokens then 12 steps: the buffers grow past their first 64 rows mid-way (the
     reserve moves the storage), and the first step after an empty cache is covered by the 1-token prefill case below."""
     model = tiny(kind, opts, **extra).to(DTYPES[dtype])
@@ -118,7 +118,7 @@ def test_the_first_token_and_generate_agree():
     outputs = {}
     for one_call in (False, True):
         for block in blocks(model):
-            block.one_call_step = one_call
+            block.native_step = one_call
         with torch.no_grad():
             outputs[one_call] = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(outputs[True], outputs[False])
@@ -207,12 +207,12 @@ def test_calls_the_entry_does_not_take_go_to_the_module_path():
     with torch.no_grad():
         assert block_step(block, x, cache) is None  # the reference backend is a request for the plain path
     block.attn.set_runtime_options(backend="sdpa")
-    block.one_call_step = False
+    block.native_step = False
     with torch.no_grad():
         assert block_step(block, x, cache) is None
     assert cache.seq_len == 5
     if native.decode_kernel() is not None:  # and the same call, every condition met, takes it
-        block.one_call_step = True
+        block.native_step = True
         with torch.no_grad():
             assert block_step(block, x, cache) is not None
         assert cache.seq_len == 6
