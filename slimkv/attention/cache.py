@@ -46,6 +46,16 @@ class AttentionCache:
         decode step (one new token) on quantized storage, the fused backend, no autograd."""
         return new_tokens == 1 and self.storage.bits is not None and backend != "reference" and not torch.is_grad_enabled()
 
+    def reads_stored(self, new_tokens: int, backend: str) -> bool:
+        """Whether a call of ``new_tokens`` should read this cache's segments as stored, one after
+        the other under one softmax (``stored_decode_attention``), rather than concatenated and
+        masked: a decode step on the fused backend with no autograd, over full-precision rows, or
+        over codes where ``reads_codes`` says so. Bounded caches (sinks + a window) take it: every
+        row they hold is visible to the next token, so the step needs no mask."""
+        if self.storage.bits is not None:
+            return self.reads_codes(new_tokens, backend)
+        return new_tokens == 1 and backend != "reference" and not torch.is_grad_enabled()
+
     def tensors(self) -> Iterator[GrowableBuffer | QuantizedBuffer | torch.Tensor]:
         """The objects that hold live state (for ``nbytes``)."""
         return iter(())

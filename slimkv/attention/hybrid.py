@@ -108,7 +108,7 @@ class HybridAttention(MultiHeadAttention):
                 parts.append(attend(qf, kf, vf, backend=self.backend))
         if self.streaming_heads:
             qs, ks, vs = self._select(q, "streaming_queries"), self._select(k, "streaming"), self._select(v, "streaming")
-            if codes:
+            if cache is not None and cache.reads_stored(t, self.backend):
                 parts.append(stored_decode_attention(qs, [*cache.stored_segments(), (ks, vs)]))
                 cache.add(ks, vs)
             else:

@@ -148,7 +148,7 @@ class StreamingAttention(MultiHeadAttention):
         start = cache.seq_len if cache is not None else 0
         q, k, v = self.project_qkv(x, start)
         b, t = x.shape[:2]
-        if cache is not None and cache.reads_codes(t, self.backend):
+        if cache is not None and cache.reads_stored(t, self.backend):
             out = stored_decode_attention(q, [*cache.stored_segments(), (k, v)])
             cache.add(k, v)
         else:

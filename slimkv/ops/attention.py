@@ -200,14 +200,21 @@ def stored_decode_attention(q: torch.Tensor, segments: list[tuple[StoredRows, St
     """A decode step over a cache's (keys, values) segments as stored, read one after the other
     under one softmax: plain rows, or int8 / int4 codes (``QuantizedRows``) that the native
     kernel's quantized entry reads in place (``slimkv.ops.native.native_stored_attention``) when it
-    takes the call; otherwise (no kernel, autograd, no codes) ``decode_attention`` over the
-    segments' rows, codes dequantized in the query's dtype. q (batch, q_heads, 1, dim) ->
-    (batch, q_heads, 1, v_dim)."""
+    takes the call, plain rows only through its plain entry (``native_decode_attention``, segment by
+    segment: a bounded cache's sinks, window and new token need no concatenation); otherwise (no
+    kernel, autograd) ``decode_attention`` over the segments' rows, codes dequantized in the query's
+    dtype. q (batch, q_heads, 1, dim) -> (batch, q_heads, 1, v_dim)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if any(isinstance(k, QuantizedRows) for k, _ in segments) and supports_stored(q, segments):
-        library = decode_kernel(q.dtype)
+    if any(isinstance(k, QuantizedRows) for k, _ in segments):
+        if supports_stored(q, segments):
+            library = decode_kernel(q.dtype)
+            if library is not None:
+                return native_stored_attention(q, segments, scale, library)
+    else:
+        queries = [q] * len(segments)
+        library = kernel_for(queries, segments)
         if library is not None:
-            return native_stored_attention(q, segments, scale, library)
+            return native_decode_attention(queries, segments, scale, library)
     rows = [[part.dequantize(q.dtype) if isinstance(part, QuantizedRows) else part for part in pair] for pair in segments]
     keys, values = (torch.cat(side, dim=2) if len(side) > 1 else side[0] for side in zip(*rows))
     return decode_attention(q, keys, values, scale=scale)

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from slimkv.attention import build_attention
+from slimkv.ops import attention as attention_ops
+from slimkv.ops import native
 from tests.helpers import D_MODEL, HEAD_DIM, N_HEADS, SEQ_LEN, rel_rmse, run_in_calls
 
 
@@ -31,6 +33,28 @@ def test_every_head_exact_is_gqa_and_none_is_streaming(backend):
         assert rel_rmse(run_in_calls(hybrid, x, [7, 1, 29]), gqa(x)) < 1e-12
         assert rel_rmse(streaming_hybrid(x), streaming(x)) < 1e-12
         assert rel_rmse(run_in_calls(streaming_hybrid, x, [1] * SEQ_LEN), streaming(x)) < 1e-12
+
+
+@pytest.mark.parametrize(("kind", "options"), [("hybrid", {"full_heads": [1], "window": 5, "sink_len": 2}),
+                                               ("hybrid", {"full_heads": [], "window": 3, "sink_len": 0}),
+                                               ("streaming", {"window": 4, "sink_len": 1})])
+def test_a_bounded_decode_step_reads_its_rows_as_stored(kind, options, monkeypatch):
+    """A float32 decode step over sinks + a window of full-precision rows reads the stored segments
+    (sinks, window, the new token) through the native kernel's plain entry, no concatenation or mask
+    (counted), and gives the reference backend's whole-sequence output, before and after the window fills."""
+    torch.manual_seed(0)
+    layer = build_attention(kind, D_MODEL, N_HEADS, HEAD_DIM, n_kv_heads=2, **options).eval()
+    x = torch.randn(1, SEQ_LEN, D_MODEL)
+    calls = []
+    original = attention_ops.native_decode_attention
+    monkeypatch.setattr(attention_ops, "native_decode_attention", lambda queries, segments, *a: calls.append(len(segments)) or original(queries, segments, *a))
+    with torch.no_grad():
+        stepped = run_in_calls(layer, x, [3] + [1] * (SEQ_LEN - 3))
+        layer.backend = "reference"
+        expected = layer(x)
+    assert rel_rmse(stepped, expected) < 1e-5
+    segments = 3 if options["sink_len"] else 2  # the sinks, the window and the new token
+    assert native.decode_kernel() is None or max(calls) == segments
 
 
 def test_each_head_follows_its_role():
