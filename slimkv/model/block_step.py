@@ -5,10 +5,12 @@ kernel calls and tens of torch operations, about 300 us a layer in Python and di
 development machine. ``block_step`` runs a pre-norm block with a SwiGLU MLP (no biases, no
 query/key norms, RoPE on some channels, plain ``Linear`` projections) for one token through
 ``slimkv.ops.native_block`` (csrc/decode_block.h) instead:
-- the plain GQA/MHA/MQA block (no window) over a full-precision cache holding at least one token:
-  the whole block in one call (``native_block_step``), the new rows written into the cache;
-- any other attention of the ``MultiHeadAttention`` family that keeps its own cache (``hybrid``'s
-  per-head roles, a sliding window, quantized rows): the norm, q/k/v and RoPE in one call, the
+- the plain GQA/MHA/MQA block (no window), and ``hybrid``'s per-head roles (exact heads; sinks and
+  a window), over a full-precision cache holding at least one token (a hybrid one, its sinks): the
+  whole block in one call (``native_block_step``), the new rows written into the cache, each role's
+  heads attending over its segments as the module path's ``attend_rows`` reads them;
+- any other attention of the ``MultiHeadAttention`` family that keeps its own cache (a sliding
+  window, quantized rows, hybrid's included): the norm, q/k/v and RoPE in one call, the
   attention's own ``attend_rows`` in Python, then the output projection, the residual and the
   SwiGLU half in one call (``native_block_input``, ``native_block_output``).
 Both need float32 or bfloat16 on the CPU, no autograd, no torch dispatch mode (a FLOP counter must
@@ -23,12 +25,13 @@ benchmark run the module path instead.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch.nn.modules import module as nn_module
 
-from slimkv.attention.hybrid import HybridAttention
+from slimkv.attention.hybrid import HybridAttention, HybridCache
 from slimkv.attention.mha import GQA, MHA, MQA, KVCache, MultiHeadAttention
 from slimkv.common.buffer import GrowableBuffer
 from slimkv.ops.linear import Linear
@@ -36,15 +39,18 @@ from slimkv.ops.native import decode_kernel
 from slimkv.ops.native_block import (
     BlockShape,
     BlockWeights,
+    CacheRole,
     block_fields,
     native_block_input,
     native_block_output,
     native_block_step,
 )
 from slimkv.ops.norm import RMSNorm
+from slimkv.ops.quantize import KVStorage, parse_storage
 
 KINDS = (MHA, GQA, MQA)
-"""Attention kinds whose whole block step is one call (with no window and a full-precision cache)."""
+"""Attention kinds whose whole block step is one call with no window and a full-precision cache
+(and ``hybrid``, whose per-head roles are each a few segments of full-precision rows)."""
 HALVES = (MultiHeadAttention._forward, HybridAttention._forward)
 """The ``_forward`` methods that are ``project_qkv``, ``attend_rows`` and ``o_proj`` in turn: a class
 that runs one of them takes the two-call step."""
@@ -60,7 +66,7 @@ class StepPlan(NamedTuple):
     modules: tuple[torch.nn.Module, ...]
     children: tuple[tuple[torch.nn.Module, str, torch.nn.Module], ...]
     owners: tuple[torch.nn.Module, ...]
-    whole: bool  # the whole block in one call (KINDS, no window); else the two calls around attend_rows
+    whole: bool  # the whole block in one call over a full-precision cache (KINDS with no window, hybrid); else two calls around attend_rows
 
 
 CHILDREN = (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("attn_norm", ()), ("mlp", ("gate_proj", "up_proj", "down_proj")), ("mlp_norm", ()))
@@ -97,18 +103,21 @@ def _plan(block) -> StepPlan | None:
     children = tuple((block, name, block._modules[name]) for name, _ in CHILDREN)
     children += tuple((block._modules[name], sub, block._modules[name]._modules[sub]) for name, subs in CHILDREN for sub in subs)
     return StepPlan(weights, shape, block_fields(weights, shape), any(w.requires_grad for w in weights), tuple(block.modules()), children, owners,
-                    type(attn) in KINDS and attn.window is None)
+                    (type(attn) in KINDS and attn.window is None) or type(attn) is HybridAttention)
 
 
-def block_step_counts(model: torch.nn.Module) -> dict[str, int]:
-    """How ``model``'s decoder blocks take a decode step: ``one_call`` (the whole block, over a
-    full-precision cache), ``two_calls`` (around the attention's own cache code) and ``module_path``
-    (a block the native calls do not compute, or with ``native_step`` off). What a benchmark or
-    ``slimkv eval cache`` records beside a decode time, so a reader knows which path ran."""
+def block_step_counts(model: torch.nn.Module, storage: KVStorage | str | None = None) -> dict[str, int]:
+    """How ``model``'s decoder blocks take a decode step over a cache of ``storage`` (default: the
+    model config's ``cache_storage``): ``one_call`` (the whole block, over full-precision rows),
+    ``two_calls`` (around the attention's own cache code: quantized rows, a window) and
+    ``module_path`` (a block the native calls do not compute, or with ``native_step`` off). What a
+    benchmark or ``slimkv eval cache`` records beside a decode time, so a reader knows which path ran."""
+    config = getattr(model, "config", None)
+    storage = parse_storage(getattr(config, "cache_storage", None) if storage is None else storage)
     counts = {"one_call": 0, "two_calls": 0, "module_path": 0}
     for block in (m for m in model.modules() if hasattr(m, "native_step")):  # slimkv.model.modeling.Block (which imports this module)
         plan = _plan(block) if block.native_step else None
-        counts["module_path" if plan is None else "one_call" if plan.whole else "two_calls"] += 1
+        counts["module_path" if plan is None else "one_call" if plan.whole and storage.bits is None else "two_calls"] += 1
     return counts
 
 
@@ -141,17 +150,72 @@ def block_step(block, x: torch.Tensor, cache) -> torch.Tensor | None:
         spec = attn.__dict__["_spec"] = attn.cache_spec()
     cache.check_compatible(spec, x)
     rotation = attn.rotary.rotation(cache.seq_len, 1, x.device, torch.float32)
-    if plan.whole and type(cache) is KVCache and cache.storage.bits is None and cache.keep is None and len(cache.k) >= 1 \
-            and type(cache.k) is GrowableBuffer:  # the first token takes two calls: its attention is the prefill's kernel, not the decode kernel
-        k_storage, first, row = cache.k.reserve(1)
-        v_storage, v_first, v_row = cache.v.reserve(1)
-        if (v_first, v_row) == (first, row) and k_storage.stride(3) == 1 and v_storage.stride(3) == 1:
-            out = native_block_step(x, plan.fields, plan.weights, plan.shape, rotation, k_storage, v_storage, first, row, library)
+    if plan.whole:
+        roles = _cache_roles(attn, cache)
+        if roles is not None:
+            roles, commit = roles
+            out = native_block_step(x, plan.fields, plan.weights, plan.shape, rotation, roles, library)
+            commit()
+            return out
+    return _two_calls(plan, attn, x, cache, rotation, library)
+
+
+def _cache_roles(attn: MultiHeadAttention, cache) -> tuple[list[CacheRole], Callable[[], None]] | None:
+    """The cache roles of a whole-block step over ``cache`` (``native_block_step``) and what counts
+    the new token once the call succeeds, or None where the step takes two calls: a cache that is
+    not one of full-precision rows in growable buffers, and the first token (its attention is the
+    prefill's kernel; a hybrid cache's too until its sinks are full, whose rows go elsewhere)."""
+    if cache.storage.bits is not None or cache.seq_len < 1:
+        return None
+    if type(cache) is KVCache and type(attn) in KINDS:
+        if cache.keep is not None or type(cache.k) is not GrowableBuffer:
+            return None
+        role = _role(tuple(range(attn.n_kv_heads)), cache.k, cache.v, ())
+        if role is None:
+            return None
+
+        def commit() -> None:
             cache.k.commit(1)
             cache.v.commit(1)
             cache.seq_len += 1
-            return out
-    return _two_calls(plan, attn, x, cache, rotation, library)
+        return [role], commit
+    if type(cache) is not HybridCache or type(attn) is not HybridAttention or cache.seq_len < cache.sink_len:
+        return None
+    if any(type(b) is not GrowableBuffer for b in (cache.full_k, cache.full_v, cache.sink_k, cache.sink_v, cache.recent_k, cache.recent_v)):
+        return None
+    roles = []
+    if attn.full_heads:
+        roles.append(_role(tuple(attn.full_heads), cache.full_k, cache.full_v, ()))
+    if attn.streaming_heads:  # the sinks and the window as the module path reads them (stored_segments), then the new token's rows
+        roles.append(_role(tuple(attn.streaming_heads), cache.recent_k, cache.recent_v, cache.stored_segments, alone=True))
+    if None in roles:
+        return None
+
+    def commit() -> None:
+        if attn.full_heads:
+            cache.full_k.commit(1)
+            cache.full_v.commit(1)
+        if attn.streaming_heads:
+            for buffer in (cache.recent_k, cache.recent_v):
+                buffer.commit(1)
+                buffer.keep_last(cache.window - 1)
+        cache.seq_len += 1
+    return roles, commit
+
+
+def _role(heads: tuple[int, ...], keys: GrowableBuffer, values: GrowableBuffer, before, *, alone: bool = False) -> CacheRole | None:
+    """A role whose new rows go at the end of ``keys`` / ``values`` (room reserved, not yet counted):
+    its attention reads the buffers' live rows with the new one as one segment, or, ``alone``, the
+    segments ``before()`` gives (read after the reserve, which may move the storage) and then the
+    new rows as a segment of their own. None when the two buffers' rows are not in step."""
+    k_storage, first, row = keys.reserve(1)
+    v_storage, v_first, v_row = values.reserve(1)
+    if (v_first, v_row) != (first, row) or k_storage.stride(3) != 1 or v_storage.stride(3) != 1:
+        return None
+    new_keys, new_values = k_storage[:, :, row:row + 1], v_storage[:, :, row:row + 1]
+    if alone:
+        return CacheRole(heads, new_keys, new_values, [*before(), (new_keys, new_values)])
+    return CacheRole(heads, new_keys, new_values, [(k_storage[:, :, first:row + 1], v_storage[:, :, first:row + 1])])
 
 
 def _two_calls(plan: StepPlan, attn: MultiHeadAttention, x: torch.Tensor, cache, rotation: torch.Tensor, library) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """A pre-norm block's decode step in one native call, or in two around the attention (csrc/decode_block.h).
 
 ``BlockWeights`` names what the calls read of a block (its norms, projections and MLP). One
-``native_block_step`` call does, for one token of a plain GQA block, the attention's norm, q/k/v,
-RoPE, the new key and value rows written into the cache's storage, the attention over the live
-rows, the output projection and residual, and the SwiGLU half, each by the entry the module path
-would call and rounded where it rounds. For a block whose attention keeps its own kind of cache
+``native_block_step`` call does, for one token, the attention's norm, q/k/v, RoPE, the new key
+and value rows written into the cache's storage, the attention over each KV head's cached rows
+(``CacheRole``: a GQA cache's heads alike, or per-head roles' exact rows and sinks + window), the
+output projection and residual, and the SwiGLU half, each by the entry the module path would call
+and rounded where it rounds. For a block whose attention keeps its own kind of cache
 (per-head roles, quantized rows), ``native_block_input`` does everything before the attention and
 ``native_block_output`` everything after it. ``slimkv.model.block_step`` decides when a block may
 take them; the module path is their reference (tests/model/test_block_step.py).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -58,24 +60,43 @@ def block_fields(weights: BlockWeights, shape: BlockShape) -> tuple[int, ...]:
     return (*(w.data_ptr() for w in weights), shape.d_model, shape.n_heads, shape.kv_heads, shape.head_dim, shape.rot_dim, shape.d_ff)
 
 
+class CacheRole(NamedTuple):
+    """KV heads of a block whose cache has the same segments for a decode step: ``heads`` (KV head
+    indices, in the order of the views' head dimension), where their new key and value rows go
+    (``new_keys`` / ``new_values``, (1, len(heads), 1, head_dim) views of the cache's storage) and
+    the (keys, values) segments the attention reads, in order, under one softmax ((1, len(heads),
+    n, head_dim) views, rows contiguous; a segment may hold the new rows, which are written first)."""
+
+    heads: Sequence[int]
+    new_keys: torch.Tensor
+    new_values: torch.Tensor
+    segments: Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
 def native_block_step(x: torch.Tensor, fields: tuple[int, ...], weights: BlockWeights, shape: BlockShape, rotation: torch.Tensor,
-                      k_storage: torch.Tensor, v_storage: torch.Tensor, first: int, row: int, library: ctypes.CDLL) -> torch.Tensor:
-    """One token's step through the block: x (1, 1, d_model) -> (1, 1, d_model) in x's dtype. The
-    new key and value rows are written at ``row`` of ``k_storage`` / ``v_storage`` (1, kv_heads,
-    capacity, head_dim, rows contiguous; ``row`` < capacity) and the attention reads rows ``first``
-    .. ``row``; the caller then counts the row as stored. ``fields``: ``block_fields(weights,
-    shape)``; ``rotation``: the token's cos + i sin, rot_dim // 2 contiguous complex64 values; the
-    library is ``decode_kernel``'s for x's dtype. RuntimeError if the kernel fails (nothing counted)."""
+                      roles: Sequence[CacheRole], library: ctypes.CDLL) -> torch.Tensor:
+    """One token's step through the block: x (1, 1, d_model) -> (1, 1, d_model) in x's dtype. Each
+    role's new key and value rows are written where it says, then its query heads attend over its
+    segments (a GQA cache: one role, every head, its live rows with the new one; per-head roles:
+    one role per kind of cache); the caller then counts the rows as stored. ``fields``:
+    ``block_fields(weights, shape)``; ``rotation``: the token's cos + i sin, rot_dim // 2
+    contiguous complex64 values; the library is ``decode_kernel``'s for x's dtype. RuntimeError if
+    the kernel fails (the rows may have been written, but none is counted)."""
     out = torch.empty_like(x)
-    ks, vs = k_storage.stride(), v_storage.stride()
-    keys = row - first + 1
-    qkv_bytes = (weights.wq.numel() + weights.wk.numel() + weights.wv.numel()) * x.element_size()
-    gate_up_bytes = 2 * weights.gate.numel() * x.element_size()
-    packed = array.array("q", (*fields, x.data_ptr(), out.data_ptr(), k_storage.data_ptr(), v_storage.data_ptr(), ks[1], ks[2], vs[1], vs[2],
-                               first, row, linear_threads(qkv_bytes), attention_threads(4 * shape.n_heads * keys * shape.head_dim),
-                               linear_threads(weights.wo.numel() * x.element_size()), linear_threads(gate_up_bytes),
-                               linear_threads(weights.down.numel() * x.element_size())))
-    status = getattr(library, BLOCK_ENTRIES[x.dtype])(packed.buffer_info()[0], rotation.data_ptr(), shape.attn_eps, shape.mlp_eps, shape.scale)
+    size = x.element_size()
+    group = shape.n_heads // shape.kv_heads
+    packed = array.array("q", (*fields, x.data_ptr(), out.data_ptr(), linear_threads((weights.wq.numel() + 2 * weights.wk.numel()) * size),
+                               linear_threads(weights.wo.numel() * size), linear_threads(2 * weights.gate.numel() * size),
+                               linear_threads(weights.down.numel() * size)))
+    role_fields = array.array("q")
+    for role in roles:
+        keys = sum(k.shape[2] for k, _ in role.segments)
+        role_fields.extend((len(role.heads), len(role.segments), attention_threads(4 * len(role.heads) * group * keys * shape.head_dim),
+                            role.new_keys.data_ptr(), role.new_keys.stride(1), role.new_values.data_ptr(), role.new_values.stride(1), *role.heads))
+        for k, v in role.segments:
+            role_fields.extend((k.data_ptr(), v.data_ptr(), k.shape[2], k.stride(1), k.stride(2), v.stride(1), v.stride(2)))
+    status = getattr(library, BLOCK_ENTRIES[x.dtype])(packed.buffer_info()[0], role_fields.buffer_info()[0], len(roles), rotation.data_ptr(),
+                                                      shape.attn_eps, shape.mlp_eps, shape.scale)
     if status != 0:
         raise RuntimeError(f"native block step failed (status {status}: {'out of memory or threads' if status == 1 else 'bad arguments'})")
     return out

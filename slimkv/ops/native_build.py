@@ -43,7 +43,7 @@ ROTATE_ENTRIES = {torch.float32: "slimkv_rotate_row_f32", torch.bfloat16: "slimk
 SWIGLU_ENTRIES = {torch.float32: "slimkv_swiglu_residual_f32", torch.bfloat16: "slimkv_swiglu_residual_bf16"}
 """Element type -> the entry point for a pre-norm SwiGLU block's second half, one row (csrc/decode_linear.h)."""
 BLOCK_ENTRIES = {torch.float32: "slimkv_decode_block_f32", torch.bfloat16: "slimkv_decode_block_bf16"}
-"""Element type -> the entry point for a pre-norm GQA block's decode step, one token (csrc/decode_block.h)."""
+"""Element type -> the entry point for a pre-norm block's decode step over full-precision cache rows, one token (csrc/decode_block.h)."""
 BLOCK_INPUT_ENTRIES = {torch.float32: "slimkv_block_input_f32", torch.bfloat16: "slimkv_block_input_bf16"}
 """Element type -> a block's first half for one token: norm, q/k/v, RoPE (csrc/decode_block.h)."""
 BLOCK_OUTPUT_ENTRIES = {torch.float32: "slimkv_block_output_f32", torch.bfloat16: "slimkv_block_output_bf16"}
@@ -138,7 +138,7 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     swiglu = getattr(library, SWIGLU_ENTRIES[dtype])
     swiglu.argtypes, swiglu.restype = [pointer, pointer, ctypes.c_float, pointer, pointer, pointer, i64, i64, pointer, ctypes.c_int, ctypes.c_int], ctypes.c_int
     block = getattr(library, BLOCK_ENTRIES[dtype])
-    block.argtypes, block.restype = [pointer, pointer, ctypes.c_float, ctypes.c_float, ctypes.c_float], ctypes.c_int
+    block.argtypes, block.restype = [pointer, pointer, ctypes.c_int, pointer, ctypes.c_float, ctypes.c_float, ctypes.c_float], ctypes.c_int
     block_input = getattr(library, BLOCK_INPUT_ENTRIES[dtype])
     block_input.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, pointer, i64, i64, i64, i64, i64, pointer, pointer, ctypes.c_int]
     block_input.restype = ctypes.c_int

@@ -14,18 +14,21 @@ from slimkv.bench.step_parts import split_step, timed_parts
 from slimkv.ops.native import decode_kernel
 
 
+HYBRID = {"n_kv_heads": 2, "full_heads": [0], "window": 4}
+
+
 @pytest.mark.skipif(decode_kernel(torch.float32) is None, reason="the native kernel could not be built here: no native call to time")
-@pytest.mark.parametrize(("one_call", "kind", "options"), [(False, "gqa", {"n_kv_heads": 2}), (True, "gqa", {"n_kv_heads": 2}),
-                                                           (True, "hybrid", {"n_kv_heads": 2, "full_heads": [0], "window": 4})],
-                         ids=["module-path", "one-call-blocks", "two-call-blocks"])
-def test_a_decode_step_counts_every_linear_weight_once_and_its_attention_calls(one_call, kind, options):
+@pytest.mark.parametrize(("one_call", "kind", "options", "storage"), [(False, "gqa", {"n_kv_heads": 2}, None), (True, "gqa", {"n_kv_heads": 2}, None),
+                                                                      (True, "hybrid", HYBRID, None), (True, "hybrid", HYBRID, "int4:group=16,residual=4")],
+                         ids=["module-path", "one-call-blocks", "one-call-hybrid-blocks", "two-call-blocks"])
+def test_a_decode_step_counts_every_linear_weight_once_and_its_attention_calls(one_call, kind, options, storage):
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, attention=kind, attention_options=options)
     model = SlimKVForCausalLM(config).eval()
     for block in model.model.layers:
         block.native_step = one_call
     with torch.no_grad():
-        cache = model.new_cache(1)
+        cache = model.new_cache(1, storage=storage)
         model(torch.randint(0, 61, (1, 9)), cache=cache)
         with timed_parts() as totals:
             model(torch.tensor([[3]]), cache=cache)
@@ -35,7 +38,7 @@ def test_a_decode_step_counts_every_linear_weight_once_and_its_attention_calls(o
     counted = totals["linear_weight_elements"] + totals["block_weight_elements"]
     assert counted == sum(p.numel() for p in block_weights) + head
     assert totals["linear_weight_bytes"] + totals["block_weight_bytes"] == 4 * counted
-    if one_call and kind == "hybrid":  # two calls per block around its attention: linears
+    if one_call and storage:  # two calls per block around its attention over codes: linears
         assert totals["block_calls"] == 0 and totals["attention_calls"] >= config.n_layers and totals["linear_calls"] == 2 * config.n_layers + 1
     elif one_call:  # each block one call: its linears and attention inside it
         assert totals["block_calls"] == config.n_layers and totals["attention_calls"] == 0 and totals["linear_weight_elements"] == head

@@ -40,34 +40,6 @@ def decode(model, ids, steps, one_call, storage=None):
     return torch.cat(logits, 1), cache
 
 
-def same_cache(a, b) -> bool:
-    return all(x.seq_len == y.seq_len and torch.equal(x.k.view(), y.k.view()) and torch.equal(x.v.view(), y.v.view()) for x, y in zip(a.layers, b.layers))
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("kind", "opts", "extra"), [("gqa", None, {}), ("mha", None, {}), ("mqa", None, {}),
-                                                     ("gqa", {"n_kv_heads": 2, "rope_fraction": 0.5}, {})], ids=["gqa", "mha", "mqa", "gqa-half-rope"])
-def test_native_step_equals_the_module_path_to_the_bit(dtype, kind, opts, extra):
-    """Prefill 60 tokens then 12 steps: the buffers grow past their first 64 rows mid-way (the
-    reserve moves the storage), and the first step after an empty cache is covered by the 1-token prefill case below."""
-    model = tiny(kind, opts, **extra).to(DTYPES[dtype])
-    ids = torch.randint(0, 61, (1, 60))
-    with torch.no_grad():
-        module_logits, module_cache = decode(model, ids, 12, one_call=False)
-        calls = []
-        original = block_step.__globals__["native_block_step"]
-        block_step.__globals__["native_block_step"] = lambda *a, **k: calls.append(1) or original(*a, **k)
-        try:
-            fused_logits, fused_cache = decode(model, ids, 12, one_call=True)
-        finally:
-            block_step.__globals__["native_block_step"] = original
-    assert len(calls) == 12 * len(blocks(model)), "the one-call step did not take every decode step"
-    assert torch.equal(fused_logits, module_logits)
-    assert same_cache(fused_cache, module_cache)
-    assert fused_cache.nbytes() == module_cache.nbytes()
-
-
 def _states(cache) -> list[torch.Tensor]:
     """Every live tensor a cache holds (codes, scales, minima, rows), layer by layer."""
     out = []
@@ -84,12 +56,43 @@ def _states(cache) -> list[torch.Tensor]:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("kind", "opts"), [
+    ("gqa", None), ("mha", None), ("mqa", None), ("gqa", {"n_kv_heads": 2, "rope_fraction": 0.5}),
+    ("hybrid", {"n_kv_heads": 2, "full_heads": [1], "window": 6, "sink_len": 2}),
+    ("hybrid", {"n_kv_heads": 4, "full_heads": [0, 2], "window": 5, "sink_len": 3}),
+    ("hybrid", {"n_kv_heads": 2, "full_heads": [], "window": 1, "sink_len": 0}),
+    ("hybrid", {"n_kv_heads": 2, "full_heads": [0, 1], "window": 4}),
+], ids=["gqa", "mha", "mqa", "gqa-half-rope", "hybrid", "hybrid-apart", "hybrid-no-exact-window-1", "hybrid-all-exact"])
+def test_native_step_equals_the_module_path_to_the_bit(dtype, kind, opts):
+    """Prefill 60 tokens then 12 steps: the buffers grow past their first 64 rows mid-way (the
+    reserve moves the storage), a hybrid's window drops rows and its storage is compacted; the
+    first step after an empty cache is covered by the 1-token prefill case below. Per-head roles
+    (hybrid): exact heads apart from each other, no exact head, no streaming head, no sinks."""
+    model = tiny(kind, opts).to(DTYPES[dtype])
+    ids = torch.randint(0, 61, (1, 60))
+    with torch.no_grad():
+        module_logits, module_cache = decode(model, ids, 12, one_call=False)
+        calls = []
+        original = block_step.__globals__["native_block_step"]
+        block_step.__globals__["native_block_step"] = lambda *a, **k: calls.append(1) or original(*a, **k)
+        try:
+            fused_logits, fused_cache = decode(model, ids, 12, one_call=True)
+        finally:
+            block_step.__globals__["native_block_step"] = original
+    assert len(calls) == 12 * len(blocks(model)), "the one-call step did not take every decode step"
+    assert torch.equal(fused_logits, module_logits)
+    assert all(torch.equal(a, b) for a, b in zip(_states(fused_cache), _states(module_cache), strict=True))
+    assert all(a.seq_len == b.seq_len for a, b in zip(fused_cache.layers, module_cache.layers))
+    assert fused_cache.nbytes() == module_cache.nbytes()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("kind", "opts", "storage"), [
-    ("hybrid", {"n_kv_heads": 2, "full_heads": [1], "window": 6, "sink_len": 2}, None),
     ("hybrid", {"n_kv_heads": 2, "full_heads": [0], "window": 6, "sink_len": 2}, "int4:group=16,residual=4,block=2"),
     ("swa", {"n_kv_heads": 2, "window": 8}, None),
     ("gqa", None, "int8:group=16,residual=3,block=2"),
-], ids=["hybrid", "hybrid-int4", "swa", "gqa-int8"])
+], ids=["hybrid-int4", "swa", "gqa-int8"])
 def test_two_calls_around_the_attention_equal_the_module_path_to_the_bit(dtype, kind, opts, storage):
     """Attention that keeps its own kind of cache: the native calls before and after its
     ``attend_rows``, the rows it caches and quantizes, windows that drop rows, all as the module path."""

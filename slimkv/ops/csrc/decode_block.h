@@ -5,7 +5,7 @@
  * machine, the --parts pages' "rest"), and these entries make them one or two.
  *
  *   n = rms_norm(x) * attn_norm;  q, k, v = Wq n, Wk n, Wv n;  q, k = RoPE(q), RoPE(k)
- *   the cache's rows at ``row`` = k, v;  a = attention(q, the rows first .. row)
+ *   each KV head's cache gets its new rows k, v;  a = attention(q, each head's cached rows)
  *   h = x + Wo a;  y = h + down(silu(gate(m)) * up(m)), m = rms_norm(h) * mlp_norm
  *
  * Each step is the entry the module path calls for it (NORM_ENTRY, PROJECT_ENTRY, ROTATE_ENTRY,
@@ -14,10 +14,11 @@
  * path's to the bit: tests/model/test_block_step.py compares them, and the module path, whose
  * every kernel has its own plain reference, is these entries' reference. BLOCK_INPUT_ENTRY is the
  * first line, BLOCK_OUTPUT_ENTRY the last, BLOCK_ENTRY all three with the attention between (one
- * batch row, no biases, no query/key norms, full-precision cache rows; slimkv/model/block_step.py
- * checks, and takes the module path otherwise). */
+ * batch row, no biases, no query/key norms, full-precision cache rows, each KV head's cache a few
+ * segments: a GQA cache's rows, or per-head roles' exact rows and sinks + window;
+ * slimkv/model/block_step.py checks, and takes the module path otherwise). */
 
-#define BLOCK_FIELDS 30 /* integers in the block entry's ``fields`` */
+#define BLOCK_FIELDS 21 /* integers in the block entry's ``fields`` */
 
 int ENTRY(const int64_t *fields, int n_segments, float *out, int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim, int64_t v_dim,
           float scale, int threads); /* decode_attention.c, below */
@@ -61,26 +62,40 @@ int BLOCK_OUTPUT_ENTRY(const elem_t *x, const elem_t *attended, const elem_t *wo
     return status;
 }
 
-/* The whole block: BLOCK_INPUT_ENTRY, the new key and value rows written into the cache, the
- * attention over the live rows (ENTRY), BLOCK_OUTPUT_ENTRY. ``fields``, first what a block keeps
- * from step to step: the addresses of attn_norm, wq, wk, wv, wo, mlp_norm, gate, up, down, then
- * d_model, n_heads, kv_heads, head_dim, rot_dim, d_ff; then the step's: the addresses of x, y (may
- * be x), the key rows and the value rows (the cache's storage at row 0 of head 0), their head and
- * row strides (elements: keys, then values), the first live row, the new row, and threads for
- * q/k/v, the attention, Wo, gate/up and down. ``rotation``: the token's (cos, sin) pairs, rot_dim / 2
- * of them. Returns 0, 2 on bad arguments, 1 without memory or threads. */
-int BLOCK_ENTRY(const int64_t *fields, const float *rotation, float attn_eps, float mlp_eps, float scale) {
+/* The whole block: BLOCK_INPUT_ENTRY, each KV head's new key and value rows written into its
+ * cache, the attention of each cache role over its segments (ENTRY), BLOCK_OUTPUT_ENTRY.
+ *
+ * ``fields``, first what a block keeps from step to step: the addresses of attn_norm, wq, wk, wv,
+ * wo, mlp_norm, gate, up, down, then d_model, n_heads, kv_heads, head_dim, rot_dim, d_ff; then the
+ * step's: the addresses of x and y (may be x), and threads for q/k/v, Wo, gate/up and down.
+ *
+ * ``roles``: ``n_roles`` cache roles one after the other, each a set of KV heads whose cache has
+ * the same segments (a GQA block: one role, every head; per-head roles: the exact heads, and the
+ * heads keeping sinks and a window). A role is ROLE_FIELDS integers, then its ``heads`` KV head
+ * indices (head i of the role is KV head heads[i]), then ``segments`` x SEGMENT_FIELDS:
+ *   heads, segments, threads for its attention, the address where head 0's new key row goes and
+ *   the elements from one head's to the next, the same for the value row;
+ *   per segment, read one after the other under one softmax as ENTRY reads them: the addresses of
+ *   head 0's first key and value rows, the keys, then the key head and row strides and the value
+ *   head and row strides (elements). The new rows are written before any segment is read, so a
+ *   segment may hold them.
+ * The role's query rows (the ``n_heads / kv_heads`` queries of each of its heads) are gathered as
+ * float32, attended, and their outputs rounded to the element type into the attention's output
+ * at their heads' places: what the module path's per-role calls and their concatenation give.
+ * ``rotation``: the token's (cos, sin) pairs, rot_dim / 2 of them. Returns 0, 2 on bad arguments,
+ * 1 without memory or threads. */
+#define ROLE_FIELDS 7
+#define SEGMENT_FIELDS 7
+int BLOCK_ENTRY(const int64_t *fields, const int64_t *roles, int n_roles, const float *rotation, float attn_eps, float mlp_eps, float scale) {
 #define ADDRESS(i) ((elem_t *)(intptr_t)fields[i])
     const elem_t *attn_norm = ADDRESS(0), *wq = ADDRESS(1), *wk = ADDRESS(2), *wv = ADDRESS(3), *wo = ADDRESS(4), *mlp_norm = ADDRESS(5);
     const elem_t *gate = ADDRESS(6), *up = ADDRESS(7), *down = ADDRESS(8), *x = ADDRESS(15);
-    elem_t *y = ADDRESS(16), *k_rows = ADDRESS(17), *v_rows = ADDRESS(18);
+    elem_t *y = ADDRESS(16);
 #undef ADDRESS
     const int64_t d_model = fields[9], n_heads = fields[10], kv_heads = fields[11], head_dim = fields[12], rot_dim = fields[13], d_ff = fields[14];
-    const int64_t k_head = fields[19], k_row = fields[20], v_head = fields[21], v_row = fields[22], first = fields[23], row = fields[24];
-    const int threads_qkv = (int)fields[25], threads_attention = (int)fields[26], threads_o = (int)fields[27];
-    const int threads_gate_up = (int)fields[28], threads_down = (int)fields[29];
-    if (!k_rows || !v_rows || kv_heads < 1 || n_heads % kv_heads || head_dim < 1 || first < 0 || row < first) return 2;
-    const int64_t q_f = n_heads * head_dim, kv_f = kv_heads * head_dim;
+    const int threads_qkv = (int)fields[17], threads_o = (int)fields[18], threads_gate_up = (int)fields[19], threads_down = (int)fields[20];
+    if (!roles || n_roles < 1 || kv_heads < 1 || n_heads % kv_heads || head_dim < 1) return 2;
+    const int64_t q_f = n_heads * head_dim, kv_f = kv_heads * head_dim, group = n_heads / kv_heads;
     float *q_float = (float *)malloc((size_t)(2 * q_f) * sizeof(float)), *out = q_float + q_f;
     elem_t *qkv = (elem_t *)malloc((size_t)(2 * q_f + 2 * kv_f) * sizeof(elem_t)), *attended = qkv + q_f + 2 * kv_f;
     if (!q_float || !qkv) {
@@ -89,21 +104,45 @@ int BLOCK_ENTRY(const int64_t *fields, const float *rotation, float attn_eps, fl
         return 1;
     }
     int status = BLOCK_INPUT_ENTRY(x, attn_norm, attn_eps, wq, wk, wv, d_model, n_heads, kv_heads, head_dim, rot_dim, rotation, qkv, threads_qkv);
-    if (!status) {
-        for (int64_t g = 0; g < kv_heads; g++) { /* the new key and value rows, written into the cache */
-            memcpy(k_rows + g * k_head + row * k_row, qkv + q_f + g * head_dim, (size_t)head_dim * sizeof(elem_t));
-            memcpy(v_rows + g * v_head + row * v_row, qkv + q_f + kv_f + g * head_dim, (size_t)head_dim * sizeof(elem_t));
+    const int64_t *role = roles;
+    for (int r = 0; r < n_roles && !status; r++) { /* the new key and value rows, written into each role's cache */
+        const int64_t heads = role[0], n_segments = role[1];
+        elem_t *k_new = (elem_t *)(intptr_t)role[3], *v_new = (elem_t *)(intptr_t)role[5];
+        if (heads < 1 || n_segments < 1 || n_segments > MAX_SEGMENTS || !k_new || !v_new) {
+            status = 2;
+            break;
         }
-        for (int64_t i = 0; i < q_f; i++) q_float[i] = to_float(qkv[i]);
-        const int64_t segment[FIELDS] = {(int64_t)(intptr_t)q_float, (int64_t)(intptr_t)(k_rows + first * k_row),
-                                         (int64_t)(intptr_t)(v_rows + first * v_row), row - first + 1, kv_heads * k_head, k_head, k_row,
-                                         kv_heads * v_head, v_head, v_row};
-        status = ENTRY(segment, 1, out, 1, kv_heads, n_heads / kv_heads, head_dim, head_dim, scale, threads_attention);
+        for (int64_t i = 0; i < heads; i++) {
+            const int64_t g = role[ROLE_FIELDS + i];
+            if (g < 0 || g >= kv_heads) {
+                status = 2;
+                break;
+            }
+            memcpy(k_new + i * role[4], qkv + q_f + g * head_dim, (size_t)head_dim * sizeof(elem_t));
+            memcpy(v_new + i * role[6], qkv + q_f + kv_f + g * head_dim, (size_t)head_dim * sizeof(elem_t));
+        }
+        role += ROLE_FIELDS + heads + n_segments * SEGMENT_FIELDS;
     }
-    if (!status) {
-        for (int64_t i = 0; i < q_f; i++) attended[i] = from_float(out[i]); /* the attention's output in the element type, as the module path has it */
+    role = roles;
+    for (int r = 0; r < n_roles && !status; r++) { /* each role's attention over its segments */
+        const int64_t heads = role[0], n_segments = role[1], *head = role + ROLE_FIELDS, *seg = head + heads;
+        for (int64_t i = 0; i < heads; i++)
+            for (int64_t j = 0; j < group; j++)
+                for (int64_t c = 0; c < head_dim; c++) q_float[(i * group + j) * head_dim + c] = to_float(qkv[(head[i] * group + j) * head_dim + c]);
+        int64_t segments[MAX_SEGMENTS * FIELDS];
+        for (int64_t s = 0; s < n_segments; s++) {
+            const int64_t *f = seg + s * SEGMENT_FIELDS;
+            const int64_t entry[FIELDS] = {(int64_t)(intptr_t)q_float, f[0], f[1], f[2], heads * f[3], f[3], f[4], heads * f[5], f[5], f[6]};
+            memcpy(segments + s * FIELDS, entry, sizeof entry);
+        }
+        status = ENTRY(segments, (int)n_segments, out, 1, heads, group, head_dim, head_dim, scale, (int)role[2]);
+        for (int64_t i = 0; i < heads && !status; i++) /* the role's outputs at their heads' places, in the element type as the module path has them */
+            for (int64_t j = 0; j < group; j++)
+                for (int64_t c = 0; c < head_dim; c++) attended[(head[i] * group + j) * head_dim + c] = from_float(out[(i * group + j) * head_dim + c]);
+        role += ROLE_FIELDS + heads + n_segments * SEGMENT_FIELDS;
+    }
+    if (!status)
         status = BLOCK_OUTPUT_ENTRY(x, attended, wo, mlp_norm, mlp_eps, gate, up, down, d_model, q_f, d_ff, y, threads_o, threads_gate_up, threads_down);
-    }
     free(q_float);
     free(qkv);
     return status;
