@@ -6,11 +6,13 @@ development machine. ``block_step`` runs a pre-norm block with a SwiGLU MLP (no 
 query/key norms, RoPE on some channels, plain ``Linear`` projections) for one token through
 ``slimkv.ops.native_block`` (csrc/decode_block.h) instead:
 - the plain GQA/MHA/MQA block (no window), and ``hybrid``'s per-head roles (exact heads; sinks and
-  a window), over a full-precision cache holding at least one token (a hybrid one, its sinks): the
-  whole block in one call (``native_block_step``), the new rows written into the cache, each role's
-  heads attending over its segments as the module path's ``attend_rows`` reads them;
+  a window), over a cache of full-precision rows, or of int8 / int4 codes with a full-precision
+  window, holding at least one token (a hybrid one, its sinks): the whole block in one call
+  (``native_block_step``), the new rows written into the cache (rows they push out of the window
+  quantized before the call, as a store would), each role's heads attending over its segments as
+  the module path's ``attend_rows`` reads them;
 - any other attention of the ``MultiHeadAttention`` family that keeps its own cache (a sliding
-  window, quantized rows, hybrid's included): the norm, q/k/v and RoPE in one call, the
+  window; codes with no full-precision window): the norm, q/k/v and RoPE in one call, the
   attention's own ``attend_rows`` in Python, then the output projection, the residual and the
   SwiGLU half in one call (``native_block_input``, ``native_block_output``).
 Both need float32 or bfloat16 on the CPU, no autograd, no torch dispatch mode (a FLOP counter must
@@ -46,11 +48,11 @@ from slimkv.ops.native_block import (
     native_block_step,
 )
 from slimkv.ops.norm import RMSNorm
-from slimkv.ops.quantize import KVStorage, parse_storage
+from slimkv.ops.quantize import QuantizedBuffer
 
 KINDS = (MHA, GQA, MQA)
-"""Attention kinds whose whole block step is one call with no window and a full-precision cache
-(and ``hybrid``, whose per-head roles are each a few segments of full-precision rows)."""
+"""Attention kinds whose whole block step is one call with no window (and ``hybrid``, whose
+per-head roles are each a few segments of rows or codes)."""
 HALVES = (MultiHeadAttention._forward, HybridAttention._forward)
 """The ``_forward`` methods that are ``project_qkv``, ``attend_rows`` and ``o_proj`` in turn: a class
 that runs one of them takes the two-call step."""
@@ -66,7 +68,7 @@ class StepPlan(NamedTuple):
     modules: tuple[torch.nn.Module, ...]
     children: tuple[tuple[torch.nn.Module, str, torch.nn.Module], ...]
     owners: tuple[torch.nn.Module, ...]
-    whole: bool  # the whole block in one call over a full-precision cache (KINDS with no window, hybrid); else two calls around attend_rows
+    whole: bool  # the whole block in one call (KINDS with no window, hybrid); else two calls around attend_rows
 
 
 CHILDREN = (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("attn_norm", ()), ("mlp", ("gate_proj", "up_proj", "down_proj")), ("mlp_norm", ()))
@@ -106,18 +108,16 @@ def _plan(block) -> StepPlan | None:
                     (type(attn) in KINDS and attn.window is None) or type(attn) is HybridAttention)
 
 
-def block_step_counts(model: torch.nn.Module, storage: KVStorage | str | None = None) -> dict[str, int]:
-    """How ``model``'s decoder blocks take a decode step over a cache of ``storage`` (default: the
-    model config's ``cache_storage``): ``one_call`` (the whole block, over full-precision rows),
-    ``two_calls`` (around the attention's own cache code: quantized rows, a window) and
+def block_step_counts(model: torch.nn.Module) -> dict[str, int]:
+    """How ``model``'s decoder blocks take a decode step: ``one_call`` (the whole block, over
+    full-precision rows or int8 / int4 codes with a full-precision window), ``two_calls`` (around
+    the attention's own cache code: a sliding window, codes with no full-precision window) and
     ``module_path`` (a block the native calls do not compute, or with ``native_step`` off). What a
     benchmark or ``slimkv eval cache`` records beside a decode time, so a reader knows which path ran."""
-    config = getattr(model, "config", None)
-    storage = parse_storage(getattr(config, "cache_storage", None) if storage is None else storage)
     counts = {"one_call": 0, "two_calls": 0, "module_path": 0}
     for block in (m for m in model.modules() if hasattr(m, "native_step")):  # slimkv.model.modeling.Block (which imports this module)
         plan = _plan(block) if block.native_step else None
-        counts["module_path" if plan is None else "one_call" if plan.whole and storage.bits is None else "two_calls"] += 1
+        counts["module_path" if plan is None else "one_call" if plan.whole else "two_calls"] += 1
     return counts
 
 
@@ -150,27 +150,35 @@ def block_step(block, x: torch.Tensor, cache) -> torch.Tensor | None:
         spec = attn.__dict__["_spec"] = attn.cache_spec()
     cache.check_compatible(spec, x)
     rotation = attn.rotary.rotation(cache.seq_len, 1, x.device, torch.float32)
-    if plan.whole:
-        roles = _cache_roles(attn, cache)
-        if roles is not None:
-            roles, commit = roles
-            out = native_block_step(x, plan.fields, plan.weights, plan.shape, rotation, roles, library)
-            commit()
-            return out
+    if plan.whole and x.dtype == cache.dtype:
+        mark = cache.mark() if cache.storage.bits is not None else None  # quantizing ahead changes the cache before the call
+        try:
+            roles = _cache_roles(attn, cache)
+            if roles is not None:
+                roles, commit = roles
+                out = native_block_step(x, plan.fields, plan.weights, plan.shape, rotation, roles, library)
+                commit()
+                return out
+        except BaseException:
+            if mark is not None:
+                cache.rollback(mark)
+            raise
     return _two_calls(plan, attn, x, cache, rotation, library)
 
 
 def _cache_roles(attn: MultiHeadAttention, cache) -> tuple[list[CacheRole], Callable[[], None]] | None:
     """The cache roles of a whole-block step over ``cache`` (``native_block_step``) and what counts
     the new token once the call succeeds, or None where the step takes two calls: a cache that is
-    not one of full-precision rows in growable buffers, and the first token (its attention is the
-    prefill's kernel; a hybrid cache's too until its sinks are full, whose rows go elsewhere)."""
-    if cache.storage.bits is not None or cache.seq_len < 1:
+    not rows (or int8 / int4 codes and a full-precision window) in the buffers its storage makes,
+    and the first token (its attention is the prefill's kernel; a hybrid cache's too until its
+    sinks are full, whose rows go elsewhere). The segments are those ``attend_rows`` reads."""
+    buffer = GrowableBuffer if cache.storage.bits is None else QuantizedBuffer
+    if cache.seq_len < 1:
         return None
     if type(cache) is KVCache and type(attn) in KINDS:
-        if cache.keep is not None or type(cache.k) is not GrowableBuffer:
+        if cache.keep is not None or type(cache.k) is not buffer or type(cache.v) is not buffer:
             return None
-        role = _role(tuple(range(attn.n_kv_heads)), cache.k, cache.v, ())
+        role = _role(tuple(range(attn.n_kv_heads)), cache.k, cache.v)
         if role is None:
             return None
 
@@ -181,13 +189,14 @@ def _cache_roles(attn: MultiHeadAttention, cache) -> tuple[list[CacheRole], Call
         return [role], commit
     if type(cache) is not HybridCache or type(attn) is not HybridAttention or cache.seq_len < cache.sink_len:
         return None
-    if any(type(b) is not GrowableBuffer for b in (cache.full_k, cache.full_v, cache.sink_k, cache.sink_v, cache.recent_k, cache.recent_v)):
+    if any(type(b) is not buffer for b in (cache.full_k, cache.full_v, cache.recent_k, cache.recent_v)) \
+            or type(cache.sink_k) is not GrowableBuffer or type(cache.sink_v) is not GrowableBuffer:
         return None
     roles = []
     if attn.full_heads:
-        roles.append(_role(tuple(attn.full_heads), cache.full_k, cache.full_v, ()))
+        roles.append(_role(tuple(attn.full_heads), cache.full_k, cache.full_v))
     if attn.streaming_heads:  # the sinks and the window as the module path reads them (stored_segments), then the new token's rows
-        roles.append(_role(tuple(attn.streaming_heads), cache.recent_k, cache.recent_v, cache.stored_segments, alone=True))
+        roles.append(_role(tuple(attn.streaming_heads), cache.recent_k, cache.recent_v, cache.stored_segments))
     if None in roles:
         return None
 
@@ -195,27 +204,35 @@ def _cache_roles(attn: MultiHeadAttention, cache) -> tuple[list[CacheRole], Call
         if attn.full_heads:
             cache.full_k.commit(1)
             cache.full_v.commit(1)
-        if attn.streaming_heads:
-            for buffer in (cache.recent_k, cache.recent_v):
-                buffer.commit(1)
-                buffer.keep_last(cache.window - 1)
+        if attn.streaming_heads:  # as StreamingCache.add stores the token after the attention read the window
+            for rows in (cache.recent_k, cache.recent_v):
+                rows.commit(1)
+                rows.keep_last(cache.window - 1)
         cache.seq_len += 1
     return roles, commit
 
 
-def _role(heads: tuple[int, ...], keys: GrowableBuffer, values: GrowableBuffer, before, *, alone: bool = False) -> CacheRole | None:
-    """A role whose new rows go at the end of ``keys`` / ``values`` (room reserved, not yet counted):
-    its attention reads the buffers' live rows with the new one as one segment, or, ``alone``, the
-    segments ``before()`` gives (read after the reserve, which may move the storage) and then the
-    new rows as a segment of their own. None when the two buffers' rows are not in step."""
+def _role(heads: tuple[int, ...], keys, values, before: Callable[[], list] | None = None) -> CacheRole | None:
+    """A role whose new rows go at the end of ``keys`` / ``values`` (``GrowableBuffer`` or
+    ``QuantizedBuffer``: room reserved, not yet counted). Without ``before``, its attention reads
+    the buffers as a store of the new rows leaves them (quantized rows first: the rows the new one
+    pushes out of the window are quantized now), the live rows with the new one as one segment;
+    with it, the segments ``before()`` gives (read after the reserve, which may move the storage)
+    and then the new rows as a segment of their own, stored after the call. None when the two
+    buffers' rows are not in step, or a new row would be quantized at once."""
+    if before is None and isinstance(keys, QuantizedBuffer) and not (keys.quantize_ahead() and values.quantize_ahead()):
+        return None
     k_storage, first, row = keys.reserve(1)
     v_storage, v_first, v_row = values.reserve(1)
     if (v_first, v_row) != (first, row) or k_storage.stride(3) != 1 or v_storage.stride(3) != 1:
         return None
     new_keys, new_values = k_storage[:, :, row:row + 1], v_storage[:, :, row:row + 1]
-    if alone:
+    if before is not None:
         return CacheRole(heads, new_keys, new_values, [*before(), (new_keys, new_values)])
-    return CacheRole(heads, new_keys, new_values, [(k_storage[:, :, first:row + 1], v_storage[:, :, first:row + 1])])
+    segments = [(k_storage[:, :, first:row + 1], v_storage[:, :, first:row + 1])]
+    if isinstance(keys, QuantizedBuffer) and keys.quantized_len():
+        segments.insert(0, (keys.segments()[0], values.segments()[0]))
+    return CacheRole(heads, new_keys, new_values, segments)
 
 
 def _two_calls(plan: StepPlan, attn: MultiHeadAttention, x: torch.Tensor, cache, rotation: torch.Tensor, library) -> torch.Tensor:

@@ -273,6 +273,21 @@ def supports_stored(query: torch.Tensor, segments: Sequence[tuple[StoredRows, St
     return len(v_dims) == 1 and q_heads % kv_heads == 0
 
 
+def stored_segment_fields(q_address: int, k: StoredRows, v: StoredRows) -> list[int]:
+    """One (keys, values) segment as the quantized entry reads it (the C struct QSegment's order,
+    QFIELDS integers): codes with their scales and minima, or plain rows (bits 0)."""
+    if isinstance(k, QuantizedRows):
+        fields = [q_address, k.bits, k.group, len(k), k.codes.data_ptr(), v.codes.data_ptr(),
+                  k.scale.data_ptr(), k.low.data_ptr(), v.scale.data_ptr(), v.low.data_ptr()]
+        strides = (k.codes, v.codes, k.scale, k.low, v.scale, v.low)
+    else:
+        fields = [q_address, 0, 0, k.shape[2], k.data_ptr(), v.data_ptr(), 0, 0, 0, 0]
+        strides = (k, v, k, k, k, k)
+    for x in strides:
+        fields += x.stride()[:3]
+    return fields
+
+
 def native_stored_attention(query: torch.Tensor, segments: Sequence[tuple[StoredRows, StoredRows]], scale: float,
                             library: ctypes.CDLL) -> torch.Tensor:
     """One query per head over every (keys, values) segment under one softmax, quantized segments
@@ -286,18 +301,10 @@ def native_stored_attention(query: torch.Tensor, segments: Sequence[tuple[Stored
     v_dim = last_value.dim if isinstance(last_value, QuantizedRows) else last_value.shape[-1]
     q = query.to(torch.float32).contiguous()
     out = torch.empty(batch, q_heads, 1, v_dim, dtype=torch.float32)
-    fields = []  # per segment, the C struct QSegment's order
+    fields = []
     keys = 0
     for k, v in segments:
-        if isinstance(k, QuantizedRows):
-            fields += (q.data_ptr(), k.bits, k.group, len(k), k.codes.data_ptr(), v.codes.data_ptr(),
-                       k.scale.data_ptr(), k.low.data_ptr(), v.scale.data_ptr(), v.low.data_ptr())
-            strides = (k.codes, v.codes, k.scale, k.low, v.scale, v.low)
-        else:
-            fields += (q.data_ptr(), 0, 0, k.shape[2], k.data_ptr(), v.data_ptr(), 0, 0, 0, 0)
-            strides = (k, v, k, k, k, k)
-        for x in strides:
-            fields += x.stride()[:3]
+        fields += stored_segment_fields(q.data_ptr(), k, v)
         keys += len(k) if isinstance(k, QuantizedRows) else k.shape[2]
     threads = attention_threads(2 * batch * q_heads * keys * (dim + v_dim))
     status = getattr(library, QUANTIZED_ENTRIES[query.dtype])((ctypes.c_int64 * len(fields))(*fields), len(segments), out.data_ptr(), batch,

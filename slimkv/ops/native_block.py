@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from slimkv.ops.native import attention_threads
+from slimkv.ops.codes import QuantizedRows
+from slimkv.ops.native import StoredRows, attention_threads, stored_segment_fields
 from slimkv.ops.native_build import BLOCK_ENTRIES, BLOCK_INPUT_ENTRIES, BLOCK_OUTPUT_ENTRIES
 from slimkv.ops.native_rows import linear_threads
 
@@ -65,12 +66,14 @@ class CacheRole(NamedTuple):
     indices, in the order of the views' head dimension), where their new key and value rows go
     (``new_keys`` / ``new_values``, (1, len(heads), 1, head_dim) views of the cache's storage) and
     the (keys, values) segments the attention reads, in order, under one softmax ((1, len(heads),
-    n, head_dim) views, rows contiguous; a segment may hold the new rows, which are written first)."""
+    n, head_dim) views, rows contiguous, or int8 / int4 codes: ``QuantizedRows``, read by the
+    quantized entry as ``native_stored_attention`` reads them; a segment may hold the new rows,
+    which are written first)."""
 
     heads: Sequence[int]
     new_keys: torch.Tensor
     new_values: torch.Tensor
-    segments: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    segments: Sequence[tuple[StoredRows, StoredRows]]
 
 
 def native_block_step(x: torch.Tensor, fields: tuple[int, ...], weights: BlockWeights, shape: BlockShape, rotation: torch.Tensor,
@@ -90,11 +93,14 @@ def native_block_step(x: torch.Tensor, fields: tuple[int, ...], weights: BlockWe
                                linear_threads(weights.down.numel() * size)))
     role_fields = array.array("q")
     for role in roles:
-        keys = sum(k.shape[2] for k, _ in role.segments)
+        codes = any(isinstance(k, QuantizedRows) for k, _ in role.segments)
+        keys = sum(len(k) if isinstance(k, QuantizedRows) else k.shape[2] for k, _ in role.segments)
         role_fields.extend((len(role.heads), len(role.segments), attention_threads(4 * len(role.heads) * group * keys * shape.head_dim),
-                            role.new_keys.data_ptr(), role.new_keys.stride(1), role.new_values.data_ptr(), role.new_values.stride(1), *role.heads))
+                            role.new_keys.data_ptr(), role.new_keys.stride(1), role.new_values.data_ptr(), role.new_values.stride(1), int(codes),
+                            *role.heads))
         for k, v in role.segments:
-            role_fields.extend((k.data_ptr(), v.data_ptr(), k.shape[2], k.stride(1), k.stride(2), v.stride(1), v.stride(2)))
+            role_fields.extend(stored_segment_fields(0, k, v) if codes else (k.data_ptr(), v.data_ptr(), k.shape[2], k.stride(1), k.stride(2),
+                                                                               v.stride(1), v.stride(2)))
     status = getattr(library, BLOCK_ENTRIES[x.dtype])(packed.buffer_info()[0], role_fields.buffer_info()[0], len(roles), rotation.data_ptr(),
                                                       shape.attn_eps, shape.mlp_eps, shape.scale)
     if status != 0:

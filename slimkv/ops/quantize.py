@@ -165,20 +165,52 @@ class QuantizedBuffer:
         residual window are quantized, whole blocks of ``storage.block`` at a time: after
         ``stored`` rows, the newest ``full_rows()`` stay in full precision."""
         self.recent.append(x)
-        self.stored += x.shape[2]
+        self.commit(x.shape[2], appended=True)
+
+    def reserve(self, n: int) -> tuple[torch.Tensor, int, int]:
+        """Room for ``n`` more full-precision rows, written by someone else (a native step writes
+        a token's row straight into the storage): ``GrowableBuffer.reserve`` of the residual
+        window. The rows count only after ``commit(n)``."""
+        return self.recent.reserve(n)
+
+    def commit(self, n: int, *, appended: bool = False) -> None:
+        """Count the ``n`` rows written after the window's live ones (``reserve``; ``appended``:
+        already counted by the window's own append) as ``store`` would: the rows they push out of
+        the residual window are quantized."""
+        if not appended:
+            self.recent.commit(n)
+        self.stored += n
         overflow = len(self.recent) - self.full_rows()
         if overflow > 0:
-            codes, scale, low = quantize_rows(self.recent.view()[:, :, :overflow], self.storage.bits, self.storage.group)
-            self.codes.append(codes)
-            self.scale.append(scale)
-            self.low.append(low)
-            self.recent.keep_last(len(self.recent) - overflow)
+            self._quantize_oldest(overflow)
 
-    def full_rows(self) -> int:
+    def quantize_ahead(self) -> bool:
+        """Quantize now the rows that storing one more row will push out of the residual window
+        (they do not depend on it), so a reader of ``segments()`` with the next row sees the codes
+        ``store`` would leave; its ``commit`` then quantizes nothing more. False, with nothing
+        changed, when that row itself would leave the window at once (a residual of 0)."""
+        overflow = len(self.recent) + 1 - self.full_rows(self.stored + 1)
+        if overflow > len(self.recent):
+            return False
+        if overflow > 0:
+            self._quantize_oldest(overflow)
+        return True
+
+    def _quantize_oldest(self, n: int) -> None:
+        """The window's oldest ``n`` rows, as codes after the others."""
+        codes, scale, low = quantize_rows(self.recent.view()[:, :, :n], self.storage.bits, self.storage.group)
+        self.codes.append(codes)
+        self.scale.append(scale)
+        self.low.append(low)
+        self.recent.keep_last(len(self.recent) - n)
+
+    def full_rows(self, stored: int | None = None) -> int:
         """How many of the newest rows are held in full precision (fewer when fewer are held): the
-        ``residual`` window and the rows of a block not yet full, counted from the rows ever stored."""
+        ``residual`` window and the rows of a block not yet full, counted from the rows ever
+        stored (``stored``, default the buffer's)."""
         residual, block = self.storage.residual, self.storage.block
-        return self.stored if self.stored <= residual else residual + (self.stored - residual) % block
+        stored = self.stored if stored is None else stored
+        return stored if stored <= residual else residual + (stored - residual) % block
 
     def keep_last(self, n: int) -> None:
         """Drop all but the newest ``n`` rows."""

@@ -13,14 +13,13 @@ from slimkv import ModelConfig, SlimKVForCausalLM
 from slimkv.bench.step_parts import split_step, timed_parts
 from slimkv.ops.native import decode_kernel
 
-
 HYBRID = {"n_kv_heads": 2, "full_heads": [0], "window": 4}
 
 
 @pytest.mark.skipif(decode_kernel(torch.float32) is None, reason="the native kernel could not be built here: no native call to time")
 @pytest.mark.parametrize(("one_call", "kind", "options", "storage"), [(False, "gqa", {"n_kv_heads": 2}, None), (True, "gqa", {"n_kv_heads": 2}, None),
-                                                                      (True, "hybrid", HYBRID, None), (True, "hybrid", HYBRID, "int4:group=16,residual=4")],
-                         ids=["module-path", "one-call-blocks", "one-call-hybrid-blocks", "two-call-blocks"])
+                                                                      (True, "hybrid", HYBRID, "int4:group=16,residual=4"), (True, "swa", {"window": 4}, None)],
+                         ids=["module-path", "one-call-blocks", "one-call-hybrid-int4-blocks", "two-call-blocks"])
 def test_a_decode_step_counts_every_linear_weight_once_and_its_attention_calls(one_call, kind, options, storage):
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, attention=kind, attention_options=options)
@@ -38,7 +37,7 @@ def test_a_decode_step_counts_every_linear_weight_once_and_its_attention_calls(o
     counted = totals["linear_weight_elements"] + totals["block_weight_elements"]
     assert counted == sum(p.numel() for p in block_weights) + head
     assert totals["linear_weight_bytes"] + totals["block_weight_bytes"] == 4 * counted
-    if one_call and storage:  # two calls per block around its attention over codes: linears
+    if one_call and kind == "swa":  # two calls per block around its windowed attention: linears
         assert totals["block_calls"] == 0 and totals["attention_calls"] >= config.n_layers and totals["linear_calls"] == 2 * config.n_layers + 1
     elif one_call:  # each block one call: its linears and attention inside it
         assert totals["block_calls"] == config.n_layers and totals["attention_calls"] == 0 and totals["linear_weight_elements"] == head

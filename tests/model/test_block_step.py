@@ -56,30 +56,38 @@ def _states(cache) -> list[torch.Tensor]:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("kind", "opts"), [
-    ("gqa", None), ("mha", None), ("mqa", None), ("gqa", {"n_kv_heads": 2, "rope_fraction": 0.5}),
-    ("hybrid", {"n_kv_heads": 2, "full_heads": [1], "window": 6, "sink_len": 2}),
-    ("hybrid", {"n_kv_heads": 4, "full_heads": [0, 2], "window": 5, "sink_len": 3}),
-    ("hybrid", {"n_kv_heads": 2, "full_heads": [], "window": 1, "sink_len": 0}),
-    ("hybrid", {"n_kv_heads": 2, "full_heads": [0, 1], "window": 4}),
-], ids=["gqa", "mha", "mqa", "gqa-half-rope", "hybrid", "hybrid-apart", "hybrid-no-exact-window-1", "hybrid-all-exact"])
-def test_native_step_equals_the_module_path_to_the_bit(dtype, kind, opts):
+@pytest.mark.parametrize(("kind", "opts", "storage"), [
+    ("gqa", None, None), ("mha", None, None), ("mqa", None, None), ("gqa", {"n_kv_heads": 2, "rope_fraction": 0.5}, None),
+    ("hybrid", {"n_kv_heads": 2, "full_heads": [1], "window": 6, "sink_len": 2}, None),
+    ("hybrid", {"n_kv_heads": 4, "full_heads": [0, 2], "window": 5, "sink_len": 3}, None),
+    ("hybrid", {"n_kv_heads": 2, "full_heads": [], "window": 1, "sink_len": 0}, None),
+    ("hybrid", {"n_kv_heads": 2, "full_heads": [0, 1], "window": 4}, None),
+    ("gqa", None, "int8:group=16,residual=3,block=2"),
+    ("mqa", None, "int4:group=32,residual=0,block=5"),
+    ("hybrid", {"n_kv_heads": 2, "full_heads": [0], "window": 6, "sink_len": 2}, "int4:group=16,residual=4,block=2"),
+    ("hybrid", {"n_kv_heads": 4, "full_heads": [1, 3], "window": 9, "sink_len": 1}, "int8:group=32,residual=2,block=3"),
+], ids=["gqa", "mha", "mqa", "gqa-half-rope", "hybrid", "hybrid-apart", "hybrid-no-exact-window-1", "hybrid-all-exact", "gqa-int8",
+        "mqa-int4-no-residual", "hybrid-int4", "hybrid-int8-apart"])
+def test_native_step_equals_the_module_path_to_the_bit(dtype, kind, opts, storage):
     """Prefill 60 tokens then 12 steps: the buffers grow past their first 64 rows mid-way (the
     reserve moves the storage), a hybrid's window drops rows and its storage is compacted; the
     first step after an empty cache is covered by the 1-token prefill case below. Per-head roles
-    (hybrid): exact heads apart from each other, no exact head, no streaming head, no sinks."""
+    (hybrid): exact heads apart from each other, no exact head, no streaming head, no sinks.
+    int8 / int4 storage: rows quantized ahead of the call (a block every few steps), and with no
+    residual window a step whose new row would be quantized at once takes two calls instead."""
     model = tiny(kind, opts).to(DTYPES[dtype])
     ids = torch.randint(0, 61, (1, 60))
     with torch.no_grad():
-        module_logits, module_cache = decode(model, ids, 12, one_call=False)
+        module_logits, module_cache = decode(model, ids, 12, one_call=False, storage=storage)
         calls = []
         original = block_step.__globals__["native_block_step"]
         block_step.__globals__["native_block_step"] = lambda *a, **k: calls.append(1) or original(*a, **k)
         try:
-            fused_logits, fused_cache = decode(model, ids, 12, one_call=True)
+            fused_logits, fused_cache = decode(model, ids, 12, one_call=True, storage=storage)
         finally:
             block_step.__globals__["native_block_step"] = original
-    assert len(calls) == 12 * len(blocks(model)), "the one-call step did not take every decode step"
+    whole = 10 if storage and "residual=0," in storage else 12  # with no residual, 2 of the 12 new rows leave the window at once
+    assert len(calls) == whole * len(blocks(model)), "the one-call step did not take every decode step it can"
     assert torch.equal(fused_logits, module_logits)
     assert all(torch.equal(a, b) for a, b in zip(_states(fused_cache), _states(module_cache), strict=True))
     assert all(a.seq_len == b.seq_len for a, b in zip(fused_cache.layers, module_cache.layers))
@@ -89,13 +97,13 @@ def test_native_step_equals_the_module_path_to_the_bit(dtype, kind, opts):
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("kind", "opts", "storage"), [
-    ("hybrid", {"n_kv_heads": 2, "full_heads": [0], "window": 6, "sink_len": 2}, "int4:group=16,residual=4,block=2"),
     ("swa", {"n_kv_heads": 2, "window": 8}, None),
-    ("gqa", None, "int8:group=16,residual=3,block=2"),
-], ids=["hybrid-int4", "swa", "gqa-int8"])
+    ("gqa", None, "int8:group=16,residual=0,block=1"),
+], ids=["swa", "gqa-int8-no-window"])
 def test_two_calls_around_the_attention_equal_the_module_path_to_the_bit(dtype, kind, opts, storage):
-    """Attention that keeps its own kind of cache: the native calls before and after its
-    ``attend_rows``, the rows it caches and quantizes, windows that drop rows, all as the module path."""
+    """Attention that keeps its own kind of cache (a sliding window; rows quantized as they come,
+    with no full-precision window): the native calls before and after its ``attend_rows``, the
+    rows it caches and quantizes, windows that drop rows, all as the module path."""
     model = tiny(kind, opts).to(DTYPES[dtype])
     ids = torch.randint(0, 61, (1, 30))
     with torch.no_grad():
@@ -219,6 +227,26 @@ def test_calls_the_entry_does_not_take_go_to_the_module_path():
         with torch.no_grad():
             assert block_step(block, x, cache) is not None
         assert cache.seq_len == 6
+
+
+@needs_kernel
+def test_a_failed_step_leaves_a_quantized_cache_as_it_was(monkeypatch):
+    """Rows quantized ahead of the call are put back when the call fails, as the module path leaves a cache."""
+    model = tiny("hybrid", {"n_kv_heads": 2, "full_heads": [1], "window": 6, "sink_len": 2})
+    cache = model.new_cache(1, storage="int4:group=16,residual=2,block=2")
+    with torch.no_grad():
+        model(torch.randint(0, 61, (1, 21)), cache=cache)  # 21 rows: the next one pushes a block of the exact heads' rows out of the window
+        layer = cache.layers[0]
+        before, codes = [t.clone() for t in _states(cache)], layer.full_k.quantized_len()
+
+        def fail(*args, **kwargs):
+            assert layer.full_k.quantized_len() > codes  # the block was quantized ahead of the call
+            raise RuntimeError("native block step failed (status 1: out of memory or threads)")
+        monkeypatch.setitem(block_step.__globals__, "native_block_step", fail)
+        with pytest.raises(RuntimeError, match="status 1"):
+            model(torch.tensor([[3]]), cache=cache)
+    assert layer.seq_len == 21 and layer.full_k.quantized_len() == codes
+    assert all(torch.equal(a, b) for a, b in zip(_states(cache), before, strict=True))
 
 
 @needs_kernel

@@ -14,14 +14,17 @@
  * path's to the bit: tests/model/test_block_step.py compares them, and the module path, whose
  * every kernel has its own plain reference, is these entries' reference. BLOCK_INPUT_ENTRY is the
  * first line, BLOCK_OUTPUT_ENTRY the last, BLOCK_ENTRY all three with the attention between (one
- * batch row, no biases, no query/key norms, full-precision cache rows, each KV head's cache a few
- * segments: a GQA cache's rows, or per-head roles' exact rows and sinks + window;
+ * batch row, no biases, no query/key norms, each KV head's cache a few segments: a GQA cache's
+ * rows (or int8 / int4 codes and a full-precision window), or per-head roles' exact rows and
+ * sinks + window;
  * slimkv/model/block_step.py checks, and takes the module path otherwise). */
 
 #define BLOCK_FIELDS 21 /* integers in the block entry's ``fields`` */
 
 int ENTRY(const int64_t *fields, int n_segments, float *out, int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim, int64_t v_dim,
           float scale, int threads); /* decode_attention.c, below */
+int QUANTIZED_ENTRY(const int64_t *fields, int n_segments, float *out, int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim,
+                    int64_t v_dim, float scale, int threads); /* decode_quantized.h, below */
 
 /* The block's first half up to the attention: qkv (n_heads + 2 * kv_heads rows of head_dim) = the
  * rotated queries, the rotated keys and the values of x's row (NORM_ENTRY, PROJECT_ENTRY,
@@ -72,19 +75,21 @@ int BLOCK_OUTPUT_ENTRY(const elem_t *x, const elem_t *attended, const elem_t *wo
  * ``roles``: ``n_roles`` cache roles one after the other, each a set of KV heads whose cache has
  * the same segments (a GQA block: one role, every head; per-head roles: the exact heads, and the
  * heads keeping sinks and a window). A role is ROLE_FIELDS integers, then its ``heads`` KV head
- * indices (head i of the role is KV head heads[i]), then ``segments`` x SEGMENT_FIELDS:
+ * indices (head i of the role is KV head heads[i]), then its segments:
  *   heads, segments, threads for its attention, the address where head 0's new key row goes and
- *   the elements from one head's to the next, the same for the value row;
- *   per segment, read one after the other under one softmax as ENTRY reads them: the addresses of
- *   head 0's first key and value rows, the keys, then the key head and row strides and the value
- *   head and row strides (elements). The new rows are written before any segment is read, so a
- *   segment may hold them.
+ *   the elements from one head's to the next, the same for the value row, and whether the
+ *   segments are QUANTIZED_ENTRY's (1: some hold int8 / int4 codes) or ENTRY's (0);
+ *   ENTRY's segments, SEGMENT_FIELDS each, read one after the other under one softmax: the
+ *   addresses of head 0's first key and value rows, the keys, then the key head and row strides and
+ *   the value head and row strides (elements); QUANTIZED_ENTRY's, QFIELDS each, as it reads them
+ *   (its first field, the queries' address, is filled in here).
+ * The new rows are written before any segment is read, so a segment may hold them.
  * The role's query rows (the ``n_heads / kv_heads`` queries of each of its heads) are gathered as
  * float32, attended, and their outputs rounded to the element type into the attention's output
  * at their heads' places: what the module path's per-role calls and their concatenation give.
  * ``rotation``: the token's (cos, sin) pairs, rot_dim / 2 of them. Returns 0, 2 on bad arguments,
  * 1 without memory or threads. */
-#define ROLE_FIELDS 7
+#define ROLE_FIELDS 8
 #define SEGMENT_FIELDS 7
 int BLOCK_ENTRY(const int64_t *fields, const int64_t *roles, int n_roles, const float *rotation, float attn_eps, float mlp_eps, float scale) {
 #define ADDRESS(i) ((elem_t *)(intptr_t)fields[i])
@@ -121,7 +126,7 @@ int BLOCK_ENTRY(const int64_t *fields, const int64_t *roles, int n_roles, const 
             memcpy(k_new + i * role[4], qkv + q_f + g * head_dim, (size_t)head_dim * sizeof(elem_t));
             memcpy(v_new + i * role[6], qkv + q_f + kv_f + g * head_dim, (size_t)head_dim * sizeof(elem_t));
         }
-        role += ROLE_FIELDS + heads + n_segments * SEGMENT_FIELDS;
+        role += ROLE_FIELDS + heads + n_segments * (role[7] ? QFIELDS : SEGMENT_FIELDS);
     }
     role = roles;
     for (int r = 0; r < n_roles && !status; r++) { /* each role's attention over its segments */
@@ -129,17 +134,23 @@ int BLOCK_ENTRY(const int64_t *fields, const int64_t *roles, int n_roles, const 
         for (int64_t i = 0; i < heads; i++)
             for (int64_t j = 0; j < group; j++)
                 for (int64_t c = 0; c < head_dim; c++) q_float[(i * group + j) * head_dim + c] = to_float(qkv[(head[i] * group + j) * head_dim + c]);
-        int64_t segments[MAX_SEGMENTS * FIELDS];
-        for (int64_t s = 0; s < n_segments; s++) {
-            const int64_t *f = seg + s * SEGMENT_FIELDS;
-            const int64_t entry[FIELDS] = {(int64_t)(intptr_t)q_float, f[0], f[1], f[2], heads * f[3], f[3], f[4], heads * f[5], f[5], f[6]};
-            memcpy(segments + s * FIELDS, entry, sizeof entry);
+        int64_t segments[MAX_SEGMENTS * QFIELDS];
+        if (role[7]) {
+            memcpy(segments, seg, (size_t)(n_segments * QFIELDS) * sizeof(int64_t));
+            for (int64_t s = 0; s < n_segments; s++) segments[s * QFIELDS] = (int64_t)(intptr_t)q_float;
+            status = QUANTIZED_ENTRY(segments, (int)n_segments, out, 1, heads, group, head_dim, head_dim, scale, (int)role[2]);
+        } else {
+            for (int64_t s = 0; s < n_segments; s++) {
+                const int64_t *f = seg + s * SEGMENT_FIELDS;
+                const int64_t entry[FIELDS] = {(int64_t)(intptr_t)q_float, f[0], f[1], f[2], heads * f[3], f[3], f[4], heads * f[5], f[5], f[6]};
+                memcpy(segments + s * FIELDS, entry, sizeof entry);
+            }
+            status = ENTRY(segments, (int)n_segments, out, 1, heads, group, head_dim, head_dim, scale, (int)role[2]);
         }
-        status = ENTRY(segments, (int)n_segments, out, 1, heads, group, head_dim, head_dim, scale, (int)role[2]);
         for (int64_t i = 0; i < heads && !status; i++) /* the role's outputs at their heads' places, in the element type as the module path has them */
             for (int64_t j = 0; j < group; j++)
                 for (int64_t c = 0; c < head_dim; c++) attended[(head[i] * group + j) * head_dim + c] = from_float(out[(i * group + j) * head_dim + c]);
-        role += ROLE_FIELDS + heads + n_segments * SEGMENT_FIELDS;
+        role += ROLE_FIELDS + heads + n_segments * (role[7] ? QFIELDS : SEGMENT_FIELDS);
     }
     if (!status)
         status = BLOCK_OUTPUT_ENTRY(x, attended, wo, mlp_norm, mlp_eps, gate, up, down, d_model, q_f, d_ff, y, threads_o, threads_gate_up, threads_down);
