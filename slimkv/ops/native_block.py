@@ -3,11 +3,12 @@
 ``BlockWeights`` names what the calls read of a block (its norms, projections and MLP). One
 ``native_block_step`` call does, for one token, the attention's norm, q/k/v, RoPE, the new key
 and value rows written into the cache's storage, the attention over each KV head's cached rows
-(``CacheRole``: a GQA cache's heads alike, or per-head roles' exact rows and sinks + window), the
-output projection and residual, and the SwiGLU half, each by the entry the module path would call
-and rounded where it rounds. For a block whose attention keeps its own kind of cache
-(per-head roles, quantized rows), ``native_block_input`` does everything before the attention and
-``native_block_output`` everything after it. ``slimkv.model.block_step`` decides when a block may
+(``CacheRole``: a GQA cache's heads alike, or per-head roles' exact rows and sinks + window; rows
+or int8 / int4 codes), the output projection and residual, and the SwiGLU half, each by the entry
+the module path would call and rounded where it rounds. For a block whose attention's cache is not
+described that way (a sliding window; codes with no full-precision window),
+``native_block_input`` does everything before the attention and ``native_block_output``
+everything after it. ``slimkv.model.block_step`` decides when a block may
 take them; the module path is their reference (tests/model/test_block_step.py).
 """
 

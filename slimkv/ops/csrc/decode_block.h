@@ -1,4 +1,4 @@
-/* A pre-norm GQA decoder block's decode step for one token in one call, or in two around an
+/* A pre-norm decoder block's decode step for one token in one call, or in two around an
  * attention that keeps its own kind of cache (included by decode_attention.c after
  * decode_linear.h): a decode step of a small model pays Python and dispatch costs per call (some
  * ten calls and tens of torch operations a layer: about 300 us a SmolLM2 layer on the development
