@@ -165,7 +165,7 @@ class QuantizedBuffer:
         residual window are quantized, whole blocks of ``storage.block`` at a time: after
         ``stored`` rows, the newest ``full_rows()`` stay in full precision."""
         self.recent.append(x)
-        self.commit(x.shape[2], appended=True)
+        self._count(x.shape[2])
 
     def reserve(self, n: int) -> tuple[torch.Tensor, int, int]:
         """Room for ``n`` more full-precision rows, written by someone else (a native step writes
@@ -173,12 +173,14 @@ class QuantizedBuffer:
         window. The rows count only after ``commit(n)``."""
         return self.recent.reserve(n)
 
-    def commit(self, n: int, *, appended: bool = False) -> None:
-        """Count the ``n`` rows written after the window's live ones (``reserve``; ``appended``:
-        already counted by the window's own append) as ``store`` would: the rows they push out of
-        the residual window are quantized."""
-        if not appended:
-            self.recent.commit(n)
+    def commit(self, n: int) -> None:
+        """Count the ``n`` rows written after the window's live ones (``reserve``) as ``store``
+        would: the rows they push out of the residual window are quantized."""
+        self.recent.commit(n)
+        self._count(n)
+
+    def _count(self, n: int) -> None:
+        """The window's newest ``n`` rows are new: count them, and quantize what leaves the window."""
         self.stored += n
         overflow = len(self.recent) - self.full_rows()
         if overflow > 0:
