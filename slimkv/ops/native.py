@@ -195,6 +195,14 @@ def supports(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Ten
     return True
 
 
+def segment_fields(q_address: int, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """One (keys, values) segment as the plain entry reads it (the C struct Segment's order, FIELDS
+    integers): the query, key and value addresses, the keys, then the key and the value strides
+    (batch, head, row; elements)."""
+    ks, vs = k.stride(), v.stride()
+    return q_address, k.data_ptr(), v.data_ptr(), k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]
+
+
 def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
                             library: ctypes.CDLL) -> torch.Tensor:
     """One query per head over the keys of every (k, v) segment under one softmax; segment i's
@@ -211,16 +219,14 @@ def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[
     k0, v0 = segments[0]
     kv_heads, v_dim, dtype = k0.shape[1], v0.shape[3], k0.dtype
     rows: dict[int, torch.Tensor] = {}  # float32 query rows by the query tensor's id (KVM may pass one tensor for several segments)
-    fields = []  # per segment, the C struct Segment's order: q, k, v, keys, k strides (batch, head, row), v strides
+    fields = []
     keys = 0
     for q, (k, v) in zip(queries, segments):
         row = rows.get(id(q))
         if row is None:
             row = rows[id(q)] = q if q.dtype == torch.float32 and q.is_contiguous() else q.to(torch.float32).contiguous()
-        ks, vs = k.stride(), v.stride()
-        n = k.shape[2]
-        keys += n
-        fields += (row.data_ptr(), k.data_ptr(), v.data_ptr(), n, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+        keys += k.shape[2]
+        fields += segment_fields(row.data_ptr(), k, v)
     out = torch.empty(batch, q_heads, 1, v_dim, dtype=torch.float32)
     threads = attention_threads(2 * batch * q_heads * keys * (dim + v_dim))
     packed = array.array("q", fields)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from slimkv.ops.codes import QuantizedRows
-from slimkv.ops.native import StoredRows, attention_threads, stored_segment_fields
+from slimkv.ops.native import StoredRows, attention_threads, segment_fields, stored_segment_fields
 from slimkv.ops.native_build import BLOCK_ENTRIES, BLOCK_INPUT_ENTRIES, BLOCK_OUTPUT_ENTRIES
 from slimkv.ops.native_rows import linear_threads
 
@@ -99,9 +99,8 @@ def native_block_step(x: torch.Tensor, fields: tuple[int, ...], weights: BlockWe
         role_fields.extend((len(role.heads), len(role.segments), attention_threads(4 * len(role.heads) * group * keys * shape.head_dim),
                             role.new_keys.data_ptr(), role.new_keys.stride(1), role.new_values.data_ptr(), role.new_values.stride(1), int(codes),
                             *role.heads))
-        for k, v in role.segments:
-            role_fields.extend(stored_segment_fields(0, k, v) if codes else (k.data_ptr(), v.data_ptr(), k.shape[2], k.stride(1), k.stride(2),
-                                                                               v.stride(1), v.stride(2)))
+        for k, v in role.segments:  # in the entry's own segment layout, the query's address left for the C side to fill
+            role_fields.extend(stored_segment_fields(0, k, v) if codes else segment_fields(0, k, v))
     status = getattr(library, BLOCK_ENTRIES[x.dtype])(packed.buffer_info()[0], role_fields.buffer_info()[0], len(roles), rotation.data_ptr(),
                                                       shape.attn_eps, shape.mlp_eps, shape.scale)
     if status != 0:

@@ -43,7 +43,7 @@ ROTATE_ENTRIES = {torch.float32: "slimkv_rotate_row_f32", torch.bfloat16: "slimk
 SWIGLU_ENTRIES = {torch.float32: "slimkv_swiglu_residual_f32", torch.bfloat16: "slimkv_swiglu_residual_bf16"}
 """Element type -> the entry point for a pre-norm SwiGLU block's second half, one row (csrc/decode_linear.h)."""
 BLOCK_ENTRIES = {torch.float32: "slimkv_decode_block_f32", torch.bfloat16: "slimkv_decode_block_bf16"}
-"""Element type -> the entry point for a pre-norm block's decode step over full-precision cache rows, one token (csrc/decode_block.h)."""
+"""Element type -> the entry point for a pre-norm block's decode step over its cache roles (rows or int8 / int4 codes), one token (csrc/decode_block.h)."""
 BLOCK_INPUT_ENTRIES = {torch.float32: "slimkv_block_input_f32", torch.bfloat16: "slimkv_block_input_bf16"}
 """Element type -> a block's first half for one token: norm, q/k/v, RoPE (csrc/decode_block.h)."""
 BLOCK_OUTPUT_ENTRIES = {torch.float32: "slimkv_block_output_f32", torch.bfloat16: "slimkv_block_output_bf16"}

@@ -16,8 +16,7 @@
  * first line, BLOCK_OUTPUT_ENTRY the last, BLOCK_ENTRY all three with the attention between (one
  * batch row, no biases, no query/key norms, each KV head's cache a few segments: a GQA cache's
  * rows (or int8 / int4 codes and a full-precision window), or per-head roles' exact rows and
- * sinks + window;
- * slimkv/model/block_step.py checks, and takes the module path otherwise). */
+ * sinks + window; slimkv/model/block_step.py checks, and takes the module path otherwise). */
 
 #define BLOCK_FIELDS 21 /* integers in the block entry's ``fields`` */
 
@@ -66,7 +65,8 @@ int BLOCK_OUTPUT_ENTRY(const elem_t *x, const elem_t *attended, const elem_t *wo
 }
 
 /* The whole block: BLOCK_INPUT_ENTRY, each KV head's new key and value rows written into its
- * cache, the attention of each cache role over its segments (ENTRY), BLOCK_OUTPUT_ENTRY.
+ * cache, the attention of each cache role over its segments (ENTRY, or QUANTIZED_ENTRY over
+ * codes), BLOCK_OUTPUT_ENTRY.
  *
  * ``fields``, first what a block keeps from step to step: the addresses of attn_norm, wq, wk, wv,
  * wo, mlp_norm, gate, up, down, then d_model, n_heads, kv_heads, head_dim, rot_dim, d_ff; then the
@@ -78,11 +78,9 @@ int BLOCK_OUTPUT_ENTRY(const elem_t *x, const elem_t *attended, const elem_t *wo
  * indices (head i of the role is KV head heads[i]), then its segments:
  *   heads, segments, threads for its attention, the address where head 0's new key row goes and
  *   the elements from one head's to the next, the same for the value row, and whether the
- *   segments are QUANTIZED_ENTRY's (1: some hold int8 / int4 codes) or ENTRY's (0);
- *   ENTRY's segments, SEGMENT_FIELDS each, read one after the other under one softmax: the
- *   addresses of head 0's first key and value rows, the keys, then the key head and row strides and
- *   the value head and row strides (elements); QUANTIZED_ENTRY's, QFIELDS each, as it reads them
- *   (its first field, the queries' address, is filled in here).
+ *   segments are QUANTIZED_ENTRY's (1: some hold int8 / int4 codes, QFIELDS each) or ENTRY's (0:
+ *   FIELDS each), read one after the other under one softmax as that entry reads them (head 0 of
+ *   each at the role's head 0; each segment's first field, the queries' address, is filled in here).
  * The new rows are written before any segment is read, so a segment may hold them.
  * The role's query rows (the ``n_heads / kv_heads`` queries of each of its heads) are gathered as
  * float32, attended, and their outputs rounded to the element type into the attention's output
@@ -90,7 +88,8 @@ int BLOCK_OUTPUT_ENTRY(const elem_t *x, const elem_t *attended, const elem_t *wo
  * ``rotation``: the token's (cos, sin) pairs, rot_dim / 2 of them. Returns 0, 2 on bad arguments,
  * 1 without memory or threads. */
 #define ROLE_FIELDS 8
-#define SEGMENT_FIELDS 7
+/* Integers in a role of ``roles`` (its fields, its heads, its segments). */
+static inline int64_t role_length(const int64_t *role) { return ROLE_FIELDS + role[0] + role[1] * (role[7] ? QFIELDS : FIELDS); }
 int BLOCK_ENTRY(const int64_t *fields, const int64_t *roles, int n_roles, const float *rotation, float attn_eps, float mlp_eps, float scale) {
 #define ADDRESS(i) ((elem_t *)(intptr_t)fields[i])
     const elem_t *attn_norm = ADDRESS(0), *wq = ADDRESS(1), *wk = ADDRESS(2), *wv = ADDRESS(3), *wo = ADDRESS(4), *mlp_norm = ADDRESS(5);
@@ -126,7 +125,7 @@ int BLOCK_ENTRY(const int64_t *fields, const int64_t *roles, int n_roles, const 
             memcpy(k_new + i * role[4], qkv + q_f + g * head_dim, (size_t)head_dim * sizeof(elem_t));
             memcpy(v_new + i * role[6], qkv + q_f + kv_f + g * head_dim, (size_t)head_dim * sizeof(elem_t));
         }
-        role += ROLE_FIELDS + heads + n_segments * (role[7] ? QFIELDS : SEGMENT_FIELDS);
+        role += role_length(role);
     }
     role = roles;
     for (int r = 0; r < n_roles && !status; r++) { /* each role's attention over its segments */
@@ -134,23 +133,15 @@ int BLOCK_ENTRY(const int64_t *fields, const int64_t *roles, int n_roles, const 
         for (int64_t i = 0; i < heads; i++)
             for (int64_t j = 0; j < group; j++)
                 for (int64_t c = 0; c < head_dim; c++) q_float[(i * group + j) * head_dim + c] = to_float(qkv[(head[i] * group + j) * head_dim + c]);
+        const int64_t width = role[7] ? QFIELDS : FIELDS;
         int64_t segments[MAX_SEGMENTS * QFIELDS];
-        if (role[7]) {
-            memcpy(segments, seg, (size_t)(n_segments * QFIELDS) * sizeof(int64_t));
-            for (int64_t s = 0; s < n_segments; s++) segments[s * QFIELDS] = (int64_t)(intptr_t)q_float;
-            status = QUANTIZED_ENTRY(segments, (int)n_segments, out, 1, heads, group, head_dim, head_dim, scale, (int)role[2]);
-        } else {
-            for (int64_t s = 0; s < n_segments; s++) {
-                const int64_t *f = seg + s * SEGMENT_FIELDS;
-                const int64_t entry[FIELDS] = {(int64_t)(intptr_t)q_float, f[0], f[1], f[2], heads * f[3], f[3], f[4], heads * f[5], f[5], f[6]};
-                memcpy(segments + s * FIELDS, entry, sizeof entry);
-            }
-            status = ENTRY(segments, (int)n_segments, out, 1, heads, group, head_dim, head_dim, scale, (int)role[2]);
-        }
+        memcpy(segments, seg, (size_t)(n_segments * width) * sizeof(int64_t));
+        for (int64_t s = 0; s < n_segments; s++) segments[s * width] = (int64_t)(intptr_t)q_float;
+        status = (role[7] ? QUANTIZED_ENTRY : ENTRY)(segments, (int)n_segments, out, 1, heads, group, head_dim, head_dim, scale, (int)role[2]);
         for (int64_t i = 0; i < heads && !status; i++) /* the role's outputs at their heads' places, in the element type as the module path has them */
             for (int64_t j = 0; j < group; j++)
                 for (int64_t c = 0; c < head_dim; c++) attended[(head[i] * group + j) * head_dim + c] = from_float(out[(i * group + j) * head_dim + c]);
-        role += ROLE_FIELDS + heads + n_segments * (role[7] ? QFIELDS : SEGMENT_FIELDS);
+        role += role_length(role);
     }
     if (!status)
         status = BLOCK_OUTPUT_ENTRY(x, attended, wo, mlp_norm, mlp_eps, gate, up, down, d_model, q_f, d_ff, y, threads_o, threads_gate_up, threads_down);
