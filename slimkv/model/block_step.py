@@ -110,10 +110,11 @@ def _plan(block) -> StepPlan | None:
 
 def block_step_counts(model: torch.nn.Module) -> dict[str, int]:
     """How ``model``'s decoder blocks take a decode step: ``one_call`` (the whole block, over
-    full-precision rows or int8 / int4 codes with a full-precision window), ``two_calls`` (around
-    the attention's own cache code: a sliding window, codes with no full-precision window) and
-    ``module_path`` (a block the native calls do not compute, or with ``native_step`` off). What a
-    benchmark or ``slimkv eval cache`` records beside a decode time, so a reader knows which path ran."""
+    full-precision rows or int8 / int4 codes; a step whose new row would be quantized at once, with
+    no full-precision window, still takes two), ``two_calls`` (around the attention's own cache
+    code: a sliding window) and ``module_path`` (a block the native calls do not compute, or with
+    ``native_step`` off). What a benchmark or ``slimkv eval cache`` records beside a decode time, so
+    a reader knows which path ran."""
     counts = {"one_call": 0, "two_calls": 0, "module_path": 0}
     for block in (m for m in model.modules() if hasattr(m, "native_step")):  # slimkv.model.modeling.Block (which imports this module)
         plan = _plan(block) if block.native_step else None
@@ -151,7 +152,7 @@ def block_step(block, x: torch.Tensor, cache) -> torch.Tensor | None:
     cache.check_compatible(spec, x)
     rotation = attn.rotary.rotation(cache.seq_len, 1, x.device, torch.float32)
     if plan.whole and x.dtype == cache.dtype:
-        mark = cache.mark() if cache.storage.bits is not None else None  # quantizing ahead changes the cache before the call
+        mark = cache.mark() if _quantizes_ahead(cache) else None  # quantizing ahead changes the cache before the call
         try:
             roles = _cache_roles(attn, cache)
             if roles is not None:
@@ -166,15 +167,21 @@ def block_step(block, x: torch.Tensor, cache) -> torch.Tensor | None:
     return _two_calls(plan, attn, x, cache, rotation, library)
 
 
+def _quantizes_ahead(cache) -> bool:
+    """Whether a whole-block step over ``cache`` may quantize rows before its call (``_role``), so
+    a failed call must roll them back; most steps quantize nothing and need no mark."""
+    return cache.storage.bits is not None and any(isinstance(t, QuantizedBuffer) and t.rows_ahead() > 0 for t in cache.tensors())
+
+
 def _cache_roles(attn: MultiHeadAttention, cache) -> tuple[list[CacheRole], Callable[[], None]] | None:
     """The cache roles of a whole-block step over ``cache`` (``native_block_step``) and what counts
     the new token once the call succeeds, or None where the step takes two calls: a cache that is
     not rows (or int8 / int4 codes and a full-precision window) in the buffers its storage makes,
     and the first token (its attention is the prefill's kernel; a hybrid cache's too until its
     sinks are full, whose rows go elsewhere). The segments are those ``attend_rows`` reads."""
-    buffer = GrowableBuffer if cache.storage.bits is None else QuantizedBuffer
     if cache.seq_len < 1:
         return None
+    buffer = GrowableBuffer if cache.storage.bits is None else QuantizedBuffer
     if type(cache) is KVCache and type(attn) in KINDS:
         if cache.keep is not None or type(cache.k) is not buffer or type(cache.v) is not buffer:
             return None

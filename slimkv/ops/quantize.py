@@ -191,12 +191,16 @@ class QuantizedBuffer:
         (they do not depend on it), so a reader of ``segments()`` with the next row sees the codes
         ``store`` would leave; its ``commit`` then quantizes nothing more. False, with nothing
         changed, when that row itself would leave the window at once (a residual of 0)."""
-        overflow = len(self.recent) + 1 - self.full_rows(self.stored + 1)
+        overflow = self.rows_ahead()
         if overflow > len(self.recent):
             return False
         if overflow > 0:
             self._quantize_oldest(overflow)
         return True
+
+    def rows_ahead(self) -> int:
+        """How many rows storing one more row will quantize (``quantize_ahead`` quantizes them now)."""
+        return len(self.recent) + 1 - self.full_rows(self.stored + 1)
 
     def _quantize_oldest(self, n: int) -> None:
         """The window's oldest ``n`` rows, as codes after the others."""
