@@ -28,7 +28,9 @@ from tqdm import tqdm
 
 from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import check_folder_target, read_json, write_json, write_text
+from slimkv.common.paths import cache_dir
 from slimkv.common.timing import machine_info, package_versions, write_results
+from slimkv.data.texts import evaluation_text, text_sha256
 from slimkv.eval import ruler_cache, ruler_press
 from slimkv.eval.models import load_language_model, load_original, original_of
 from slimkv.eval.ruler_report import format_markdown, grid_of, in_report_order
@@ -50,9 +52,18 @@ OFFLINE_TASKS = {
     "ruler_vt": ("variable tracking", 30, 30),
     "ruler_cwe": ("common words", 120, 120),
     "ruler_fwe": ("frequent words", 50, 50),
+    # slimkv's own tasks (ruler_tasks/): lm-eval's essay tasks with a local haystack, named apart from lm-eval's
+    "niah_single_2_handbook": ("local prose (handbook-val), one 7-digit number", 128, 16),
+    "niah_single_3_handbook": ("local prose (handbook-val), one UUID", 128, 48),
+    "niah_multikey_1_handbook": ("local prose (handbook-val), four keys, one asked", 128, 16),
+    "niah_multivalue_handbook": ("local prose (handbook-val), one key, its four numbers", 128, 64),
+    "niah_multiquery_handbook": ("local prose (handbook-val), four keys, all asked", 128, 64),
 }
-HUB_TASKS = {**dict.fromkeys(("niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multiquery", "niah_multivalue", "ruler"),
-                             "its haystack is Paul Graham's essays, which lm-eval downloads from the Hugging Face hub"),
+# The local tasks' haystack: the Debian handbook's held-out pages (modern English prose, never calibration text)
+LOCAL_HAYSTACK = "handbook-val"
+HUB_TASKS = {**{name: "its haystack is Paul Graham's essays, which lm-eval downloads from the Hugging Face hub" + (
+                    f" (slimkv's {name}{ruler_press.LOCAL_TASK_SUFFIX} runs it on a local haystack)" if name != "ruler" else "")
+                for name in ("niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multiquery", "niah_multivalue", "ruler")},
              **dict.fromkeys(("ruler_qa_squad", "ruler_qa_hotpot"), "its documents are SQuAD / HotpotQA, which lm-eval downloads from the Hugging Face hub")}
 
 
@@ -83,6 +94,20 @@ def check_lengths(lengths: list[int], model: torch.nn.Module) -> None:
         if length < MIN_LENGTH or (limit is not None and length > limit):
             raise ValueError(f"--lengths {length}: RULER lengths run from {MIN_LENGTH} to the model's positions "
                              f"(max_position_embeddings={limit}); use --lengths within {MIN_LENGTH}..{limit}")
+
+
+def haystack_file(task: str) -> tuple[str, str] | None:
+    """For a local-haystack task, the haystack's text file (``LOCAL_HAYSTACK``, written once into
+    slimkv's cache folder under its sha256, so runs side by side share it unchanged) and that sha256;
+    None for lm-eval's own tasks."""
+    if not task.endswith(ruler_press.LOCAL_TASK_SUFFIX):
+        return None
+    text = evaluation_text(LOCAL_HAYSTACK)
+    digest = text_sha256(text)
+    path = cache_dir() / "ruler" / f"haystack-{LOCAL_HAYSTACK}-{digest[:16]}.txt"
+    if not path.is_file():
+        write_text(path, text)
+    return str(path), digest
 
 
 def gen_tokens(tasks: list[str], override: int | None) -> dict[str, int]:
@@ -161,11 +186,11 @@ def part_folder(cell_dir: Path, first: int, limit: int) -> Path:
 
 
 def run_cell(loaded: LoadedModel, option: str, task: str, length: int, *, first: int = 0, limit: int, max_gen_toks: int, seed: int,
-             tokenizer_dir: str, cell_dir: Path) -> tuple[Path, Path, float]:
+             tokenizer_dir: str, cell_dir: Path, haystack: str | None = None) -> tuple[Path, Path, float]:
     """One ``lm_eval.simple_evaluate`` of prompts ``first`` to ``limit - 1`` of ``task`` at ``length``
     under cache ``option``; lm-eval's results JSON and samples JSONL, written by its
     ``EvaluationTracker`` into ``cell_dir``, and the seconds spent in ``generate()`` (the rest is
-    lm-eval building the task's data)."""
+    lm-eval building the task's data). ``haystack``: a local-haystack task's text file."""
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.models.huggingface import HFLM
@@ -193,7 +218,8 @@ def run_cell(loaded: LoadedModel, option: str, task: str, length: int, *, first:
     lm = CacheOptionLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=1, max_length=length)
     tracker = EvaluationTracker(output_path=str(cell_dir / "lm_eval.json"))
     results = simple_evaluate(model=lm, tasks=[task], **ruler_press.prompt_selection(task, first, limit), gen_kwargs={"max_gen_toks": max_gen_toks}, log_samples=True, evaluation_tracker=tracker,
-                              task_manager=TaskManager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer_dir}), random_seed=seed, verbosity="WARNING")
+                              task_manager=TaskManager(**ruler_press.task_manager_args(task, length, tokenizer_dir, haystack)), random_seed=seed,
+                              verbosity="WARNING")
     samples = results.pop("samples")
     tracker.save_results_aggregated(results=results, samples=samples)
     tracker.save_results_samples(task_name=task, samples=samples[task])
@@ -204,7 +230,7 @@ def run_cell(loaded: LoadedModel, option: str, task: str, length: int, *, first:
 
 
 def run_press_cell(model_dir: str, option: str, task: str, length: int, *, first: int = 0, limit: int, max_gen_toks: int, seed: int, dtype: str,
-                   cell_dir: Path, patterns_dir: Path) -> tuple[Path, Path, float, dict[str, Any]]:
+                   cell_dir: Path, patterns_dir: Path, haystack: str | None = None) -> tuple[Path, Path, float, dict[str, Any]]:
     """The cell of a kvpress press: ``ruler_press_runner.py`` runs the same ``simple_evaluate`` in
     kvpress's environment and writes lm-eval's files into ``cell_dir`` (its output in
     ``runner.log``); lm-eval's two files, the seconds inside generation and the runner's reply
@@ -214,7 +240,8 @@ def run_press_cell(model_dir: str, option: str, task: str, length: int, *, first
     cell_dir.mkdir(parents=True, exist_ok=True)
     reply = ruler_press.call_runner({"mode": "cell", "option": option, "task": task, "length": length, "first": first, "limit": limit,
                                      "max_gen_toks": max_gen_toks, "seed": seed, "model_dir": model_dir, "tokenizer_dir": model_dir, "dtype": dtype,
-                                     "threads": torch.get_num_threads(), "cell_dir": str(cell_dir.resolve()), "patterns_dir": str(patterns_dir.resolve())},
+                                     "threads": torch.get_num_threads(), "cell_dir": str(cell_dir.resolve()), "patterns_dir": str(patterns_dir.resolve()),
+                                     "haystack_file": haystack},
                                     log_path=cell_dir / "runner.log")
     return Path(reply.pop("results")), Path(reply.pop("samples")), reply.pop("generate_s"), reply
 
@@ -264,10 +291,13 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     dtype = next(loaded.model.parameters()).dtype
     base = {"model": model, "identity": loaded.identity, "weights": weights_record(model), "dtype": str(dtype).replace("torch.", ""), "limit": limit,
             "seed": seed, "lm_eval": package_versions(("lm_eval",))["lm_eval"]}
+    haystacks = {t: haystack_file(t) for t in tasks}
     cells = {cell_id(o, t, n): {"option": o, "task": t, "length": n} for n in lengths for t in tasks for o in caches}
     finished, growing = {}, {}  # growing: cells finished with fewer prompts than --limit, which run only the rest
     for key, cell in cells.items():
         cell["settings"] = {**base, **cell, "max_gen_toks": gen[cell["task"]], **ruler_cache.option_settings(cell["option"])}
+        if haystacks[cell["task"]]:
+            cell["settings"]["haystack"] = {"text": LOCAL_HAYSTACK, "sha256": haystacks[cell["task"]][1]}
         path = out_dir / "cells" / key / CELL_FILE
         if path.is_file():
             previous = read_json(path, expect=dict)
@@ -353,15 +383,17 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
         part_dir = part_folder(cell_dir, first, limit)
         load_start, t0 = os.getloadavg(), time.perf_counter()
         press = ruler_press.is_press(cell["option"])
+        haystack = haystacks[cell["task"]][0] if haystacks[cell["task"]] else None
         if press:
             results_path, samples_path, generate_s, reply = run_press_cell(model_dir, cell["option"], cell["task"], cell["length"], first=first, limit=limit,
                                                                            max_gen_toks=gen[cell["task"]], seed=seed, dtype=base["dtype"], cell_dir=part_dir,
-                                                                           patterns_dir=out_dir / "press_patterns")
+                                                                           patterns_dir=out_dir / "press_patterns", haystack=haystack)
             prompts = (before["probe"]["prompts"] if before else []) + reply["prompts"]
             measured = {**press_bytes(prompts), "prompts": prompts, **ruler_press.settings(cell["option"])}
         else:
             results_path, samples_path, generate_s = run_cell(loaded, cell["option"], cell["task"], cell["length"], first=first, limit=limit,
-                                                              max_gen_toks=gen[cell["task"]], seed=seed, tokenizer_dir=model_dir, cell_dir=part_dir)
+                                                              max_gen_toks=gen[cell["task"]], seed=seed, tokenizer_dir=model_dir, cell_dir=part_dir,
+                                                              haystack=haystack)
             measured = probes[f"{cell['option']}/{cell['length']}"]
         seconds = time.perf_counter() - t0
         added = {"first": first, "n": limit - first, "seconds": seconds, "generate_s": generate_s, "load_average_start": list(load_start),

@@ -5,7 +5,8 @@ process: each press cell is run by ``ruler_press_runner.py`` with the python of 
 virtualenv (``.venv-kvpress``, ``make bench-kvpress-env``, which also holds lm-eval), and hands
 back lm-eval's files and the bytes it measured. This module is the part both sides share: the
 presses, the parsing and checks of an option, the calls into that environment, and which of a
-task's prompts a cell runs (``prompt_selection``, for slimkv's own cells too). It imports
+task's prompts a cell runs and the task manager it builds them with (``prompt_selection``,
+``task_manager_args``, for slimkv's own cells too). It imports
 only the standard library, so the runner can load it without slimkv's dependencies.
 """
 
@@ -31,6 +32,9 @@ STORE_DTYPE = "bfloat16"  # the kept entries, the question tail and the generate
 # from slimkv's text cache (`slimkv data fetch`), each cut to this many tokens.
 DUO_TEXTS = "austen"
 DUO_TEXT_TOKENS = 1024
+# slimkv's local-haystack RULER tasks (lm-eval's essay tasks over a local text: ruler_tasks/handbook_niah.py)
+LOCAL_TASKS_DIR = Path(__file__).resolve().with_name("ruler_tasks")
+LOCAL_TASK_SUFFIX = "_handbook"
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,18 @@ def prompt_selection(task: str, first: int, limit: int) -> dict[str, Any]:
     """``simple_evaluate``'s arguments for prompts ``first`` to ``limit - 1`` of ``task``: its ``limit``
     from the first prompt (lm-eval's first ``limit`` documents), its ``samples`` (those indices) after."""
     return {"limit": limit, "samples": None} if first == 0 else {"limit": None, "samples": {task: list(range(first, limit))}}
+
+def task_manager_args(task: str, length: int, tokenizer_dir: str, haystack_file: str | None) -> dict[str, Any]:
+    """``lm_eval.tasks.TaskManager``'s arguments for a cell of ``task`` at ``length``: RULER's metadata
+    (the lengths, the tokenizer folder) and, for slimkv's local-haystack tasks, their folder and
+    the haystack file (ValueError when that is missing)."""
+    metadata: dict[str, Any] = {"max_seq_lengths": [length], "tokenizer": tokenizer_dir}
+    if not task.endswith(LOCAL_TASK_SUFFIX):
+        return {"metadata": metadata}
+    if not haystack_file:
+        raise ValueError(f"task {task} hides its needles in a local haystack: its file must be given (haystack_file)")
+    return {"include_path": str(LOCAL_TASKS_DIR), "metadata": {**metadata, "haystack_file": haystack_file}}
+
 
 def is_press(option: str) -> bool:
     """Whether a ``--caches`` entry names a kvpress press (``press:NAME@BUDGET``)."""

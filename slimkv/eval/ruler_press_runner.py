@@ -317,7 +317,8 @@ def run_cell(request: dict[str, Any]) -> dict[str, Any]:
     selection = ruler_press.prompt_selection(request["task"], request.get("first", 0), request["limit"])
     results = simple_evaluate(model=lm, tasks=[request["task"]], **selection, gen_kwargs={"max_gen_toks": request["max_gen_toks"]},
                               log_samples=True, evaluation_tracker=tracker, random_seed=request["seed"], verbosity="WARNING",
-                              task_manager=TaskManager(metadata={"max_seq_lengths": [request["length"]], "tokenizer": request["tokenizer_dir"]}))
+                              task_manager=TaskManager(**ruler_press.task_manager_args(request["task"], request["length"], request["tokenizer_dir"],
+                                                                                       request.get("haystack_file"))))
     samples = results.pop("samples")
     tracker.save_results_aggregated(results=results, samples=samples)
     tracker.save_results_samples(task_name=request["task"], samples=samples[request["task"]])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from slimkv import ModelConfig, SlimKVForCausalLM
 from slimkv.cli.ruler import add_ruler_command
-from slimkv.eval import ruler, ruler_cache
+from slimkv.eval import ruler, ruler_cache, ruler_press
 from tests.compress.conftest import char_tokenizer
 
 HAS_LM_EVAL = all(importlib.util.find_spec(m) is not None for m in ("lm_eval", "wonderwords", "nltk"))
@@ -50,6 +51,35 @@ def test_tasks_refuse_hub_and_unknown_names():
         ruler.parse_tasks("niah_singel_1")
     with pytest.raises(ValueError, match="distinct"):
         ruler.parse_tasks("ruler_vt,ruler_vt")
+    with pytest.raises(ValueError, match="niah_multikey_1: .*slimkv's niah_multikey_1_handbook runs it on a local haystack"):
+        ruler.parse_tasks("niah_multikey_1")
+
+
+def test_local_haystack_tasks_are_lm_eval_task_files_beside_their_functions():
+    """Every ``*_handbook`` task slimkv offers is a YAML in the folder the task manager is pointed at,
+    naming a function of ``handbook_niah.py`` (read as text: it imports lm-eval) of its own name."""
+    local = [t for t in ruler.OFFLINE_TASKS if t.endswith(ruler_press.LOCAL_TASK_SUFFIX)]
+    assert len(local) == 5 and all(t[: -len(ruler_press.LOCAL_TASK_SUFFIX)] in ruler.HUB_TASKS for t in local)
+    functions = set(re.findall(r"^def (\w+)\(", (ruler_press.LOCAL_TASKS_DIR / "handbook_niah.py").read_text(), re.M))
+    for task in local:
+        args = ruler_press.task_manager_args(task, 2048, "tok", "/hay.txt")
+        assert args == {"include_path": str(ruler_press.LOCAL_TASKS_DIR), "metadata": {"max_seq_lengths": [2048], "tokenizer": "tok", "haystack_file": "/hay.txt"}}
+        text = (ruler_press.LOCAL_TASKS_DIR / f"{task}.yaml").read_text()
+        assert f"task: {task}\n" in text and f"custom_dataset: !function handbook_niah.{task}\n" in text and task in functions
+    assert ruler_press.task_manager_args("niah_single_1", 4096, "tok", None) == {"metadata": {"max_seq_lengths": [4096], "tokenizer": "tok"}}
+    with pytest.raises(ValueError, match="niah_single_2_handbook hides its needles in a local haystack"):
+        ruler_press.task_manager_args("niah_single_2_handbook", 4096, "tok", None)
+
+
+def test_the_local_haystack_is_written_once_under_its_digest(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLIMKV_CACHE", str(tmp_path))
+    texts = iter(["prose one. prose two.", "prose one. prose two."])
+    monkeypatch.setattr(ruler, "evaluation_text", lambda name: next(texts) if name == ruler.LOCAL_HAYSTACK else pytest.fail(name))
+    path, digest = ruler.haystack_file("niah_single_2_handbook")
+    assert path.startswith(str(tmp_path)) and digest in (ruler.text_sha256("prose one. prose two."),) and digest[:16] in path
+    assert open(path, encoding="utf-8").read() == "prose one. prose two."
+    assert ruler.haystack_file("niah_multivalue_handbook") == (path, digest)
+    assert ruler.haystack_file("niah_single_1") is None
 
 
 def test_cache_options_are_checked_by_name():
@@ -173,7 +203,7 @@ def test_quantized_cache_bytes_count_packed_data_scales_and_the_residual_window(
 def fake_run_cell(calls):
     """A stand-in for lm-eval: writes lm-eval-shaped files into the cell's folder."""
 
-    def run(loaded, option, task, length, *, first=0, limit, max_gen_toks, seed, tokenizer_dir, cell_dir):
+    def run(loaded, option, task, length, *, first=0, limit, max_gen_toks, seed, tokenizer_dir, cell_dir, haystack=None):
         calls.append((option, task, length) if first == 0 else (option, task, length, first))
         cell_dir.mkdir(parents=True, exist_ok=True)
         results, samples = lm_eval_shaped(task, length, [float(i % 2 == 0) for i in range(first, limit)])
@@ -316,6 +346,27 @@ def test_real_lm_eval_cell_on_a_tiny_model(tiny_folder, tmp_path):
     row = report["cells"]["bfloat16/niah_single_1/1024"]
     assert row["n"] == 1 and 0.0 <= row["score"] <= 1.0
     assert (tmp_path / "o" / row["lm_eval_results"]).is_file() and (tmp_path / "o" / row["lm_eval_samples"]).is_file()
+
+
+@pytest.mark.skipif(not HAS_LM_EVAL, reason="lm-eval not installed: make ruler-env")
+def test_real_lm_eval_cell_of_a_local_haystack_task(tmp_path, monkeypatch):
+    """lm-eval builds a ``*_handbook`` task's prompts over the local haystack (sentences split without
+    nltk's download) and scores them; the cell records which haystack it ran on. 4096 characters:
+    room for lm-eval's first step of 500 haystack words."""
+    tiny_folder = tmp_path / "tiny-llama"
+    tiny_llama(positions=4096).save_pretrained(tiny_folder)
+    char_tokenizer().save_pretrained(tiny_folder)
+    monkeypatch.setenv("SLIMKV_CACHE", str(tmp_path / "cache"))
+    prose = " ".join(f"Sentence {i} tells of the {('red', 'green', 'blue')[i % 3]} boat number {i}." for i in range(3000))
+    monkeypatch.setattr(ruler, "evaluation_text", lambda name: prose)
+    report = ruler.evaluate(str(tiny_folder), tasks=["niah_single_2_handbook"], lengths=[4096], caches=["none"], limit=2, max_gen_toks=4,
+                            out_dir=tmp_path / "o", progress=False, say=lambda _: None)
+    row = report["cells"]["none/niah_single_2_handbook/4096"]
+    samples = ruler.read_samples(tmp_path / "o" / row["lm_eval_samples"])
+    assert row["n"] == 2 and len(samples) == 2 and all("boat number" in s["arguments"]["gen_args_0"]["arg_0"] for s in samples)
+    assert all("special magic number for" in s["arguments"]["gen_args_0"]["arg_0"] for s in samples)
+    cell = json.loads((tmp_path / "o" / "cells" / "none/niah_single_2_handbook/4096" / "cell.json").read_text())
+    assert cell["settings"]["haystack"] == {"text": ruler.LOCAL_HAYSTACK, "sha256": ruler.text_sha256(prose)}
 
 
 @pytest.mark.skipif(not HAS_LM_EVAL, reason="lm-eval not installed: make ruler-env")
