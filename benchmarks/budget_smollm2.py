@@ -30,7 +30,7 @@ from slimkv.common.files import save_figure, write_text
 from slimkv.common.markdown import markdown_table
 from slimkv.common.plotting import new_figure
 from slimkv.common.results import results_dir, results_path
-from slimkv.common.timing import write_results
+from slimkv.common.timing import machine_info, write_results
 from slimkv.convert.manifest import finished_conversion
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
 from slimkv.eval import ruler
@@ -43,13 +43,15 @@ TEXTS = ("shakespeare-val", "austen")
 SEQ_LEN, MAX_TOKENS = 4096, 8192
 
 
-def run(budgets: list[float], runs: Path) -> Path:
-    """Convert at each budget (reusing finished folders), score perplexity, write the JSON."""
+def run(budgets: list[float], runs: Path, storage: str | None = None) -> Path:
+    """Convert at each budget (reusing finished folders; ``storage`` fixes the cache storage, else the
+    planner chooses), score perplexity, write the JSON: these plans' rows replace those of the same
+    budget and storage, other plans' rows stay, each with the machine and commit it ran on."""
     fetch_smollm2()
     rows = []
     for budget in budgets:
-        out = runs / f"budget{budget:g}"
-        options = ConvertOptions("hybrid", cache_budget=budget)
+        out = runs / f"budget{budget:g}{storage or ''}"
+        options = ConvertOptions("hybrid", cache_budget=budget, cache_storage=storage)
         manifest = finished_conversion(out, options)
         if manifest is None:
             _, manifest = convert_pretrained(SMOLLM2, options, out)
@@ -60,7 +62,13 @@ def run(budgets: list[float], runs: Path) -> Path:
             scores[text] = {"original_ppl": original["ppl"], "ppl": converted["ppl"], "ratio": converted["ppl"] / original["ppl"],
                             "tokens_predicted": converted["tokens_predicted"], "through_cache_in_calls_of": converted.get("through_cache_in_calls_of")}
         rows.append({"budget": budget, "folder": str(out), "plan": manifest["budget_plan"], "allocation": manifest["allocation"],
-                     "cache_storage": manifest["cache_storage"], "cache_bytes": manifest["cache_bytes"], "seconds": manifest["seconds"], "ppl": scores})
+                     "cache_storage": manifest["cache_storage"], "asked_storage": storage, "cache_bytes": manifest["cache_bytes"],
+                     "seconds": manifest["seconds"], "ppl": scores, "machine": machine_info()})
+    path = results_path(RESULTS, f"{NAME}.json")
+    if path.is_file():  # rows of other plans (budget, asked storage) stay, with the machine they name (older rows: the file's)
+        earlier = json.loads(path.read_text())
+        ran = {(r["budget"], r["asked_storage"]) for r in rows}
+        rows = [{**r, "machine": r.get("machine", earlier["machine"])} for r in earlier["rows"] if (r["budget"], r.get("asked_storage")) not in ran] + rows
     payload = {"model": SMOLLM2, "seq_len": SEQ_LEN, "max_tokens": MAX_TOKENS,
                "protocol": f"slimkv convert --cache-budget B; slimkv eval ppl --seq-len {SEQ_LEN} --max-tokens {MAX_TOKENS} on {', '.join(TEXTS)}",
                "rows": rows}
@@ -70,16 +78,17 @@ def run(budgets: list[float], runs: Path) -> Path:
 def render(payload: dict) -> str:
     """The markdown page of the JSON."""
     lines = [f"# SmolLM2 under `convert --cache-budget` ({payload['protocol']})", "",
-             f"Machine: {payload['machine']['cpu_model']} ({payload['machine']['instruction_set']}), {payload['machine']['threads']} threads, "
-             f"load {payload['machine']['load_average'][0]:.2f}; commit {payload['machine']['git_commit'][:10]}.", ""]
+             f"Machine: {payload['machine']['cpu_model']} ({payload['machine']['instruction_set']}), {payload['machine']['threads']} threads; "
+             "each row's load at its start and commit in its own columns (rows of one plan are replaced when it runs again).", ""]
     table = []
     for row in payload["rows"]:
         at = {r["context"]: r["ratio"] for r in row["cache_bytes"]}
         table.append([f"{row['budget']:g}", row["plan"]["storage"], f"{row['plan']['exact_heads']} / {row['plan']['total_heads']}",
                       *(f"{at[n]:.4f}" if n in at else "" for n in (2048, 4096, 8192)),
-                      *(f"{row['ppl'][t]['ppl']:.2f} ({row['ppl'][t]['ratio']:.3f}x)" for t in TEXTS), f"{row['seconds']['total']:.0f}"])
+                      *(f"{row['ppl'][t]['ppl']:.2f} ({row['ppl'][t]['ratio']:.3f}x)" for t in TEXTS), f"{row['seconds']['total']:.0f}",
+                      f"{row['machine']['load_average'][0]:.2f}", row["machine"]["git_commit"][:10]])
     lines.append(markdown_table(["budget", "storage", "exact KV heads", "bytes 2K", "bytes 4K", "bytes 8K", *(f"ppl {t} (vs original)" for t in TEXTS),
-                                 "convert s"], table, align=["left"] * 3 + ["right"] * 6))
+                                 "convert s", "load", "commit"], table, align=["left"] * 3 + ["right"] * 8))
     lines += ["", "Bytes: the live bfloat16 cache against the bfloat16 original's at that context (measured at conversion). "
                   "Perplexity: 4K windows, the original beside each conversion in the same run; a quantized cache scored through itself."]
     return "\n".join(lines) + "\n"
@@ -140,7 +149,10 @@ def render_ruler(rows: list[dict]) -> str:
              "against the bfloat16 original's at that length. Score interval: for the niah tasks (each prompt 0 or 1) the 95% Wilson "
              "interval; for the partial-credit tasks (vt, cwe, fwe) a 95% bootstrap interval of the mean score (`slimkv.scoring.mean_interval`). "
              "`full / n`: the prompts lm-eval scored 1, with their Wilson interval. `intervals apart`: the score intervals do not overlap "
-             "the original's. Generated by `benchmarks/budget_smollm2.py report` from `results/ruler/smollm2*/<length>/ruler.json`.", ""]
+             "the original's. Tasks ending `_handbook` are slimkv's local-haystack versions of lm-eval's essay tasks (lm-eval's generator "
+             "and scoring, the needles hidden in the Debian handbook's held-out pages; docs/ruler.md): prose haystacks, harder for a cache than "
+             "`niah_single_1`'s repeated sentences. Generated by `benchmarks/budget_smollm2.py report` from "
+             "`results/ruler/smollm2*/<length>/ruler.json`.", ""]
     for task, length in sorted({(r["task"], r["length"]) for r in rows}, key=lambda k: (k[1], k[0])):
         cell = sorted((r for r in rows if (r["task"], r["length"]) == (task, length)), key=lambda r: -r["ratio"])
         original = next((r for r in cell if r["method"] == "original"), None)
@@ -177,12 +189,13 @@ def main() -> None:
     run_p.add_argument("--budgets", default="0.125,0.25")
     run_p.add_argument("--runs", type=Path, required=True, help="where the converted folders go (not git)")
     run_p.add_argument("--threads", type=int, default=None)
+    run_p.add_argument("--storage", default=None, help="fix the cache storage (full, int8, int4[:...]); default: the planner chooses")
     sub.add_parser("report")
     args = parser.parse_args()
     if args.command == "run":
         if args.threads:
             torch.set_num_threads(args.threads)
-        run([float(b) for b in args.budgets.split(",")], args.runs)
+        run([float(b) for b in args.budgets.split(",")], args.runs, args.storage)
     payload = json.loads(results_path(RESULTS, f"{NAME}.json").read_text())
     write_text(results_path(RESULTS, f"{NAME}.md"), render(payload))
     print(render(payload))
