@@ -27,7 +27,10 @@ def test_the_pages_are_what_the_json_renders(script):
 def test_every_conversion_met_its_budget_at_its_length():
     for row in json.loads(results_path(RESULTS, "budget_smollm2.json").read_text())["rows"]:
         at = {r["context"]: r for r in row["cache_bytes"]}[row["plan"]["at"]]
-        assert at["measured"] and at["ratio"] <= row["budget"] and at["ratio"] == pytest.approx(row["plan"]["predicted_fraction"], abs=1e-12)
+        # a quantized cache is measured live at conversion; a full-storage one is the model's own count (cache_bytes_table), which
+        # tests/convert/test_budget.py checks against a live cache and RULER measures again after every prompt
+        assert at["measured"] or row["plan"]["storage"] == "full"
+        assert at["ratio"] <= row["budget"] and at["ratio"] == pytest.approx(row["plan"]["predicted_fraction"], abs=1e-12)
 
 
 def test_rows_are_labelled_from_the_manifest_as_the_command_spells_them(script):
