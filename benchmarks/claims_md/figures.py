@@ -15,7 +15,7 @@ from slimkv.common.results import relative_name, results_dir, results_path
 from slimkv.common.vocabulary import in_todays_words
 
 from .healing import curve_points
-from .rules import BOUNDED_TARGET, CONVERSION_TARGETS, RULES, WORDS, missed, ppl_verdict, seed_verdict
+from .rules import BOUNDED_TARGET, BUDGET_RETENTION, CONVERSION_TARGETS, RULES, WORDS, missed, ppl_verdict, seed_verdict
 
 RESULTS, TEMPLATE = Path(__file__).resolve().parents[1] / "results", Path(__file__).with_name("claims.md.in")
 LATENT_RUNS = [f"convert_{name}_smollm2.json" for name in ("latent", "latent_healed", "latent_healed_all", "latent25_healed", "latent_seed1",
@@ -282,3 +282,32 @@ def speed() -> dict[str, Any]:
                        if r["context"] == load(name)["settings"]["contexts"][-1]],
             "models": [{"model": m, "tps": [r["tokens_per_s"] for c in contexts for r in smollm2["rows"] if r["model"] == m and r["context"] == c]}
                        for m in smollm2["settings"]["models"]]}
+
+
+def budget() -> dict[str, Any]:
+    """The planner's conversions, run in bfloat16 (the bytes a bfloat16 deployment keeps), on every RULER task and length
+    whose original score interval lies above ``task_solved``: their score over the original's, and their intervals against
+    every alternative cache of the original (kvpress presses, quantized caches) with at least their measured bytes and at
+    most twice their budget (the rows of ``budget_smollm2.ruler_rows``, which renders ruler/budget_comparison.md)."""
+    from budget_smollm2 import ruler_rows  # benchmarks/, beside claims.py
+
+    cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in ruler_rows():
+        cells.setdefault((row["task"], row["length"]), []).append(row)
+    rows = []
+    for _, cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        original = next((r for r in cell if r["method"] == "original"), None)
+        if original is None or original["low"] < RULES["task_solved"]:
+            continue
+        others = [r for r in cell if r["method"].startswith("original, ") and r["option"] not in ("none", "bfloat16", "float16")]
+        for plan in (r for r in cell if r["plan_budget"] in BUDGET_RETENTION and r["dtype"] == "bfloat16"):
+            fair = [r for r in others if plan["ratio"] <= r["ratio"] <= 2 * plan["plan_budget"]]
+            side = {r["method"].removeprefix("original, "): 1 if r["high"] < plan["low"] else -1 if r["low"] > plan["high"] else 0 for r in fair}
+            retention = plan["score"] / original["score"]
+            rows.append(plan | {"label": plan["method"].removesuffix(", bfloat16 model"), "original": original["score"], "retention": retention,
+                                "met": retention >= BUDGET_RETENTION[plan["plan_budget"]], "above_all": bool(side) and min(side.values()) > 0,
+                                **{name: [k for k, v in side.items() if v == sign] for name, sign in (("above", 1), ("level", 0), ("below", -1))}})
+    plans = [{"label": label, "budget": group[0]["plan_budget"], "target": BUDGET_RETENTION[group[0]["plan_budget"]], "cells": len(group),
+              "met": sum(r["met"] for r in group), "above_all": sum(r["above_all"] for r in group)}
+             for label in dict.fromkeys(r["label"] for r in rows) for group in [[r for r in rows if r["label"] == label]]]
+    return {"rows": rows, "plans": plans}

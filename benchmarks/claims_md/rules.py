@@ -19,7 +19,10 @@ RULES: dict[str, float] = {
     "state_target": 1 / 8,  # bounded memory: the state there over the original's cache
     "niah_margin": 0.30,  # bounded memory: retrieval score above streaming's at no more bytes
     "decode_target": 3.0,  # bounded memory: tokens/s over transformers' at the longest context, with a flat cache
+    "task_solved": 0.5,  # retrieval under a budget: a RULER (task, length) counts when the original's score interval lies above this
 }
+# retrieval under a budget: a --cache-budget plan's RULER score over the original's, by budget
+BUDGET_RETENTION: dict[float, float] = {0.25: 0.95, 0.125: 0.85}
 # perplexity over the original's, in domain (the first text) and out of domain, within minutes of healing
 CONVERSION_TARGETS: list[dict[str, Any]] = [
     {"method": "latent", "ratio": 0.5, "healed": False, "in_domain": 1.15, "out_of_domain": 1.15, "minutes": 0},
