@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from slimkv.common.files import write_text
-from slimkv.eval import ruler
+from slimkv.eval import ruler, ruler_offline
 from slimkv.eval.ruler_cache import parse_caches
 from slimkv.retrieval.models import parse_lengths
 
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    tasks, caches = ruler.parse_tasks(args.tasks), parse_caches(args.caches)
+    tasks, caches = ruler_offline.parse_tasks(args.tasks), parse_caches(args.caches)
     report = None
     for length in parse_lengths(args.lengths):  # one length at a time: 2K is complete before 4K starts
         budget = minutes_until(args.stop_at)

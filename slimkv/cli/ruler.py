@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from slimkv.common.checks import check_int
-from slimkv.eval import ruler
+from slimkv.eval import ruler, ruler_offline
 from slimkv.eval.ruler_cache import CACHE_OPTIONS, parse_caches
 from slimkv.eval.ruler_press import PRESSES
 from slimkv.eval.ruler_report import format_markdown
@@ -21,7 +21,7 @@ DESCRIPTION = ("RULER (lm-eval's offline tasks) on a pretrained, converted or co
 def ruler_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``slimkv eval ruler``."""
     parser.add_argument("--model", required=True, help="`smollm2`, a local transformers folder, or a `slimkv convert` / `slimkv compress` output folder")
-    parser.add_argument("--tasks", default="niah_single_1,niah_multikey_2", help=f"comma-separated offline RULER tasks among {', '.join(ruler.OFFLINE_TASKS)} "
+    parser.add_argument("--tasks", default="niah_single_1,niah_multikey_2", help=f"comma-separated offline RULER tasks among {', '.join(ruler_offline.OFFLINE_TASKS)} "
                         "(default niah_single_1,niah_multikey_2); the essay and QA tasks download from the hub and are refused")
     parser.add_argument("--lengths", default="2k", help="comma-separated lengths in tokens (prompt plus answer; 2048 or 2k), "
                         f"{ruler.MIN_LENGTH} up to the model's max_position_embeddings (default 2k)")
@@ -30,7 +30,7 @@ def ruler_arguments(parser: argparse.ArgumentParser) -> None:
                         f"NAME among {', '.join(PRESSES)}")
     parser.add_argument("--limit", type=int, default=20, help="prompts per (cache, task, length) cell: the first N lm-eval generates (default 20)")
     parser.add_argument("--max-gen-toks", type=int, default=None, help="new tokens at most per prompt, for every task (default per task: "
-                        + ", ".join(f"{t} {v[2]}" for t, v in ruler.OFFLINE_TASKS.items()) + ")")
+                        + ", ".join(f"{t} {v[2]}" for t, v in ruler_offline.OFFLINE_TASKS.items()) + ")")
     parser.add_argument("--seed", type=int, default=0, help="lm-eval's random seed, which draws the prompts (default 0)")
     parser.add_argument("--budget-minutes", type=float, default=None, help="run only the cells that the timed prompt says fit in this many minutes (in grid order)")
     parser.add_argument("--plan-only", action="store_true", help="time one prompt per (cache, length), print the plan and stop")
@@ -43,7 +43,7 @@ def ruler_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_ruler(args: argparse.Namespace) -> int:
     """Check the options, then run or resume the grid and print its table."""
-    tasks = ruler.parse_tasks(args.tasks)
+    tasks = ruler_offline.parse_tasks(args.tasks)
     lengths = parse_lengths(args.lengths)
     caches = parse_caches(args.caches)
     if args.threads is not None:

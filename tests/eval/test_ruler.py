@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from slimkv import ModelConfig, SlimKVForCausalLM
 from slimkv.cli.ruler import add_ruler_command
-from slimkv.eval import ruler, ruler_cache, ruler_press
+from slimkv.eval import ruler, ruler_cache, ruler_offline, ruler_press
 from tests.compress.conftest import char_tokenizer
 
 HAS_LM_EVAL = all(importlib.util.find_spec(m) is not None for m in ("lm_eval", "wonderwords", "nltk"))
@@ -42,24 +42,24 @@ def tiny_folder(tmp_path):
 
 
 def test_tasks_refuse_hub_and_unknown_names():
-    assert ruler.parse_tasks("niah_single_1, ruler_vt") == ["niah_single_1", "ruler_vt"]
+    assert ruler_offline.parse_tasks("niah_single_1, ruler_vt") == ["niah_single_1", "ruler_vt"]
     with pytest.raises(ValueError, match="--tasks niah_single_2: its haystack is Paul Graham's essays"):
-        ruler.parse_tasks("niah_single_1,niah_single_2")
+        ruler_offline.parse_tasks("niah_single_1,niah_single_2")
     with pytest.raises(ValueError, match="--tasks ruler_qa_squad"):
-        ruler.parse_tasks("ruler_qa_squad")
+        ruler_offline.parse_tasks("ruler_qa_squad")
     with pytest.raises(ValueError, match="did you mean niah_single_1"):
-        ruler.parse_tasks("niah_singel_1")
+        ruler_offline.parse_tasks("niah_singel_1")
     with pytest.raises(ValueError, match="distinct"):
-        ruler.parse_tasks("ruler_vt,ruler_vt")
+        ruler_offline.parse_tasks("ruler_vt,ruler_vt")
     with pytest.raises(ValueError, match="niah_multikey_1: .*slimkv's niah_multikey_1_handbook runs it on a local haystack"):
-        ruler.parse_tasks("niah_multikey_1")
+        ruler_offline.parse_tasks("niah_multikey_1")
 
 
 def test_local_haystack_tasks_are_lm_eval_task_files_beside_their_functions():
     """Every ``*_handbook`` task slimkv offers is a YAML in the folder the task manager is pointed at,
     naming a function of ``handbook_niah.py`` (read as text: it imports lm-eval) of its own name."""
-    local = [t for t in ruler.OFFLINE_TASKS if t.endswith(ruler_press.LOCAL_TASK_SUFFIX)]
-    assert len(local) == 5 and all(t[: -len(ruler_press.LOCAL_TASK_SUFFIX)] in ruler.HUB_TASKS for t in local)
+    local = [t for t in ruler_offline.OFFLINE_TASKS if t.endswith(ruler_press.LOCAL_TASK_SUFFIX)]
+    assert len(local) == 5 and all(t[: -len(ruler_press.LOCAL_TASK_SUFFIX)] in ruler_offline.HUB_TASKS for t in local)
     functions = set(re.findall(r"^def (\w+)\(", (ruler_press.LOCAL_TASKS_DIR / "handbook_niah.py").read_text(), re.M))
     for task in local:
         args = ruler_press.task_manager_args(task, 2048, "tok", "/hay.txt")
@@ -74,12 +74,12 @@ def test_local_haystack_tasks_are_lm_eval_task_files_beside_their_functions():
 def test_the_local_haystack_is_written_once_under_its_digest(monkeypatch, tmp_path):
     monkeypatch.setenv("SLIMKV_CACHE", str(tmp_path))
     texts = iter(["prose one. prose two.", "prose one. prose two."])
-    monkeypatch.setattr(ruler, "evaluation_text", lambda name: next(texts) if name == ruler.LOCAL_HAYSTACK else pytest.fail(name))
-    path, digest = ruler.haystack_file("niah_single_2_handbook")
-    assert path.startswith(str(tmp_path)) and digest in (ruler.text_sha256("prose one. prose two."),) and digest[:16] in path
+    monkeypatch.setattr(ruler_offline, "evaluation_text", lambda name: next(texts) if name == ruler_offline.LOCAL_HAYSTACK else pytest.fail(name))
+    path, digest = ruler_offline.haystack_file("niah_single_2_handbook")
+    assert path.startswith(str(tmp_path)) and digest in (ruler_offline.text_sha256("prose one. prose two."),) and digest[:16] in path
     assert open(path, encoding="utf-8").read() == "prose one. prose two."
-    assert ruler.haystack_file("niah_multivalue_handbook") == (path, digest)
-    assert ruler.haystack_file("niah_single_1") is None
+    assert ruler_offline.haystack_file("niah_multivalue_handbook") == (path, digest)
+    assert ruler_offline.haystack_file("niah_single_1") is None
 
 
 def test_cache_options_are_checked_by_name():
@@ -99,10 +99,10 @@ def test_lengths_must_fit_the_model_positions_and_gen_tokens_the_room():
         ruler.check_lengths([2048, 8192], model)
     with pytest.raises(ValueError, match="--lengths 512"):
         ruler.check_lengths([512], model)
-    assert ruler.gen_tokens(["niah_single_1", "ruler_vt"], None) == {"niah_single_1": 16, "ruler_vt": 30}
-    assert ruler.gen_tokens(["niah_single_1"], 64) == {"niah_single_1": 64}
+    assert ruler_offline.gen_tokens(["niah_single_1", "ruler_vt"], None) == {"niah_single_1": 16, "ruler_vt": 30}
+    assert ruler_offline.gen_tokens(["niah_single_1"], 64) == {"niah_single_1": 64}
     with pytest.raises(ValueError, match="--max-gen-toks .for ruler_vt.*<= 30"):
-        ruler.gen_tokens(["niah_single_1", "ruler_vt"], 64)
+        ruler_offline.gen_tokens(["niah_single_1", "ruler_vt"], 64)
 
 
 def test_missing_packages_say_how_to_install(monkeypatch):
@@ -358,7 +358,7 @@ def test_real_lm_eval_cell_of_a_local_haystack_task(tmp_path, monkeypatch):
     char_tokenizer().save_pretrained(tiny_folder)
     monkeypatch.setenv("SLIMKV_CACHE", str(tmp_path / "cache"))
     prose = " ".join(f"Sentence {i} tells of the {('red', 'green', 'blue')[i % 3]} boat number {i}." for i in range(3000))
-    monkeypatch.setattr(ruler, "evaluation_text", lambda name: prose)
+    monkeypatch.setattr(ruler_offline, "evaluation_text", lambda name: prose)
     report = ruler.evaluate(str(tiny_folder), tasks=["niah_single_2_handbook"], lengths=[4096], caches=["none"], limit=2, max_gen_toks=4,
                             out_dir=tmp_path / "o", progress=False, say=lambda _: None)
     row = report["cells"]["none/niah_single_2_handbook/4096"]
@@ -366,7 +366,7 @@ def test_real_lm_eval_cell_of_a_local_haystack_task(tmp_path, monkeypatch):
     assert row["n"] == 2 and len(samples) == 2 and all("boat number" in s["arguments"]["gen_args_0"]["arg_0"] for s in samples)
     assert all("special magic number for" in s["arguments"]["gen_args_0"]["arg_0"] for s in samples)
     cell = json.loads((tmp_path / "o" / "cells" / "none/niah_single_2_handbook/4096" / "cell.json").read_text())
-    assert cell["settings"]["haystack"] == {"text": ruler.LOCAL_HAYSTACK, "sha256": ruler.text_sha256(prose)}
+    assert cell["settings"]["haystack"] == {"text": ruler_offline.LOCAL_HAYSTACK, "sha256": ruler_offline.text_sha256(prose)}
 
 
 @pytest.mark.skipif(not HAS_LM_EVAL, reason="lm-eval not installed: make ruler-env")
