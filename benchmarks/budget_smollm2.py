@@ -133,7 +133,7 @@ def ruler_rows() -> list[dict]:
                 row = {"method": name, "task": cell["task"], "length": cell["length"], "score": cell["score"], "full": cell["full"], "n": cell["n"],
                        "full_low": cell["wilson95"][0], "full_high": cell["wilson95"][1], "low": low, "high": high,
                        "ratio": cell["bytes_ratio_to_bf16_original"], "option": cell["option"], "dtype": run["settings"].get("dtype", "float32"),
-                       "plan_budget": ((converted or {}).get("budget_plan") or {}).get("budget"), "folder": str(path.parent.relative_to(RESULTS))}
+                       "plan_budget": ((converted or {}).get("budget_plan") or {}).get("budget")}
                 key = (name, cell["task"], cell["length"])
                 if key not in rows or row["n"] > rows[key]["n"]:  # a cell run again with more prompts replaces the smaller run
                     rows[key] = row

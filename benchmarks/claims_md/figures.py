@@ -306,7 +306,9 @@ def budget() -> dict[str, Any]:
             rows.append(plan | {"label": plan["method"].removesuffix(", bfloat16 model"), "original": original["score"], "retention": retention,
                                 "met": retention >= BUDGET_RETENTION[plan["plan_budget"]], "above_all": bool(side) and min(side.values()) > 0,
                                 **{name: [k for k, v in side.items() if v == sign] for name, sign in (("above", 1), ("level", 0), ("below", -1))}})
-    plans = [{"label": label, "budget": group[0]["plan_budget"], "target": BUDGET_RETENTION[group[0]["plan_budget"]], "cells": len(group),
-              "met": sum(r["met"] for r in group), "above_all": sum(r["above_all"] for r in group)}
-             for label in dict.fromkeys(r["label"] for r in rows) for group in [[r for r in rows if r["label"] == label]]]
+    by_plan: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_plan.setdefault(row["label"], []).append(row)
+    plans = [{"label": label, "target": BUDGET_RETENTION[group[0]["plan_budget"]], "cells": len(group), "met": sum(r["met"] for r in group),
+              "above_all": sum(r["above_all"] for r in group)} for label, group in by_plan.items()]
     return {"rows": rows, "plans": plans}

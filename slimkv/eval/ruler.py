@@ -129,7 +129,7 @@ def run_cell(loaded: LoadedModel, option: str, task: str, length: int, *, first:
     """One ``lm_eval.simple_evaluate`` of prompts ``first`` to ``limit - 1`` of ``task`` at ``length``
     under cache ``option``; lm-eval's results JSON and samples JSONL, written by its
     ``EvaluationTracker`` into ``cell_dir``, and the seconds spent in ``generate()`` (the rest is
-    lm-eval building the task's data). ``haystack``: a local-haystack task's text file."""
+    lm-eval building the task's data). ``haystack``: the local-haystack tasks' text file (other tasks ignore it)."""
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.models.huggingface import HFLM
@@ -230,13 +230,13 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     dtype = next(loaded.model.parameters()).dtype
     base = {"model": model, "identity": loaded.identity, "weights": weights_record(model), "dtype": str(dtype).replace("torch.", ""), "limit": limit,
             "seed": seed, "lm_eval": package_versions(("lm_eval",))["lm_eval"]}
-    haystacks = {t: haystack_file(t) for t in tasks}
+    haystack, haystack_sha256 = haystack_file() if any(ruler_press.is_local_task(t) for t in tasks) else (None, None)
     cells = {cell_id(o, t, n): {"option": o, "task": t, "length": n} for n in lengths for t in tasks for o in caches}
     finished, growing = {}, {}  # growing: cells finished with fewer prompts than --limit, which run only the rest
     for key, cell in cells.items():
         cell["settings"] = {**base, **cell, "max_gen_toks": gen[cell["task"]], **ruler_cache.option_settings(cell["option"])}
-        if haystacks[cell["task"]]:
-            cell["settings"]["haystack"] = {"text": LOCAL_HAYSTACK, "sha256": haystacks[cell["task"]][1]}
+        if ruler_press.is_local_task(cell["task"]):
+            cell["settings"]["haystack"] = {"text": LOCAL_HAYSTACK, "sha256": haystack_sha256}
         path = out_dir / "cells" / key / CELL_FILE
         if path.is_file():
             previous = read_json(path, expect=dict)
@@ -322,7 +322,6 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
         part_dir = part_folder(cell_dir, first, limit)
         load_start, t0 = os.getloadavg(), time.perf_counter()
         press = ruler_press.is_press(cell["option"])
-        haystack = haystacks[cell["task"]][0] if haystacks[cell["task"]] else None
         if press:
             results_path, samples_path, generate_s, reply = run_press_cell(model_dir, cell["option"], cell["task"], cell["length"], first=first, limit=limit,
                                                                            max_gen_toks=gen[cell["task"]], seed=seed, dtype=base["dtype"], cell_dir=part_dir,

@@ -35,7 +35,6 @@ HUB_TASKS = {**{name: "its haystack is Paul Graham's essays, which lm-eval downl
              **dict.fromkeys(("ruler_qa_squad", "ruler_qa_hotpot"), "its documents are SQuAD / HotpotQA, which lm-eval downloads from the Hugging Face hub")}
 
 
-
 def parse_tasks(text: str) -> list[str]:
     """``"niah_single_1,ruler_vt"`` -> offline task names; a hub task is refused, naming it and why."""
     tasks = [t.strip() for t in str(text).split(",") if t.strip()]
@@ -48,12 +47,9 @@ def parse_tasks(text: str) -> list[str]:
     return tasks
 
 
-def haystack_file(task: str) -> tuple[str, str] | None:
-    """For a local-haystack task, the haystack's text file (``LOCAL_HAYSTACK``, written once into
-    slimkv's cache folder under its sha256, so runs side by side share it unchanged) and that sha256;
-    None for lm-eval's own tasks."""
-    if not task.endswith(ruler_press.LOCAL_TASK_SUFFIX):
-        return None
+def haystack_file() -> tuple[str, str]:
+    """The local-haystack tasks' text file (``LOCAL_HAYSTACK``, written once into slimkv's cache
+    folder under its sha256, so runs side by side share it unchanged) and that sha256."""
     text = evaluation_text(LOCAL_HAYSTACK)
     digest = text_sha256(text)
     path = cache_dir() / "ruler" / f"haystack-{LOCAL_HAYSTACK}-{digest[:16]}.txt"

@@ -78,12 +78,18 @@ def prompt_selection(task: str, first: int, limit: int) -> dict[str, Any]:
     from the first prompt (lm-eval's first ``limit`` documents), its ``samples`` (those indices) after."""
     return {"limit": limit, "samples": None} if first == 0 else {"limit": None, "samples": {task: list(range(first, limit))}}
 
+
+def is_local_task(task: str) -> bool:
+    """Whether ``task`` is one of slimkv's local-haystack RULER tasks (``ruler_tasks/``)."""
+    return task.endswith(LOCAL_TASK_SUFFIX)
+
+
 def task_manager_args(task: str, length: int, tokenizer_dir: str, haystack_file: str | None) -> dict[str, Any]:
     """``lm_eval.tasks.TaskManager``'s arguments for a cell of ``task`` at ``length``: RULER's metadata
     (the lengths, the tokenizer folder) and, for slimkv's local-haystack tasks, their folder and
     the haystack file (ValueError when that is missing)."""
     metadata: dict[str, Any] = {"max_seq_lengths": [length], "tokenizer": tokenizer_dir}
-    if not task.endswith(LOCAL_TASK_SUFFIX):
+    if not is_local_task(task):
         return {"metadata": metadata}
     if not haystack_file:
         raise ValueError(f"task {task} hides its needles in a local haystack: its file must be given (haystack_file)")
