@@ -166,9 +166,11 @@ def _convert(args: argparse.Namespace) -> int:
         if options.cache_budget is not None:  # the plan is said before any weights load (convert_pretrained checks the rest first)
             options.validate()
             plan = budget_plan(options, read_shape(args.model))
-            print(f"plan for --cache-budget {options.cache_budget} at {plan.at} tokens: --to {options.method} --cache-ratio {plan.cache_ratio:.4f} "
-                  f"--cache-storage {plan.storage}: {plan.why}")
+            settled = "" if plan.to_weigh else f" --cache-ratio {plan.cache_ratio:.4f} --cache-storage {plan.storage}"
+            print(f"plan for --cache-budget {options.cache_budget} at {plan.at} tokens: --to {options.method}{settled}: {plan.why}")
         _, manifest = convert_pretrained(args.model, options, args.out, heal_cfg=heal_cfg, progress=not args.no_progress)
+        if (manifest.get("budget_plan") or {}).get("weighing"):
+            print(f"weighed: {manifest['budget_plan']['why']}")
     if manifest.get("cache_elements_per_token_per_layer"):
         before, after = (sum(manifest["cache_elements_per_token_per_layer"][k]) for k in ("before", "after"))
         print(f"converted {manifest['base_model']['name']} to {manifest['kind']} ({conversion_method(manifest)}): cache {before:.0f} -> {after:.0f} elements per "

@@ -3,22 +3,26 @@ bfloat16 original's cache bytes at N tokens.
 
 The plan chooses the cache storage and the number of exact (retrieval) KV heads together, from a
 byte model of ``HybridCache`` (every buffer as ``slimkv.ops.quantize`` stores it: sinks in full
-precision, rows past the residual window as codes with a scale and a minimum per group):
+precision, rows past the residual window as codes with a scale and a minimum per group), then
+from a measurement:
 
 * for each storage, most precise first (``full``, ``int8``, ``int4``): the most exact heads whose
   bytes at N stay within B (the rest keep sinks + a window);
-* the first storage that keeps every head exact wins; otherwise the one that keeps the most heads
-  exact (measured retrieval lives in a minority of heads, and transformers' int4 cache keeps the
-  original's retrieval: ``docs/conversion.md``);
-* which heads: the highest measured retrieval scores (``convert.hybrid``).
+* the first storage that keeps every head exact wins (nothing is traded);
+* otherwise every storage that fits is *weighed* (``weighed``): its conversion (the most exact heads
+  it allows, by their measured retrieval scores: ``convert.hybrid``) copies spans of calibration
+  copy contexts through its own cache, and the best copy accuracy wins, ties to the more precise
+  storage. Fewer exact heads in full precision, or more in coarser codes: which loses less is a
+  property of the model, measured on formats no evaluation uses (``docs/conversion.md``).
 
-The plan is said before any weights load; the conversion's manifest records it and the cache
-measured on a live cache beside it (its floating elements at bfloat16's size: the bytes of a bfloat16 cache).
+The byte plan is said before any weights load; the conversion's manifest records it, the weighing,
+and the cache measured on a live cache beside it (its floating elements at bfloat16's size: the
+bytes of a bfloat16 cache).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -36,7 +40,9 @@ SERVED_DTYPE = torch.bfloat16
 @dataclass(frozen=True)
 class BudgetPlan:
     """The planner's answer: ``storage``, ``exact_heads`` of ``total_heads``, the element ratio that
-    gives ``hybrid.plan`` that head count, and the predicted byte fraction at ``at`` tokens."""
+    gives ``hybrid.plan`` that head count, and the predicted byte fraction at ``at`` tokens.
+    ``to_weigh``: the candidates still to be weighed by copy accuracy (``weighed`` decides);
+    ``weighing``: what that measurement found."""
 
     budget: float
     at: int
@@ -47,6 +53,12 @@ class BudgetPlan:
     predicted_fraction: float
     candidates: list[dict[str, Any]]
     why: str
+    to_weigh: bool = False
+    weighing: dict[str, Any] | None = None
+
+    def fitting(self) -> list[dict[str, Any]]:
+        """The candidates whose heads fit the budget, most precise storage first."""
+        return [c for c in self.candidates if c["exact_heads"] >= 0]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,7 +103,7 @@ def plan_budget(shape: Shape, budget: float, at: int, *, window: int, sink_len: 
         room = budget * original - total * stream_cost
         heads = -1 if room < 0 else min(total, int(room // max(1, exact_cost - stream_cost)))
         fraction = (heads * exact_cost + (total - heads) * stream_cost) / original if heads >= 0 else None
-        candidates.append({"storage": kind.name, "exact_heads": heads, "fraction": fraction,
+        candidates.append({"storage": kind.name, "exact_heads": heads, "fraction": fraction, "cache_ratio": element_ratio(heads, total, at, sink_len, window),
                            "exact_head_fraction": exact_cost / (original / total), "streaming_head_fraction": stream_cost / (original / total)})
     fitting = [c for c in candidates if c["exact_heads"] >= 0]
     if not fitting:
@@ -101,14 +113,41 @@ def plan_budget(shape: Shape, budget: float, at: int, *, window: int, sink_len: 
     every = [c for c in fitting if c["exact_heads"] == total]
     chosen = every[0] if every else max(fitting, key=lambda c: c["exact_heads"])
     heads = chosen["exact_heads"]
-    kept = kept_tokens(at, sink_len, window)
-    ratio = (heads * at + (total - heads) * kept) / (total * at)
-    if storage is not None:
-        why = f"storage {chosen['storage']} as asked: {heads} of {total} KV heads fit exact"
-    elif every:
-        why = f"{chosen['storage']} is the most precise storage that keeps all {total} KV heads exact within the budget"
+    to_weigh = storage is None and not every and len(fitting) > 1
+    if to_weigh:
+        weigh = ", ".join(f"{c['storage']} keeps {c['exact_heads']} of {total} KV heads exact ({c['fraction']:.4f})" for c in fitting)
+        why = f"to be weighed by copy accuracy once the roles are measured: {weigh} (fractions of the bfloat16 original's cache at {at} tokens)"
     else:
-        others = ", ".join(f"{c['storage']} {max(c['exact_heads'], 0)}" for c in candidates if c is not chosen)
-        why = f"{chosen['storage']} keeps the most KV heads exact ({heads} of {total}; {others})"
-    return BudgetPlan(budget, at, chosen["storage"], heads, total, ratio, chosen["fraction"], candidates,
-                      f"{why}; predicted {chosen['fraction']:.4f} of the bfloat16 original's cache at {at} tokens")
+        if storage is not None:
+            why = f"storage {chosen['storage']} as asked: {heads} of {total} KV heads fit exact"
+        elif every:
+            why = f"{chosen['storage']} is the most precise storage that keeps all {total} KV heads exact within the budget"
+        else:
+            why = f"{chosen['storage']} is the only storage that fits ({heads} of {total} KV heads exact)"
+        why += f"; predicted {chosen['fraction']:.4f} of the bfloat16 original's cache at {at} tokens"
+    return BudgetPlan(budget, at, chosen["storage"], heads, total, chosen["cache_ratio"], chosen["fraction"], candidates, why, to_weigh)
+
+
+def element_ratio(exact_heads: int, total: int, at: int, sink_len: int, window: int) -> float:
+    """The kept fraction of the original's cache elements at ``at`` tokens with ``exact_heads`` of
+    ``total`` KV heads exact (the ratio ``hybrid.plan`` turns back into that head count)."""
+    kept = kept_tokens(at, sink_len, window)
+    return (max(exact_heads, 0) * at + (total - max(exact_heads, 0)) * kept) / (total * at)
+
+
+def weighed(plan: BudgetPlan, accuracy: dict[str, float], measurement: dict[str, Any]) -> BudgetPlan:
+    """``plan`` decided by measured copy accuracy (``accuracy``: storage name -> the mean over the
+    copy contexts ``measurement`` describes, of each fitting candidate's conversion through its own
+    cache): the most accurate candidate, ties to the more precise storage."""
+    fitting = plan.fitting()
+    missing = [c["storage"] for c in fitting if c["storage"] not in accuracy]
+    if missing:
+        raise ValueError(f"weighing the budget's storages: no copy accuracy for {', '.join(missing)}")
+    best = max(fitting, key=lambda c: (accuracy[c["storage"]], -fitting.index(c)))
+    candidates = [{**c, "copy_accuracy": accuracy.get(c["storage"])} for c in plan.candidates]
+    scores = ", ".join(f"{c['storage']} ({c['exact_heads']} exact heads) {accuracy[c['storage']]:.3f}" for c in fitting)
+    why = (f"{best['storage']} copies best through its own cache ({scores}; {measurement['contexts']} calibration copy contexts "
+           f"of {measurement['length']} tokens); predicted {best['fraction']:.4f} of the bfloat16 original's cache at {plan.at} tokens")
+    return replace(plan, storage=best["storage"], exact_heads=best["exact_heads"], cache_ratio=best["cache_ratio"],
+                   predicted_fraction=best["fraction"], candidates=candidates, why=why, to_weigh=False,
+                   weighing={**measurement, "copy_accuracy": {c["storage"]: accuracy[c["storage"]] for c in fitting}})

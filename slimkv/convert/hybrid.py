@@ -20,7 +20,7 @@ from typing import Any
 from slimkv.attention.streaming import kept_tokens
 from slimkv.common.checks import check_choice, check_int
 from slimkv.convert.context import LayerContext, LayerFit
-from slimkv.convert.roles import SCORES, copy_contexts, measure_head_roles
+from slimkv.convert.roles import SCORES, CopyContext, copy_contexts, measure_head_roles
 from slimkv.convert.source import Shape, Source, gqa_state
 from slimkv.data.texts import calibration_sources
 
@@ -81,12 +81,22 @@ def text_demand(options: dict[str, Any], shape: Shape) -> tuple[int, int]:
     return 2 * length, max(2, length // 4)
 
 
+def calibration_copy_contexts(source: Source, options: dict[str, Any], *, calib: str, seed: int) -> list[CopyContext]:
+    """``roles_contexts`` copy contexts per format of the roles' length, built from the calibration text with ``seed``."""
+    documents = [doc for _name, docs in calibration_sources(calib) for doc in docs]
+    return copy_contexts(source.loaded.tokenizer, documents, roles_length(source.shape, options), options["roles_contexts"], seed)
+
+
 def measure_roles(source: Source, options: dict[str, Any], *, calib: str, seed: int, progress: bool = True) -> dict[str, Any]:
     """Step 1: both role scores of every (layer, KV head) on copy contexts from the calibration text."""
-    length = roles_length(source.shape, options)
-    documents = [doc for _name, docs in calibration_sources(calib) for doc in docs]
-    contexts = copy_contexts(source.loaded.tokenizer, documents, length, options["roles_contexts"], seed + 2)
+    contexts = calibration_copy_contexts(source, options, calib=calib, seed=seed + 2)
     return measure_head_roles(source.model, contexts, sink_len=options["sink_len"], window=options["window"], progress=progress)
+
+
+def weighing_contexts(source: Source, options: dict[str, Any], *, calib: str, seed: int) -> list[CopyContext]:
+    """The contexts ``convert --cache-budget`` weighs its candidate storages on (``convert.budget``): like the
+    roles' contexts, other draws (the heads were chosen on those)."""
+    return calibration_copy_contexts(source, options, calib=calib, seed=seed + 3)
 
 
 def ranked_heads(layers: list[LayerContext], score: str) -> list[tuple[int, int]]:

@@ -36,14 +36,14 @@ from slimkv.common.quiet import quiet_transformers
 from slimkv.common.version import VERSION
 from slimkv.common.vocabulary import VOCABULARY
 from slimkv.convert import hybrid, sensitivity
-from slimkv.convert.budget import BudgetPlan, plan_budget
+from slimkv.convert.budget import BudgetPlan, plan_budget, weighed
 from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfig, check_heal_text, check_resumable, heal
 from slimkv.convert.manifest import read_manifest
 from slimkv.convert.methods import Conversion, LayerContext, parse_method
 from slimkv.convert.roles import SCORES as ROLE_SCORES
-from slimkv.convert.roles import plot_head_roles
+from slimkv.convert.roles import copy_accuracy, plot_head_roles
 from slimkv.convert.source import Shape, Source, check_convertible, copy_shared_weights, exact_copy, slimkv_config
 from slimkv.data.texts import (
     MIXED_CALIBRATION,
@@ -168,6 +168,19 @@ def budget_plan(options: ConvertOptions, shape: Shape) -> BudgetPlan:
                        storage=options.cache_storage)
 
 
+def weigh_storages(source: Source, method: Conversion, layers: list[LayerContext], settings: dict[str, Any], budget: BudgetPlan,
+                   options: ConvertOptions, progress: bool) -> BudgetPlan:
+    """The budget's fitting storages weighed (``slimkv.convert.budget.weighed``): each one's conversion, built
+    from the measured roles, copies the spans of calibration copy contexts through a cache of that storage."""
+    contexts = hybrid.weighing_contexts(source, settings, calib=options.calib, seed=options.seed)
+    accuracy = {}
+    for candidate in budget.fitting():
+        plan, _ = method.plan(layers, candidate["cache_ratio"], **settings)
+        model, _, _ = build_converted(source, method, layers, plan, candidate["storage"])
+        accuracy[candidate["storage"]] = copy_accuracy(model, contexts, storage=candidate["storage"], progress=progress)["mean"]
+    return weighed(budget, accuracy, {"contexts": len(contexts), "length": len(contexts[0].ids), "formats": sorted({c.format for c in contexts})})
+
+
 def check_window(option: str, length: int, positions: int) -> None:
     """A calibration or healing window fits the model's positions (past them the original's own
     outputs, which the conversion and healing are fitted to, are not meaningful)."""
@@ -211,6 +224,9 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     roles = method.measure(source, settings, calib=options.calib, seed=options.seed, progress=progress) if method.measure is not None else None
     for layer in layers if roles is not None else ():
         layer.roles = {name: roles[name][layer.index] for name in ROLE_SCORES}
+    if budget is not None and budget.to_weigh:
+        budget = weigh_storages(source, method, layers, settings, budget, options, progress)
+        options = replace(options, cache_ratio=budget.cache_ratio, cache_storage=budget.storage)
     plan, allocation = method.plan(layers, options.cache_ratio, **settings)
     planned = time.perf_counter()
     model, layer_info, changed = build_converted(source, method, layers, plan, options.cache_storage)

@@ -10,7 +10,7 @@ import torch
 
 from slimkv.attention import build_attention
 from slimkv.cli import main
-from slimkv.convert.budget import head_bytes, plan_budget
+from slimkv.convert.budget import head_bytes, plan_budget, weighed
 from slimkv.convert.pipeline import check_before_work, read_shape
 from slimkv.convert.source import Shape
 from slimkv.eval.models import cache_label, load_language_model
@@ -48,6 +48,20 @@ def test_the_plan_fits_the_budget_and_prefers_more_exact_heads():
         plan_budget(SHAPE, 0.01, 512, window=32, sink_len=2)
 
 
+def test_weighing_takes_the_best_copy_accuracy_ties_to_the_more_precise_storage():
+    plan = plan_budget(SHAPE, 0.3, 512, window=32, sink_len=2)
+    names = [c["storage"] for c in plan.fitting()]
+    assert plan.to_weigh and len(names) > 1 and plan.weighing is None
+    measurement = {"contexts": 3, "length": 256}
+    worst_first = weighed(plan, {name: 0.5 + 0.1 * i for i, name in enumerate(names)}, measurement)
+    assert worst_first.storage == names[-1] and not worst_first.to_weigh and worst_first.weighing["copy_accuracy"][names[-1]] == pytest.approx(0.5 + 0.1 * (len(names) - 1))
+    chosen = next(c for c in plan.candidates if c["storage"] == names[-1])
+    assert (worst_first.exact_heads, worst_first.cache_ratio, worst_first.predicted_fraction) == (chosen["exact_heads"], chosen["cache_ratio"], chosen["fraction"])
+    assert weighed(plan, dict.fromkeys(names, 0.7), measurement).storage == names[0]
+    with pytest.raises(ValueError, match="no copy accuracy for"):
+        weighed(plan, {names[0]: 0.9}, measurement)
+
+
 def test_convert_with_a_budget_says_the_plan_and_meets_it(tiny_folder, tmp_path, capsys):
     out = tmp_path / "out"
     options = kvm_options(tmp_path, "hybrid:window=30,sink_len=2,roles_contexts=1", cache_budget=0.5)
@@ -65,6 +79,10 @@ def test_convert_with_a_budget_says_the_plan_and_meets_it(tiny_folder, tmp_path,
     loaded = load_language_model(str(out))  # the manifest's checks read a budget's ratio off its plan
     assert loaded.identity["converted"]["budget_plan"] == plan
     assert ("storage" in cache_label(loaded.identity["converted"])) == (plan["storage"] != "full")  # tiny 12-wide heads: int codes save nothing
+    fitting = [c for c in plan["candidates"] if c["exact_heads"] >= 0]
+    assert len(fitting) > 1 and plan["weighing"] and set(plan["weighing"]["copy_accuracy"]) == {c["storage"] for c in fitting}
+    assert plan["weighing"]["copy_accuracy"][plan["storage"]] == max(plan["weighing"]["copy_accuracy"].values())
+    assert said.index("to be weighed") < said.index("weighed: ")
 
 
 @pytest.mark.parametrize("fields, message", [
