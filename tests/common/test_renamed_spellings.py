@@ -20,7 +20,6 @@ from slimkv.cli import main
 from slimkv.common.files import write_json
 from slimkv.common.spec import AttentionSpec
 from slimkv.common.vocabulary import VOCABULARY, current_attention_fields, current_layer_options, current_method, is_legacy
-from slimkv.convert.budget import PLANNER
 from slimkv.convert.manifest import finished_conversion, same_method
 from slimkv.convert.methods import parse_method
 from slimkv.convert.pipeline import ConvertOptions
@@ -78,10 +77,9 @@ def test_a_folder_converted_before_the_renames_is_still_found(tmp_path):
 
 def test_a_hybrid_folder_of_vocabulary_2_reads_with_the_score_it_was_made_with(tmp_path):
     """Before vocabulary 3 ``--to hybrid`` (and ``--cache-budget``) chose heads by copy_mass: such a folder is not
-    today's default conversion (a demo or benchmark reusing it would relabel it), it is the copy_mass one (its plan
-    marked as today's planner's, which tests/convert/test_budget.py checks apart)."""
+    today's default conversion (a demo or benchmark reusing it would relabel it), it is the copy_mass one."""
     options = ConvertOptions(method="hybrid", cache_budget=0.25)
-    write_json(tmp_path / CONVERTED_MANIFEST, {"vocabulary": 2, "method": "hybrid", "options": asdict(options), "budget_plan": {"planner": PLANNER}})
+    write_json(tmp_path / CONVERTED_MANIFEST, {"vocabulary": 2, "method": "hybrid", "options": asdict(options)})
     assert finished_conversion(tmp_path, options) is None
     assert finished_conversion(tmp_path, ConvertOptions(method="hybrid:score=copy_mass", cache_budget=0.25)) is not None
     assert current_method("kvm", written_in=2) == "kvm" and current_method("hybrid", written_in=2) == "hybrid:score=copy_mass"
