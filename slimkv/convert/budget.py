@@ -35,7 +35,6 @@ from slimkv.ops.quantize import KVStorage, parse_storage
 
 CANDIDATE_STORAGES = ("full", "int8", "int4")
 SERVED_DTYPE = torch.bfloat16
-PLANNER = 2  # how plans are made: 2 weighs the storages (a folder planned otherwise is not reused for the same options)
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,6 @@ class BudgetPlan:
     why: str
     to_weigh: bool = False
     weighing: dict[str, Any] | None = None
-    planner: int = PLANNER
 
     def fitting(self) -> list[dict[str, Any]]:
         """The candidates whose heads fit the budget, most precise storage first."""
@@ -105,7 +103,7 @@ def plan_budget(shape: Shape, budget: float, at: int, *, window: int, sink_len: 
         room = budget * original - total * stream_cost
         heads = -1 if room < 0 else min(total, int(room // max(1, exact_cost - stream_cost)))
         fraction = (heads * exact_cost + (total - heads) * stream_cost) / original if heads >= 0 else None
-        candidates.append({"storage": kind.name, "exact_heads": heads, "fraction": fraction, "cache_ratio": element_ratio(heads, total, at, sink_len, window) if heads >= 0 else None,
+        candidates.append({"storage": kind.name, "exact_heads": heads, "fraction": fraction, "cache_ratio": element_ratio(heads, total, at, sink_len, window),
                            "exact_head_fraction": exact_cost / (original / total), "streaming_head_fraction": stream_cost / (original / total)})
     fitting = [c for c in candidates if c["exact_heads"] >= 0]
     if not fitting:
@@ -134,7 +132,7 @@ def element_ratio(exact_heads: int, total: int, at: int, sink_len: int, window: 
     """The kept fraction of the original's cache elements at ``at`` tokens with ``exact_heads`` of
     ``total`` KV heads exact (the ratio ``hybrid.plan`` turns back into that head count)."""
     kept = kept_tokens(at, sink_len, window)
-    return (exact_heads * at + (total - exact_heads) * kept) / (total * at)
+    return (max(exact_heads, 0) * at + (total - max(exact_heads, 0)) * kept) / (total * at)
 
 
 def weighed(plan: BudgetPlan, accuracy: dict[str, float], measurement: dict[str, Any]) -> BudgetPlan:

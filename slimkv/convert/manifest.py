@@ -10,7 +10,6 @@ from typing import Any
 
 from slimkv.common.files import read_json
 from slimkv.common.vocabulary import current_method, written_in
-from slimkv.convert.budget import PLANNER
 from slimkv.convert.methods import parse_method
 from slimkv.pretrained.loading import CONVERTED_MANIFEST
 
@@ -26,14 +25,11 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
 def finished_conversion(out_dir: str | Path, options: Any) -> dict[str, Any] | None:
     """The manifest of ``out_dir`` when it holds a finished conversion made with exactly
     ``options``, else None: what the benchmarks and the demo reuse instead of converting again
-    (the manifest's ``healing`` says whether and how it was healed since); a ``--cache-budget`` folder
-    only when today's planner (``convert.budget.PLANNER``) made its plan."""
+    (the manifest's ``healing`` says whether and how it was healed since)."""
     path = Path(out_dir).expanduser() / CONVERTED_MANIFEST
     if not path.is_file():
         return None
     manifest = read_json(path, expect=dict)
-    if options.cache_budget is not None and (manifest.get("budget_plan") or {}).get("planner") != PLANNER:
-        return None  # planned by an earlier planner: the same options plan another conversion today
     return manifest if same_options(stored_options(manifest), asdict(options)) else None
 
 

@@ -4,17 +4,14 @@ the storage and head count the budget allows, and the command says the plan befo
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 
 import pytest
 import torch
 
 from slimkv.attention import build_attention
 from slimkv.cli import main
-from slimkv.common.vocabulary import VOCABULARY
-from slimkv.convert.budget import PLANNER, head_bytes, plan_budget, weighed
-from slimkv.convert.manifest import finished_conversion
-from slimkv.convert.pipeline import ConvertOptions, check_before_work, read_shape
+from slimkv.convert.budget import head_bytes, plan_budget, weighed
+from slimkv.convert.pipeline import check_before_work, read_shape
 from slimkv.convert.source import Shape
 from slimkv.eval.models import cache_label, load_language_model
 from slimkv.ops.quantize import parse_storage
@@ -63,13 +60,6 @@ def test_weighing_takes_the_best_copy_accuracy_ties_to_the_more_precise_storage(
     assert weighed(plan, dict.fromkeys(names, 0.7), measurement).storage == names[0]
     with pytest.raises(ValueError, match="no copy accuracy for"):
         weighed(plan, {names[0]: 0.9}, measurement)
-
-
-def test_a_folder_planned_by_an_earlier_planner_is_not_reused(tmp_path):
-    options = ConvertOptions("hybrid", cache_budget=0.25)
-    for plan, reused in (({"planner": PLANNER}, True), ({"planner": PLANNER - 1}, False), ({}, False)):
-        (tmp_path / CONVERTED_MANIFEST).write_text(json.dumps({"vocabulary": VOCABULARY, "options": asdict(options), "budget_plan": plan}))
-        assert (finished_conversion(tmp_path, options) is not None) == reused, plan
 
 
 def test_convert_with_a_budget_says_the_plan_and_meets_it(tiny_folder, tmp_path, capsys):
