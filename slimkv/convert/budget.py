@@ -3,19 +3,22 @@ bfloat16 original's cache bytes at N tokens.
 
 The plan chooses the cache storage and the number of exact (retrieval) KV heads together, from a
 byte model of ``HybridCache`` (every buffer as ``slimkv.ops.quantize`` stores it: sinks in full
-precision, rows past the residual window as codes with a scale and a minimum per group), then
-from a measurement:
+precision, rows past the residual window as codes with a scale and a minimum per group):
 
 * for each storage, most precise first (``full``, ``int8``, ``int4``): the most exact heads whose
   bytes at N stay within B (the rest keep sinks + a window);
-* the first storage that keeps every head exact wins (nothing is traded);
-* otherwise every storage that fits is *weighed* (``weighed``): its conversion (the most exact heads
-  it allows, by their measured retrieval scores: ``convert.hybrid``) copies spans of calibration
-  copy contexts through its own cache, and the best copy accuracy wins, ties to the more precise
-  storage. Fewer exact heads in full precision, or more in coarser codes: which loses less is a
-  property of the model, measured on formats no evaluation uses (``docs/conversion.md``).
+* the first storage that keeps every head exact wins; otherwise the one that keeps the most heads
+  exact (measured retrieval lives in a minority of heads, and transformers' int4 cache keeps the
+  original's retrieval: ``docs/conversion.md``);
+* which heads: the highest measured retrieval scores (``convert.hybrid``).
 
-The byte plan is said before any weights load; the conversion's manifest records it, the weighing,
+``--cache-storage weighed`` (``WEIGHED``) decides between the storages that fit by a measurement
+instead (``weighed``): each one's conversion copies spans of calibration copy contexts through its
+own cache, and the best copy accuracy wins, ties to the more precise storage. Fewer exact heads in
+full precision or more in coarser codes: which loses less depends on the model and on the task
+(docs/conversion.md says where each wins), so it is asked for, not the default.
+
+The plan is said before any weights load; the conversion's manifest records it (and the weighing)
 and the cache measured on a live cache beside it (its floating elements at bfloat16's size: the
 bytes of a bfloat16 cache).
 """
@@ -35,6 +38,7 @@ from slimkv.ops.quantize import KVStorage, parse_storage
 
 CANDIDATE_STORAGES = ("full", "int8", "int4")
 SERVED_DTYPE = torch.bfloat16
+WEIGHED = "weighed"  # --cache-storage weighed: the storages that fit, decided by measured copy accuracy
 
 
 @dataclass(frozen=True)
@@ -89,12 +93,14 @@ def head_bytes(length: int, shape: Shape, storage: KVStorage, *, exact: bool, si
 
 def plan_budget(shape: Shape, budget: float, at: int, *, window: int, sink_len: int, storage: str | None = None) -> BudgetPlan:
     """The storage and exact-head count for ``budget`` of the bfloat16 original's bytes at ``at``
-    tokens (module docstring); ``storage`` fixes the storage instead of choosing it. ValueError
-    naming --cache-budget when even every head streaming in int4 does not fit."""
+    tokens (module docstring); ``storage`` fixes the storage instead of choosing it, or (``WEIGHED``)
+    leaves the choice to ``weighed``. ValueError naming --cache-budget when even every head
+    streaming in int4 does not fit."""
     check_float("--cache-budget", budget, 0.0, 1.0, open_low=True)
     total = shape.n_layers * shape.n_kv_heads
     original = total * 2 * rows_bytes(at, shape.head_dim, KVStorage())
-    names = [parse_storage(storage, "--cache-storage").name] if storage is not None else list(CANDIDATE_STORAGES)
+    fixed = storage is not None and storage != WEIGHED
+    names = [parse_storage(storage, "--cache-storage").name] if fixed else list(CANDIDATE_STORAGES)
     candidates = []
     for name in names:
         kind = parse_storage(name)
@@ -103,7 +109,8 @@ def plan_budget(shape: Shape, budget: float, at: int, *, window: int, sink_len: 
         room = budget * original - total * stream_cost
         heads = -1 if room < 0 else min(total, int(room // max(1, exact_cost - stream_cost)))
         fraction = (heads * exact_cost + (total - heads) * stream_cost) / original if heads >= 0 else None
-        candidates.append({"storage": kind.name, "exact_heads": heads, "fraction": fraction, "cache_ratio": element_ratio(heads, total, at, sink_len, window),
+        candidates.append({"storage": kind.name, "exact_heads": heads, "fraction": fraction,
+                           "cache_ratio": element_ratio(heads, total, at, sink_len, window) if heads >= 0 else None,
                            "exact_head_fraction": exact_cost / (original / total), "streaming_head_fraction": stream_cost / (original / total)})
     fitting = [c for c in candidates if c["exact_heads"] >= 0]
     if not fitting:
@@ -113,17 +120,18 @@ def plan_budget(shape: Shape, budget: float, at: int, *, window: int, sink_len: 
     every = [c for c in fitting if c["exact_heads"] == total]
     chosen = every[0] if every else max(fitting, key=lambda c: c["exact_heads"])
     heads = chosen["exact_heads"]
-    to_weigh = storage is None and not every and len(fitting) > 1
+    to_weigh = storage == WEIGHED and not every and len(fitting) > 1
     if to_weigh:
         weigh = ", ".join(f"{c['storage']} keeps {c['exact_heads']} of {total} KV heads exact ({c['fraction']:.4f})" for c in fitting)
         why = f"to be weighed by copy accuracy once the roles are measured: {weigh} (fractions of the bfloat16 original's cache at {at} tokens)"
     else:
-        if storage is not None:
+        if fixed:
             why = f"storage {chosen['storage']} as asked: {heads} of {total} KV heads fit exact"
         elif every:
             why = f"{chosen['storage']} is the most precise storage that keeps all {total} KV heads exact within the budget"
         else:
-            why = f"{chosen['storage']} is the only storage that fits ({heads} of {total} KV heads exact)"
+            others = ", ".join(f"{c['storage']} {max(c['exact_heads'], 0)}" for c in candidates if c is not chosen)
+            why = f"{chosen['storage']} keeps the most KV heads exact ({heads} of {total}; {others})"
         why += f"; predicted {chosen['fraction']:.4f} of the bfloat16 original's cache at {at} tokens"
     return BudgetPlan(budget, at, chosen["storage"], heads, total, chosen["cache_ratio"], chosen["fraction"], candidates, why, to_weigh)
 
@@ -132,7 +140,7 @@ def element_ratio(exact_heads: int, total: int, at: int, sink_len: int, window: 
     """The kept fraction of the original's cache elements at ``at`` tokens with ``exact_heads`` of
     ``total`` KV heads exact (the ratio ``hybrid.plan`` turns back into that head count)."""
     kept = kept_tokens(at, sink_len, window)
-    return (max(exact_heads, 0) * at + (total - max(exact_heads, 0)) * kept) / (total * at)
+    return (exact_heads * at + (total - exact_heads) * kept) / (total * at)
 
 
 def weighed(plan: BudgetPlan, accuracy: dict[str, float], measurement: dict[str, Any]) -> BudgetPlan:

@@ -36,7 +36,7 @@ from slimkv.common.quiet import quiet_transformers
 from slimkv.common.version import VERSION
 from slimkv.common.vocabulary import VOCABULARY
 from slimkv.convert import hybrid, sensitivity
-from slimkv.convert.budget import BudgetPlan, plan_budget, weighed
+from slimkv.convert.budget import WEIGHED, BudgetPlan, plan_budget, weighed
 from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfig, check_heal_text, check_resumable, heal
@@ -80,7 +80,7 @@ class ConvertOptions:
     calib_seq_len: int = 1024
     seed: int = 0
     export: str | None = None  # "deepseek": also write the model as transformers' DeepseekV3ForCausalLM (mla-prefix only)
-    cache_storage: str | None = None  # how the converted model's cache holds its rows (slimkv.ops.quantize): full (default), int8, int4[:group=G,residual=R,block=B]
+    cache_storage: str | None = None  # how the converted model's cache holds its rows (slimkv.ops.quantize): full (default), int8, int4[:group=G,residual=R,block=B]; with cache_budget also "weighed"
     cache_budget: float | None = None  # a fraction of the bfloat16 original's bytes at the method's `at` tokens: plans --to hybrid (slimkv.convert.budget)
 
     def validate(self) -> None:
@@ -106,6 +106,11 @@ class ConvertOptions:
             if self.method != "mla-prefix":
                 raise ValueError(f"--export deepseek needs --to mla-prefix (one RoPE ladder in every layer), not --to {self.method}")
         check_int("--seed", self.seed, 0)
+        if self.cache_storage == WEIGHED:
+            if self.cache_budget is None:
+                raise ValueError(f"--cache-storage {WEIGHED} weighs the storages a --cache-budget allows: give --cache-budget B, or a storage "
+                                 "(full, int8, int4[:group=G,residual=R,block=B])")
+            return
         storage = parse_storage(self.cache_storage or "full", "--cache-storage")
         if storage.bits is not None and method.kind in STATEFUL_KINDS:
             raise ValueError(f"--cache-storage {self.cache_storage}: --to {method.name} makes {method.kind} layers, which update their memory in place "

@@ -10,7 +10,7 @@ import torch
 
 from slimkv.attention import build_attention
 from slimkv.cli import main
-from slimkv.convert.budget import head_bytes, plan_budget, weighed
+from slimkv.convert.budget import WEIGHED, head_bytes, plan_budget, weighed
 from slimkv.convert.pipeline import check_before_work, read_shape
 from slimkv.convert.source import Shape
 from slimkv.eval.models import cache_label, load_language_model
@@ -49,7 +49,8 @@ def test_the_plan_fits_the_budget_and_prefers_more_exact_heads():
 
 
 def test_weighing_takes_the_best_copy_accuracy_ties_to_the_more_precise_storage():
-    plan = plan_budget(SHAPE, 0.3, 512, window=32, sink_len=2)
+    assert not plan_budget(SHAPE, 0.3, 512, window=32, sink_len=2).to_weigh  # the default keeps the most heads exact
+    plan = plan_budget(SHAPE, 0.3, 512, window=32, sink_len=2, storage=WEIGHED)
     names = [c["storage"] for c in plan.fitting()]
     assert plan.to_weigh and len(names) > 1 and plan.weighing is None
     measurement = {"contexts": 3, "length": 256}
@@ -62,11 +63,12 @@ def test_weighing_takes_the_best_copy_accuracy_ties_to_the_more_precise_storage(
         weighed(plan, {names[0]: 0.9}, measurement)
 
 
-def test_convert_with_a_budget_says_the_plan_and_meets_it(tiny_folder, tmp_path, capsys):
+@pytest.mark.parametrize("storage", [None, WEIGHED])
+def test_convert_with_a_budget_says_the_plan_and_meets_it(tiny_folder, tmp_path, capsys, storage):
     out = tmp_path / "out"
     options = kvm_options(tmp_path, "hybrid:window=30,sink_len=2,roles_contexts=1", cache_budget=0.5)
     argv = ["convert", "--model", str(tiny_folder), "--cache-budget", "0.5", "--at", "128", "--to", "hybrid:window=30,sink_len=2,roles_contexts=1",
-            "--calib", options.calib, "--calib-tokens", "96", "--calib-seq-len", "32", "--out", str(out), "--no-progress"]
+            "--calib", options.calib, "--calib-tokens", "96", "--calib-seq-len", "32", "--out", str(out), "--no-progress", *(["--cache-storage", storage] if storage else [])]
     assert main(argv) == 0
     said = capsys.readouterr().out
     assert said.index("plan for --cache-budget 0.5") < said.index("converted")
@@ -80,15 +82,19 @@ def test_convert_with_a_budget_says_the_plan_and_meets_it(tiny_folder, tmp_path,
     assert loaded.identity["converted"]["budget_plan"] == plan
     assert ("storage" in cache_label(loaded.identity["converted"])) == (plan["storage"] != "full")  # tiny 12-wide heads: int codes save nothing
     fitting = [c for c in plan["candidates"] if c["exact_heads"] >= 0]
-    assert len(fitting) > 1 and plan["weighing"] and set(plan["weighing"]["copy_accuracy"]) == {c["storage"] for c in fitting}
-    assert plan["weighing"]["copy_accuracy"][plan["storage"]] == max(plan["weighing"]["copy_accuracy"].values())
-    assert said.index("to be weighed") < said.index("weighed: ")
+    if storage is None:  # the most exact heads, nothing measured
+        assert plan["weighing"] is None and plan["exact_heads"] == max(c["exact_heads"] for c in fitting) and "weighed" not in said
+    else:
+        assert len(fitting) > 1 and plan["weighing"] and set(plan["weighing"]["copy_accuracy"]) == {c["storage"] for c in fitting}
+        assert plan["weighing"]["copy_accuracy"][plan["storage"]] == max(plan["weighing"]["copy_accuracy"].values())
+        assert said.index("to be weighed") < said.index("weighed: ")
 
 
 @pytest.mark.parametrize("fields, message", [
     ({"method": "mla", "cache_budget": 0.25}, "--cache-budget plans --to hybrid"),
     ({"method": "hybrid:window=8", "cache_budget": 0.25, "cache_ratio": 0.5}, "give one"),
     ({"method": "hybrid:window=8", "cache_budget": 1.5}, "--cache-budget"),
+    ({"method": "hybrid:window=8", "cache_ratio": 0.5, "cache_storage": "weighed"}, "--cache-storage weighed weighs the storages a --cache-budget allows"),
 ])
 def test_bad_budgets_fail_before_any_work(tiny_folder, tmp_path, no_loading, fields, message):
     method = fields.pop("method")
