@@ -13,10 +13,14 @@ Linear: one row through SmolLM2's projection shapes (576 -> 576, 192, 1536; 1536
 weights are read from memory, not from the CPU's caches: the native loop (``slimkv.ops.linear``)
 against ``F.linear``, with GB/s of weights read.
 
+``--isas avx2,portable``: the attention variants read in place and the full rows are also timed
+through the kernel built for each named instruction-set path this CPU can run (the path a user's
+CPU without AVX-512 takes), in the same interleaved rounds, each row naming its path.
+
 Before timing, every variant's output is checked against its reference. The JSON records the
 CPU model, the kernel's path, threads and load (``roofline``'s context and rates).
 
-    .venv/bin/python benchmarks/decode_quantized.py --threads 1
+    .venv/bin/python benchmarks/decode_quantized.py --threads 1 [--isas avx2]
 
 Writes benchmarks/results/decode/decode_quantized_<threads>thread.json and .md. Run it on a quiet machine.
 """
@@ -24,6 +28,7 @@ Writes benchmarks/results/decode/decode_quantized_<threads>thread.json and .md. 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from pathlib import Path
@@ -53,8 +58,18 @@ def parse() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median of each variant's per-round best")
     p.add_argument("--copies", type=int, default=0, help="distinct weight matrices per linear shape (default: enough for 256 MB)")
+    p.add_argument("--isas", default="", help="also time the attention on the kernels built for these paths (comma-separated, among "
+                   f"{', '.join(native.ISAS)}; each must run on this CPU)")
     p.add_argument("--out-dir", default=None, help="results folder (default: the experiment folder of the results' name, benchmarks/results/decode)")
-    return p.parse_args()
+    args = p.parse_args()
+    args.isas = [isa for isa in args.isas.split(",") if isa]
+    runnable = native.runnable_isas()
+    for isa in args.isas:
+        if isa not in native.ISAS:
+            p.error(f"--isas {isa!r}: not a kernel path; allowed: {', '.join(native.ISAS)}")
+        if isa not in runnable:
+            p.error(f"--isas {isa!r}: this CPU cannot run it; it runs {', '.join(runnable)}")
+    return args
 
 
 def best_of(fn, repeats: int) -> float:
@@ -67,10 +82,14 @@ def best_of(fn, repeats: int) -> float:
     return best
 
 
-def attention_rows(dtype: torch.dtype, context: int, kv_heads: int, rounds: int) -> list[dict]:
+def attention_rows(dtype: torch.dtype, context: int, kv_heads: int, rounds: int, isas: list[str]) -> list[dict]:
+    """The variants' step times, interleaved over ``rounds``; ``isas``: also the in-place and full-row
+    variants through the kernel built for each named path (bfloat16-only paths skipped for float32)."""
     gen = torch.Generator().manual_seed(0)
     k, v = (torch.randn(1, kv_heads, context, 64, generator=gen).to(dtype) for _ in range(2))
     q = torch.randn(1, 3 * kv_heads, 1, 64, generator=gen).to(dtype)
+    scale = 1 / math.sqrt(q.shape[-1])
+    kernels = {isa: native.isa_kernel(dtype, isa) for isa in isas if dtype == torch.bfloat16 or not isa.endswith("-bf16")}
     variants = {}
     for spec in ("int4", "int8"):
         storage = parse_storage(spec)
@@ -83,7 +102,13 @@ def attention_rows(dtype: torch.dtype, context: int, kv_heads: int, rounds: int)
         torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2e-3)
         variants[f"{spec} codes in place"] = (lambda s=segments: stored_decode_attention(q, s), read, 10)
         variants[f"{spec} dequantized (torch path)"] = (lambda a=kb, b=vb: decode_attention(q, a.view(), b.view()), read, 2)
+        for isa, library in kernels.items():
+            torch.testing.assert_close(native.native_stored_attention(q, segments, scale, library).float(), expected.float(), rtol=2**-7, atol=2e-3)
+            variants[f"{spec} codes in place, {isa} path"] = (lambda s=segments, lib=library: native.native_stored_attention(q, s, scale, lib), read, 10)
     variants["full rows (plain kernel)"] = (lambda: decode_attention(q, k, v), 2 * k.numel() * k.element_size(), 10)
+    for isa, library in kernels.items():
+        variants[f"full rows (plain kernel), {isa} path"] = (lambda lib=library: native.native_decode_attention([q], [(k, v)], scale, lib),
+                                                             2 * k.numel() * k.element_size(), 10)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, (fn, _, repeats) in variants.items():
@@ -146,9 +171,9 @@ def main() -> None:
         raise SystemExit("no native kernel on this machine (no C compiler, or SLIMKV_NATIVE=0): nothing to compare")
     context = bound_context()
     rates = machine_rates()
-    attention = [row for dtype in DTYPES.values() for row in attention_rows(dtype, args.context, args.kv_heads, args.rounds)]
+    attention = [row for dtype in DTYPES.values() for row in attention_rows(dtype, args.context, args.kv_heads, args.rounds, args.isas)]
     linear_results = [row for dtype in DTYPES.values() for row in linear_rows(dtype, args.rounds, args.copies)]
-    payload = {"settings": {"threads": args.threads, "context": args.context, "kv_heads": args.kv_heads, "rounds": args.rounds,
+    payload = {"settings": {"threads": args.threads, "context": args.context, "kv_heads": args.kv_heads, "rounds": args.rounds, "isas": args.isas,
                             "kernel_isa": {name: native.kernel_isa(dtype) for name, dtype in DTYPES.items()}},
                "roofline": {"context": context, "rates": rates, "load_after": bound_context()["load_average"]},
                "attention": attention, "linear": linear_results}

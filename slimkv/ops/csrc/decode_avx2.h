@@ -181,12 +181,13 @@ static inline __attribute__((always_inline)) void values_tile8(const float *rest
     default: CALL_R(1); break;  \
     }
 
-/* The online-softmax update of one row for a block: logits -> probabilities (in place), the
- * running max and sum, and the accumulator rescaled when the max grows. */
-static inline void softmax_block8(float *restrict lg, int n, float *restrict acc, int64_t v_pad, float *restrict run_max, float *restrict run_sum) {
-    for (int t = n; t < BLOCK_KEYS; t++) lg[t] = -INFINITY;
+/* The online-softmax update of one row for a block of n keys (logits in lg[0 .. width), width a
+ * multiple of 8 and at least n): logits -> probabilities (in place), the running max and sum, and
+ * the accumulator rescaled when the max grows. */
+static inline void softmax_block8(float *restrict lg, int n, int width, float *restrict acc, int64_t v_pad, float *restrict run_max, float *restrict run_sum) {
+    for (int t = n; t < width; t++) lg[t] = -INFINITY;
     __m256 m8 = _mm256_loadu_ps(lg);
-    for (int t = 8; t < BLOCK_KEYS; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(lg + t));
+    for (int t = 8; t < width; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(lg + t));
     const float block_max = max8(m8);
     if (block_max > *run_max) {
         const float correction = _mm_cvtss_f32(_mm256_castps256_ps128(exp_nonpositive8(_mm256_set1_ps(*run_max - block_max))));
@@ -197,7 +198,7 @@ static inline void softmax_block8(float *restrict lg, int n, float *restrict acc
     }
     const __m256 m = _mm256_set1_ps(*run_max);
     __m256 sum = _mm256_setzero_ps();
-    for (int t = 0; t < BLOCK_KEYS; t += 8) {
+    for (int t = 0; t < width; t += 8) {
         const __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(lg + t), m));
         _mm256_storeu_ps(lg + t, p);
         sum = _mm256_add_ps(sum, p);
@@ -295,7 +296,7 @@ static void attend_item_avx2(int64_t item, float *restrict out, const Segment *s
 #undef LOGITS_ONE
                 }
             }
-            for (int64_t g = 0; g < rows_all; g++) softmax_block8(logits + g * BLOCK_KEYS, n, acc + g * v_pad, v_pad, run_max + g, run_sum + g);
+            for (int64_t g = 0; g < rows_all; g++) softmax_block8(logits + g * BLOCK_KEYS, n, BLOCK_KEYS, acc + g * v_pad, v_pad, run_max + g, run_sum + g);
             for (int64_t c0 = 0; c0 < v_chunks; c0 += CHUNKS_TILE) {
                 const int chunks = v_chunks - c0 < CHUNKS_TILE ? (int)(v_chunks - c0) : CHUNKS_TILE;
                 for (int64_t g = 0; g < rows_all; g += ROWS_TILE) {

@@ -12,16 +12,19 @@
  * group.
  *
  * Per work item (a batch row's key/value head) and block of QBLOCK keys, the block's keys and
- * values are dequantized once into float32 scratch that stays in the L1 cache, and every query row
- * of the head (GQA: the query heads sharing it) is served from it with an online softmax, so each
- * code is read from memory once per step. int4 rows are unpacked in "split" order (a group's low
- * nibbles, then its high nibbles: contiguous loads and stores, which the compiler vectorizes); the
- * query rows are permuted into that order once per segment and the output back once per item,
- * which changes no sum's terms, only their order. Plain C written for the compiler to vectorize on
- * the build's target (-march=native), so every instruction-set path has it.
+ * values are dequantized once into scratch rows of the cache's element type that stay in the L1
+ * cache, and every query row of the head (GQA: the query heads sharing it) is served from them
+ * with an online softmax, so each code is read from memory once per step. int4 rows are unpacked
+ * in "split" order (a group's low nibbles, then its high nibbles: contiguous loads and stores,
+ * which the compiler vectorizes); the query rows are permuted into that order once per segment and
+ * the output back once per item, which changes no sum's terms, only their order. The portable
+ * path reads the scratch with plain C loops written for the compiler to vectorize; the AVX2 path
+ * reads it with the plain rows' register tiles (decode_avx2.h: logits_tile8 / logits_lanes8,
+ * softmax_block8, values_tile8), as if the scratch were a segment of rows; the AVX-512 path
+ * dequantizes in registers instead (attend_item_quantized_avx512, below).
  *
  * Dequantized values are what the cache's own dequantization gives (in bfloat16 builds, rounded
- * to bfloat16: as_stored, here and in the AVX-512 path's registers), so the plain reference is
+ * to bfloat16: the scratch rows hold them as bfloat16, and the AVX-512 path rounds in registers), so the plain reference is
  * slimkv.ops.attention.reference_attention over the buffer's rows
  * (slimkv.ops.quantize.dequantize_groups); tests/ops/test_native_quantized.py compares them on
  * every instruction-set path. */
@@ -60,28 +63,17 @@ static inline const void *row_at(const void *p, const int64_t *st, int64_t b, in
     return (const char *)p + (size_t)(b * st[0] + h * st[1] + t * st[2]) * size;
 }
 
-/* A dequantized value as the cache's element type holds it: bfloat16 builds round to the nearest
- * bfloat16 (ties to even), as the cache's own dequantization (quantize.dequantize_groups) does. */
-static inline float as_stored(float x) {
-#ifdef SLIMKV_BF16
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&x, &bits, sizeof x);
-#endif
-    return x;
-}
-
 #if defined(SLIMKV_PATH_AVX2)
-/* as_stored on 8 lanes. */
-static inline __m256 as_stored8(__m256 x) {
+/* 8 dequantized values stored as the cache's element type holds them (bfloat16 builds: rounded to
+ * the nearest bfloat16, ties to even, as from_float and the cache's own dequantization do). */
+static inline void store8_elems(elem_t *d, __m256 x) {
 #ifdef SLIMKV_BF16
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))),
-                                                _mm256_set1_epi32((int)0xFFFF0000u)));
+    const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    _mm_storeu_si128((__m128i *)d, _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
 #else
-    return x;
+    _mm256_storeu_ps(d, x);
 #endif
 }
 #endif
@@ -93,21 +85,21 @@ static inline int64_t split_position(int64_t c, int64_t bits, int64_t group) {
     return base + (j & 1 ? group / 2 + j / 2 : j / 2);
 }
 
-/* Rows t0 .. t0 + n of one side (keys or values) of a segment as float32 in split order, ``pad``
- * floats apart (``width`` real channels; quantized rows fill every padded channel, plain rows
- * leave the padding zero). */
+/* Rows t0 .. t0 + n of one side (keys or values) of a segment in split order as the cache's element
+ * type holds them, ``pad`` elements apart (``width`` real channels; quantized rows fill every
+ * padded channel, plain rows leave the padding zero). */
 static inline __attribute__((always_inline)) void load_rows(const QSegment *seg, int side, int64_t b, int64_t h, int64_t t0, int64_t n,
                                                              int64_t width, int64_t pad, int64_t bits, int64_t group, const int32_t *position,
-                                                             float *restrict dst) {
+                                                             elem_t *restrict dst) {
     const int64_t *st = side ? seg->v_st : seg->k_st;
     if (seg->bits == 0) {
         const elem_t *rows = (const elem_t *)(side ? seg->v : seg->k) + b * st[0] + h * st[1] + t0 * st[2];
         for (int64_t t = 0; t < n; t++) {
             const elem_t *row = rows + t * st[2];
-            float *restrict d = dst + t * pad;
+            elem_t *restrict d = dst + t * pad;
             if (pad > width) /* the padding's places in split order are not the row's tail */
-                for (int64_t p = 0; p < pad; p++) d[p] = 0.0f;
-            for (int64_t c = 0; c < width; c++) d[position[c]] = to_float(row[c]);
+                for (int64_t p = 0; p < pad; p++) d[p] = from_float(0.0f);
+            for (int64_t c = 0; c < width; c++) d[position[c]] = row[c];
         }
         return;
     }
@@ -118,10 +110,10 @@ static inline __attribute__((always_inline)) void load_rows(const QSegment *seg,
     const int64_t n_groups = pad / group, half = group / 2;
     for (int64_t t = 0; t < n; t++) {
         const uint8_t *restrict c = codes + t * st[2];
-        float *restrict d = dst + t * pad;
+        elem_t *restrict d = dst + t * pad;
         for (int64_t g = 0; g < n_groups; g++) {
             const float s = to_float(scales[t * sst[2] + g]), m = to_float(lows[t * lst[2] + g]);
-            float *restrict dg = d + g * group;
+            elem_t *restrict dg = d + g * group;
             if (bits == 4) {
                 const uint8_t *restrict cg = c + g * half;
                 int64_t j0 = 0;
@@ -129,19 +121,25 @@ static inline __attribute__((always_inline)) void load_rows(const QSegment *seg,
                 for (; j0 + 8 <= half; j0 += 8) { /* 8 bytes: their low nibbles and their high ones as 8 floats each (the compiler took 4 at a time) */
                     const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cg + j0)));
                     const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m);
-                    _mm256_storeu_ps(dg + j0, as_stored8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15))), sv, mv)));
-                    _mm256_storeu_ps(dg + half + j0, as_stored8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), sv, mv)));
+                    store8_elems(dg + j0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15))), sv, mv));
+                    store8_elems(dg + half + j0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), sv, mv));
                 }
 #endif
 #pragma omp simd
                 for (int64_t j = j0; j < half; j++) {
-                    dg[j] = as_stored((float)(cg[j] & 15) * s + m);
-                    dg[half + j] = as_stored((float)(cg[j] >> 4) * s + m);
+                    dg[j] = from_float((float)(cg[j] & 15) * s + m);
+                    dg[half + j] = from_float((float)(cg[j] >> 4) * s + m);
                 }
             } else {
                 const uint8_t *restrict cg = c + g * group;
+                int64_t j0 = 0;
+#if defined(SLIMKV_PATH_AVX2)
+                for (; j0 + 8 <= group; j0 += 8) /* 8 codes as 8 floats */
+                    store8_elems(dg + j0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cg + j0)))),
+                                                          _mm256_set1_ps(s), _mm256_set1_ps(m)));
+#endif
 #pragma omp simd
-                for (int64_t j = 0; j < group; j++) dg[j] = as_stored((float)cg[j] * s + m);
+                for (int64_t j = j0; j < group; j++) dg[j] = from_float((float)cg[j] * s + m);
             }
         }
     }
@@ -154,8 +152,8 @@ static inline __attribute__((always_inline)) void attend_item_quantized(const QJ
                                                                          float *restrict scratch) {
     const int64_t groups = job->groups, b = item / job->kv_heads, h = item % job->kv_heads;
     const int64_t d_pad = (dim + group - 1) / group * group, v_pad = (v_dim + group - 1) / group * group;
-    float *restrict acc = scratch, *restrict qs = acc + groups * v_pad, *restrict kbuf = qs + groups * d_pad;
-    float *restrict vbuf = kbuf + QBLOCK * d_pad, *restrict run_max = vbuf + QBLOCK * v_pad, *restrict run_sum = run_max + groups;
+    float *restrict acc = scratch, *restrict qs = acc + groups * v_pad, *restrict run_max = qs + groups * d_pad, *restrict run_sum = run_max + groups;
+    elem_t *restrict kbuf = (elem_t *)(run_sum + groups), *restrict vbuf = kbuf + QBLOCK * d_pad;
     float logits[QBLOCK];
     for (int64_t g = 0; g < groups; g++) {
         run_max[g] = -INFINITY;
@@ -177,10 +175,10 @@ static inline __attribute__((always_inline)) void attend_item_quantized(const QJ
                 const float *restrict qg = qs + g * d_pad;
                 float block_max = -INFINITY;
                 for (int64_t t = 0; t < n; t++) {
-                    const float *restrict kt = kbuf + t * d_pad;
+                    const elem_t *restrict kt = kbuf + t * d_pad;
                     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t p = 0; p < d_pad; p++) dot += qg[p] * kt[p];
+                    for (int64_t p = 0; p < d_pad; p++) dot += qg[p] * to_float(kt[p]);
                     logits[t] = dot;
                     block_max = dot > block_max ? dot : block_max;
                 }
@@ -203,9 +201,9 @@ static inline __attribute__((always_inline)) void attend_item_quantized(const QJ
                 for (int64_t t = 0; t < n; t++) { /* key by key, all channels at once: the vectors of channels accumulate side by
                                                       side (channel-vector by channel-vector, each add waited on the last's latency) */
                     const float w = logits[t];
-                    const float *restrict vt = vbuf + t * v_pad;
+                    const elem_t *restrict vt = vbuf + t * v_pad;
 #pragma omp simd
-                    for (int64_t p = 0; p < v_pad; p++) ag[p] += w * vt[p];
+                    for (int64_t p = 0; p < v_pad; p++) ag[p] += w * to_float(vt[p]);
                 }
             }
         }
@@ -218,6 +216,94 @@ static inline __attribute__((always_inline)) void attend_item_quantized(const QJ
     }
 }
 
+
+#if defined(SLIMKV_PATH_AVX2)
+/* One (batch, kv_head) item on the AVX2 path: each block's keys and values dequantized into
+ * scratch rows (load_rows, as attend_item_quantized does), then read by the plain rows' register
+ * tiles as a segment of d_pad- and v_pad-wide rows: logits in tiles of ROWS_TILE rows x KEYS_TILE
+ * keys (keys in lanes for a head with one query row), softmax_block8, values in tiles of
+ * ROWS_TILE rows x CHUNKS_TILE chunks, so the accumulators stay in registers over the block where
+ * the portable loops load and store them per key. Queries and accumulators are kept 8-float
+ * aligned (q_row, acc_row) so every chunk the tiles read lies inside its row. The scratch is fresh
+ * in the L1 cache: no software prefetch (an empty Ahead). */
+static inline __attribute__((always_inline)) void attend_item_quantized_avx2(const QJob *job, int64_t item, int64_t dim, int64_t v_dim,
+                                                                              int64_t bits, int64_t group, const int32_t *position,
+                                                                              float *restrict scratch) {
+    const int64_t groups = job->groups, b = item / job->kv_heads, h = item % job->kv_heads;
+    const int64_t d_pad = (dim + group - 1) / group * group, v_pad = (v_dim + group - 1) / group * group;
+    const int64_t q_row = (d_pad + 7) / 8 * 8, acc_row = (v_pad + 7) / 8 * 8, v_chunks = acc_row / 8;
+    float *restrict acc = scratch, *restrict qs = acc + groups * acc_row, *restrict logits = qs + groups * q_row;
+    float *restrict run_max = logits + groups * BLOCK_KEYS, *restrict run_sum = run_max + groups;
+    elem_t *restrict kbuf = (elem_t *)(run_sum + groups), *restrict vbuf = kbuf + QBLOCK * d_pad;
+    Ahead none = ahead_rows(NULL, NULL, 0, 0, 0, 0, 1, dim, v_dim, 1, 1);
+    for (int64_t g = 0; g < groups; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(groups * acc_row));
+    for (int s = 0; s < job->n_segments; s++) {
+        const QSegment *seg = job->segments + s;
+        const float *q = seg->q + item * groups * dim;
+        memset(qs, 0, sizeof(float) * (size_t)(groups * q_row));
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t c = 0; c < dim; c++) qs[g * q_row + position[c]] = q[g * dim + c] * job->scale;
+        for (int64_t t0 = 0; t0 < seg->keys; t0 += QBLOCK) {
+            const int n = (int)(seg->keys - t0 < QBLOCK ? seg->keys - t0 : QBLOCK);
+            load_rows(seg, 0, b, h, t0, n, dim, d_pad, bits, group, position, kbuf);
+            load_rows(seg, 1, b, h, t0, n, v_dim, v_pad, bits, group, position, vbuf);
+            if (groups == 1) {
+                int t = 0;
+                for (; t + 8 <= n; t += 8) logits_lanes8(qs, kbuf + t * d_pad, d_pad, d_pad, logits + t);
+                for (; t < n; t++) logits_tile8(qs, q_row, kbuf + t * d_pad, d_pad, d_pad, 1, 1, logits, t);
+            } else {
+                for (int64_t g = 0; g < groups; g += ROWS_TILE) {
+                    const int rows = groups - g < ROWS_TILE ? (int)(groups - g) : ROWS_TILE;
+                    const float *qg = qs + g * q_row;
+                    float *lg = logits + g * BLOCK_KEYS;
+                    int t = 0;
+#define QLOGITS_WIDE(R) \
+    for (; t + KEYS_TILE <= n; t += KEYS_TILE) logits_tile8(qg, q_row, kbuf + t * d_pad, d_pad, d_pad, R, KEYS_TILE, lg, t);
+#define QLOGITS_ONE(R) \
+    for (; t < n; t++) logits_tile8(qg, q_row, kbuf + t * d_pad, d_pad, d_pad, R, 1, lg, t);
+                    ROWS_SWITCH8(rows, QLOGITS_WIDE)
+                    ROWS_SWITCH8(rows, QLOGITS_ONE)
+#undef QLOGITS_WIDE
+#undef QLOGITS_ONE
+                }
+            }
+            for (int64_t g = 0; g < groups; g++) softmax_block8(logits + g * BLOCK_KEYS, n, (n + 7) / 8 * 8, acc + g * acc_row, acc_row, run_max + g, run_sum + g);
+            for (int64_t c0 = 0; c0 < v_chunks; c0 += CHUNKS_TILE) {
+                const int chunks = v_chunks - c0 < CHUNKS_TILE ? (int)(v_chunks - c0) : CHUNKS_TILE;
+                for (int64_t g = 0; g < groups; g += ROWS_TILE) {
+                    const int rows = groups - g < ROWS_TILE ? (int)(groups - g) : ROWS_TILE;
+                    const float *pg = logits + g * BLOCK_KEYS;
+                    float *ag = acc + g * acc_row;
+#define QVALUES8(R)                                                                              \
+    switch (chunks) {                                                                            \
+    case 3: values_tile8(pg, n, vbuf, v_pad, v_pad, c0, R, 3, ag, acc_row, &none); break;       \
+    case 2: values_tile8(pg, n, vbuf, v_pad, v_pad, c0, R, 2, ag, acc_row, &none); break;       \
+    default: values_tile8(pg, n, vbuf, v_pad, v_pad, c0, R, 1, ag, acc_row, &none); break;      \
+    }
+                    ROWS_SWITCH8(rows, QVALUES8)
+#undef QVALUES8
+                }
+            }
+        }
+    }
+    keep_split_stats(job, item, run_max, run_sum);
+    float *out = job->out + item * groups * v_dim;
+    for (int64_t g = 0; g < groups; g++) {
+        const float inv = 1.0f / run_sum[g];
+        for (int64_t c = 0; c < v_dim; c++) out[g * v_dim + c] = acc[g * acc_row + position[c]] * inv;
+    }
+}
+
+#define DISPATCH_QUANTIZED_AVX2(D, DV, BITS, G)                                                                             \
+    if (job->dim == (D) && job->v_dim == (DV) && job->bits == (BITS) && job->group == (G)) {                                \
+        for (int64_t i = job->first; i < job->last; i++) attend_item_quantized_avx2(job, i, (D), (DV), (BITS), (G), position, scratch); \
+        goto done;                                                                                                          \
+    }
+#endif
 
 #if defined(SLIMKV_PATH_AVX512)
 /* The AVX-512 path for rows of 32, 64 or 128 channels in groups of 32 or 64: the plain kernel's
@@ -285,12 +371,15 @@ static void *run_quantized_job(void *arg) {
     QJob *job = (QJob *)arg;
     const int64_t d_pad = (job->dim + job->group - 1) / job->group * job->group, v_pad = (job->v_dim + job->group - 1) / job->group * job->group;
     const int64_t width = job->dim > job->v_dim ? job->dim : job->v_dim;
-    float *scratch = malloc(sizeof(float) * (size_t)(job->groups * (v_pad + d_pad + 2) + QBLOCK * (d_pad + v_pad)) + sizeof(int32_t) * (size_t)width);
+    /* per query row: accumulators, query, logits (the AVX2 tiles' BLOCK_KEYS), max and sum, rows 8-float aligned; then the block's rows */
+    const int64_t floats = job->groups * (v_pad + d_pad + 16 + BLOCK_KEYS + 2), elems = QBLOCK * (d_pad + v_pad);
+    const size_t position_at = (sizeof(float) * (size_t)floats + sizeof(elem_t) * (size_t)elems + 3) / 4 * 4;
+    float *scratch = malloc(position_at + sizeof(int32_t) * (size_t)width);
     if (!scratch) {
         job->status = 1;
         return NULL;
     }
-    int32_t *position = (int32_t *)(scratch + job->groups * (v_pad + d_pad + 2) + QBLOCK * (d_pad + v_pad)); /* channel -> its place in split order */
+    int32_t *position = (int32_t *)((char *)scratch + position_at); /* channel -> its place in split order */
     for (int64_t c = 0; c < width; c++) position[c] = (int32_t)split_position(c, job->bits, job->group);
 #if defined(SLIMKV_PATH_AVX512)
     DISPATCH_QUANTIZED_AVX512(4, 4, 32)
@@ -301,6 +390,16 @@ static void *run_quantized_job(void *arg) {
     DISPATCH_QUANTIZED_AVX512(2, 8, 32)
     DISPATCH_QUANTIZED_AVX512(4, 4, 64)
     DISPATCH_QUANTIZED_AVX512(8, 4, 64)
+#endif
+#if defined(SLIMKV_PATH_AVX2)
+    DISPATCH_QUANTIZED_AVX2(64, 64, 4, 32)
+    DISPATCH_QUANTIZED_AVX2(64, 64, 8, 32)
+    DISPATCH_QUANTIZED_AVX2(128, 128, 4, 32)
+    DISPATCH_QUANTIZED_AVX2(128, 128, 8, 32)
+    DISPATCH_QUANTIZED_AVX2(64, 64, 4, 64)
+    DISPATCH_QUANTIZED_AVX2(128, 128, 4, 64)
+    for (int64_t i = job->first; i < job->last; i++) attend_item_quantized_avx2(job, i, job->dim, job->v_dim, job->bits, job->group, position, scratch);
+    goto done;
 #endif
     DISPATCH_QUANTIZED(64, 64, 4, 32)
     DISPATCH_QUANTIZED(64, 64, 8, 32)
