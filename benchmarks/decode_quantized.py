@@ -31,6 +31,7 @@ import argparse
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -82,7 +83,7 @@ def best_of(fn, repeats: int) -> float:
     return best
 
 
-def attention_rows(dtype: torch.dtype, context: int, kv_heads: int, rounds: int, isas: list[str]) -> list[dict]:
+def attention_rows(dtype: torch.dtype, context: int, kv_heads: int, rounds: int, isas: Sequence[str] = ()) -> list[dict]:
     """The variants' step times, interleaved over ``rounds``; ``isas``: also the in-place and full-row
     variants through the kernel built for each named path (bfloat16-only paths skipped for float32)."""
     gen = torch.Generator().manual_seed(0)

@@ -60,11 +60,16 @@ def label_of(report: dict) -> str:
     identity = report["settings"]["identity"]
     converted = identity.get("converted")
     if converted:
+        stage = "healed" if converted.get("healing") else "one-shot"
+        plan = converted.get("budget_plan")
+        if plan:  # convert --cache-budget: the budget and what the planner chose (its element ratio says neither)
+            storage = plan["storage"].partition(":")[0]
+            return f"--cache-budget {plan['budget']:g} ({storage}, {plan['exact_heads']} of {plan['total_heads']} heads exact) {stage}"
         if converted["method"] == "hybrid":  # its ratio is the budget at the length it was planned for
-            return f"{conversion_method(converted)} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"
+            return f"{conversion_method(converted)} {converted['cache_ratio']:g} {stage}"
         if converted.get("achieved_cache_ratio") is None:  # kvm, mla-kvm, streaming, rope-partial: bounded or sized by their own options
             return f"{Path(report['settings']['model']).name} ({converted['method']}, bounded{', healed' if converted.get('healing') else ''})"
-        return f"{converted['method']} {converted['cache_ratio']:g} {'healed' if converted.get('healing') else 'one-shot'}"
+        return f"{converted['method']} {converted['cache_ratio']:g} {stage}"
     compressed = identity.get("compressed")
     if compressed:
         return f"{compressed['method']} ratio {compressed['ratio']:g}"

@@ -21,6 +21,9 @@ def test_a_tiny_run_checks_and_reports_every_variant():
                                                   "int8 dequantized (torch path)", "full rows (plain kernel)"]
     assert all(r["ms"] > 0 and r["bytes_read"] > 0 for r in attention)
     assert attention[0]["bytes_read"] < attention[2]["bytes_read"] < attention[4]["bytes_read"]  # int4 < int8 < float32 rows
+    portable = bench.attention_rows(torch.float32, 300, 2, rounds=1, isas=["portable"])  # a named path, timed beside the build's own
+    assert [r["variant"] for r in portable if "portable" in r["variant"]] == ["int4 codes in place, portable path", "int8 codes in place, portable path",
+                                                                             "full rows (plain kernel), portable path"]
     bench.LINEAR_SHAPES = [(12, 8)]
     rows = bench.linear_rows(torch.float32, rounds=1, copies=2)
     assert rows[0]["shape"] == "12 x 8" and rows[0]["torch_over_native"] > 0
@@ -32,3 +35,11 @@ def test_the_committed_table_is_what_its_json_renders():
         pytest.skip("decode_quantized_1thread.json is not committed yet (run the benchmark on a quiet machine)")
     payload = json.loads(path.read_text())
     assert results_path(bench.RESULTS, "decode_quantized_1thread.md").read_text() == bench.render(payload)
+
+
+def test_an_unknown_kernel_path_is_refused_naming_the_option(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["decode_quantized.py", "--isas", "neon"])
+    with pytest.raises(SystemExit):
+        bench.parse()
+    err = capsys.readouterr().err
+    assert "--isas 'neon'" in err and "allowed: avx512-bf16, avx512, avx2, portable" in err
