@@ -298,11 +298,6 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx2(con
     }
 }
 
-#define DISPATCH_QUANTIZED_AVX2(D, DV, BITS, G)                                                                             \
-    if (job->dim == (D) && job->v_dim == (DV) && job->bits == (BITS) && job->group == (G)) {                                \
-        for (int64_t i = job->first; i < job->last; i++) attend_item_quantized_avx2(job, i, (D), (DV), (BITS), (G), position, scratch); \
-        goto done;                                                                                                          \
-    }
 #endif
 
 #if defined(SLIMKV_PATH_AVX512)
@@ -361,9 +356,16 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx512(c
     }
 #endif
 
+/* The item function of this build (the AVX2 tiles over the dequantized rows, or the portable loops), inlined with
+ * the widths as constants for common shapes. */
+#if defined(SLIMKV_PATH_AVX2)
+#define QUANTIZED_ITEM attend_item_quantized_avx2
+#else
+#define QUANTIZED_ITEM attend_item_quantized
+#endif
 #define DISPATCH_QUANTIZED(D, DV, BITS, G)                                                                            \
     if (job->dim == (D) && job->v_dim == (DV) && job->bits == (BITS) && job->group == (G)) {                          \
-        for (int64_t i = job->first; i < job->last; i++) attend_item_quantized(job, i, (D), (DV), (BITS), (G), position, scratch); \
+        for (int64_t i = job->first; i < job->last; i++) QUANTIZED_ITEM(job, i, (D), (DV), (BITS), (G), position, scratch); \
         goto done;                                                                                                    \
     }
 
@@ -391,23 +393,13 @@ static void *run_quantized_job(void *arg) {
     DISPATCH_QUANTIZED_AVX512(4, 4, 64)
     DISPATCH_QUANTIZED_AVX512(8, 4, 64)
 #endif
-#if defined(SLIMKV_PATH_AVX2)
-    DISPATCH_QUANTIZED_AVX2(64, 64, 4, 32)
-    DISPATCH_QUANTIZED_AVX2(64, 64, 8, 32)
-    DISPATCH_QUANTIZED_AVX2(128, 128, 4, 32)
-    DISPATCH_QUANTIZED_AVX2(128, 128, 8, 32)
-    DISPATCH_QUANTIZED_AVX2(64, 64, 4, 64)
-    DISPATCH_QUANTIZED_AVX2(128, 128, 4, 64)
-    for (int64_t i = job->first; i < job->last; i++) attend_item_quantized_avx2(job, i, job->dim, job->v_dim, job->bits, job->group, position, scratch);
-    goto done;
-#endif
     DISPATCH_QUANTIZED(64, 64, 4, 32)
     DISPATCH_QUANTIZED(64, 64, 8, 32)
     DISPATCH_QUANTIZED(128, 128, 4, 32)
     DISPATCH_QUANTIZED(128, 128, 8, 32)
     DISPATCH_QUANTIZED(64, 64, 4, 64)
     DISPATCH_QUANTIZED(128, 128, 4, 64)
-    for (int64_t i = job->first; i < job->last; i++) attend_item_quantized(job, i, job->dim, job->v_dim, job->bits, job->group, position, scratch);
+    for (int64_t i = job->first; i < job->last; i++) QUANTIZED_ITEM(job, i, job->dim, job->v_dim, job->bits, job->group, position, scratch);
 done:
     free(scratch);
     job->status = 0;
