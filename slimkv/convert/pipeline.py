@@ -106,13 +106,11 @@ class ConvertOptions:
             if self.method != "mla-prefix":
                 raise ValueError(f"--export deepseek needs --to mla-prefix (one RoPE ladder in every layer), not --to {self.method}")
         check_int("--seed", self.seed, 0)
-        if self.cache_storage == WEIGHED:
+        if self.cache_storage == WEIGHED:  # a choice among full, int8 and int4, made by the budget's plan (hybrid layers take each)
             if self.cache_budget is None:
                 raise ValueError(f"--cache-storage {WEIGHED} weighs the storages a --cache-budget allows: give --cache-budget B, or a storage "
                                  "(full, int8, int4[:group=G,residual=R,block=B])")
-            return
-        storage = parse_storage(self.cache_storage or "full", "--cache-storage")
-        if storage.bits is not None and method.kind in STATEFUL_KINDS:
+        elif parse_storage(self.cache_storage or "full", "--cache-storage").bits is not None and method.kind in STATEFUL_KINDS:
             raise ValueError(f"--cache-storage {self.cache_storage}: --to {method.name} makes {method.kind} layers, which update their memory in place "
                              "and take full storage only")
 
