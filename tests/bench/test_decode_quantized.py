@@ -29,12 +29,21 @@ def test_a_tiny_run_checks_and_reports_every_variant():
     assert rows[0]["shape"] == "12 x 8" and rows[0]["torch_over_native"] > 0
 
 
-def test_the_committed_table_is_what_its_json_renders():
-    path = results_path(bench.RESULTS, "decode_quantized_1thread.json")
-    if not path.is_file():
-        pytest.skip("decode_quantized_1thread.json is not committed yet (run the benchmark on a quiet machine)")
-    payload = json.loads(path.read_text())
-    assert results_path(bench.RESULTS, "decode_quantized_1thread.md").read_text() == bench.render(payload)
+def test_the_committed_tables_are_what_their_json_renders():
+    paths = sorted(results_path(bench.RESULTS, "decode_quantized_1thread.json").parent.glob("decode_quantized*.json"))
+    if not paths:
+        pytest.skip("no decode_quantized results are committed yet (run the benchmark on a quiet machine)")
+    for path in paths:
+        payload = json.loads(path.read_text())
+        assert path.with_suffix(".md").read_text() == bench.render(payload), path.name
+
+
+@pytest.mark.parametrize("name", ["results_1thread", "decode_quantized/../x", "decode_quantized x"])
+def test_a_results_name_outside_the_family_is_refused_naming_the_option(monkeypatch, capsys, name):
+    monkeypatch.setattr("sys.argv", ["decode_quantized.py", "--name", name])
+    with pytest.raises(SystemExit):
+        bench.parse()
+    assert f"--name {name!r}" in capsys.readouterr().err
 
 
 def test_an_unknown_kernel_path_is_refused_naming_the_option(monkeypatch, capsys):
