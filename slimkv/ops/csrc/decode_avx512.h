@@ -110,45 +110,58 @@ static inline void unpair_row(const float *restrict pairs, float *restrict row, 
 #endif
 
 /* A block of int4 / int8 cache codes (csrc/decode_quantized.h's storage) that the row tiles read in
- * place: each key's and value's codes, one scale and one minimum per group, strides per row. */
+ * place: each key's and value's codes, one scale and one minimum per group as float32 (a bfloat16
+ * cache's widened once per block: block_scales), strides per row. */
 typedef struct {
-    const uint8_t *k, *v;            /* the block's first key's and first value's codes */
-    const elem_t *ks, *kl, *vs, *vl; /* their groups' scales and minima */
-    int64_t k_row, v_row;            /* bytes from one row's codes to the next */
-    int64_t ks_row, kl_row, vs_row, vl_row; /* elements from one row's scales (minima) to the next */
+    const uint8_t *k, *v;           /* the block's first key's and first value's codes */
+    const float *ks, *kl, *vs, *vl; /* their groups' scales and minima */
+    int64_t k_row, v_row;           /* bytes from one row's codes to the next */
+    int64_t ks_row, kl_row, vs_row, vl_row; /* floats from one row's scales (minima) to the next */
 } CodeBlock;
 
-/* One side's row of a code block as N 16-float chunks in the tiles' order (pair order in
- * bfloat16 builds, row order in float32 ones): code * scale + minimum in float32, one fused
- * multiply-add (code_row_avx512 rounds it as the cache's element type holds it). ``group`` is 32
- * or 64, so each 32 channels share one scale. int4's channel 2j is byte j's low nibble, so the low
- * nibbles are pair order's even channels as they come; int8's even and odd bytes come apart by a
- * mask and a shift of 16-bit lanes. */
-static inline __attribute__((always_inline)) void code_row_float_avx512(const uint8_t *restrict codes, const elem_t *restrict scales,
-                                                                         const elem_t *restrict lows, const int N, const int bits, const int group,
-                                                                         __m512 *out) {
+/* The scales (or minima) of a block's n rows, ``per_row`` each, ``row`` elements apart, as
+ * float32 for CodeBlock: a float32 cache's own (``*stride`` = row), a bfloat16 cache's widened
+ * into ``dst`` (``*stride`` = per_row; exact), so a row reads its scale as one broadcast. */
+static inline const float *block_scales(const elem_t *src, int64_t row, int n, int per_row, float *restrict dst, int64_t *stride) {
+#ifdef SLIMKV_BF16
+    if (row == per_row) {
+        for (int i = 0; i < n * per_row; i++) dst[i] = to_float(src[i]);
+    } else {
+        for (int t = 0; t < n; t++)
+            for (int g = 0; g < per_row; g++) dst[t * per_row + g] = to_float(src[t * row + g]);
+    }
+    *stride = per_row;
+    return dst;
+#else
+    (void)n, (void)per_row, (void)dst;
+    *stride = row;
+    return src;
+#endif
+}
+
+/* One side's row of a code block as N 16-float chunks, in pair order (``pairs`` 1) or row order
+ * (0): code * scale + minimum in float32, one fused multiply-add (code_row_avx512 rounds it as the
+ * cache's element type holds it). ``group`` is 32 or 64, so each 32 channels share one scale.
+ * int4's channel 2j is byte j's low nibble, so the low nibbles are pair order's even channels as
+ * they come; int8's even and odd bytes come apart by a mask and a shift of 16-bit lanes. */
+static inline __attribute__((always_inline)) void code_row_float_avx512(const uint8_t *restrict codes, const float *restrict scales,
+                                                                         const float *restrict lows, const int N, const int bits, const int group,
+                                                                         const int pairs, __m512 *out) {
     for (int j = 0; j < N; j += 2) {
-        const __m512 s = _mm512_set1_ps(to_float(scales[16 * j / group])), m = _mm512_set1_ps(to_float(lows[16 * j / group]));
-        __m512i a, b; /* the 32 channels' codes as 32-bit integers, in the tiles' order */
+        const __m512 s = _mm512_set1_ps(scales[16 * j / group]), m = _mm512_set1_ps(lows[16 * j / group]);
+        __m512i a, b; /* the 32 channels' codes as 32-bit integers, in the order asked for */
         if (bits == 4) {
             const __m128i x = _mm_loadu_si128((const __m128i *)(codes + 8 * j)), nibble = _mm_set1_epi8(15);
             const __m128i lo = _mm_and_si128(x, nibble), hi = _mm_and_si128(_mm_srli_epi16(x, 4), nibble);
-#ifdef SLIMKV_BF16
-            a = _mm512_cvtepu8_epi32(lo);
-            b = _mm512_cvtepu8_epi32(hi);
-#else
-            a = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
-            b = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi));
-#endif
-        } else {
-#ifdef SLIMKV_BF16
+            a = _mm512_cvtepu8_epi32(pairs ? lo : _mm_unpacklo_epi8(lo, hi));
+            b = _mm512_cvtepu8_epi32(pairs ? hi : _mm_unpackhi_epi8(lo, hi));
+        } else if (pairs) {
             const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(codes + 16 * j)));
             a = _mm512_and_si512(w, _mm512_set1_epi32(255));
             b = _mm512_srli_epi32(w, 8);
-#else
+        } else {
             a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * j)));
             b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * j + 16)));
-#endif
         }
         out[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, m);
         out[j + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), s, m);
@@ -156,27 +169,36 @@ static inline __attribute__((always_inline)) void code_row_float_avx512(const ui
 }
 
 /* 16 floats rounded to the nearest bfloat16 (ties to even), still as floats: the dequantized
- * value as a bfloat16 cache holds it (quantize.dequantize_groups rounds it so). */
-#ifdef SLIMKV_BF16
+ * value as a bfloat16 cache holds it (quantize.dequantize_groups rounds it so), where there is
+ * no AVX512-BF16 conversion to do it. */
+#if defined(SLIMKV_BF16) && !defined(__AVX512BF16__)
 static inline __m512 round_to_bf16(__m512 x) {
-#ifdef __AVX512BF16__
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-#else
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
                                                 _mm512_set1_epi32((int)0xFFFF0000u)));
-#endif
 }
 #endif
 
-/* code_row_float_avx512, each value as the cache's element type holds it (bfloat16 builds round). */
-static inline __attribute__((always_inline)) void code_row_avx512(const uint8_t *restrict codes, const elem_t *restrict scales,
-                                                                   const elem_t *restrict lows, const int N, const int bits, const int group,
+/* code_row_float_avx512 in the tiles' order (pair order in bfloat16 builds, row order in float32
+ * ones), each value as the cache's element type holds it: bfloat16 builds round to the nearest
+ * bfloat16. With AVX512-BF16 the row is dequantized in row order and rounded 32 values at a time
+ * by one conversion, then widened into pair order as load32_pair widens a stored row. */
+static inline __attribute__((always_inline)) void code_row_avx512(const uint8_t *restrict codes, const float *restrict scales,
+                                                                   const float *restrict lows, const int N, const int bits, const int group,
                                                                    __m512 *out) {
-    code_row_float_avx512(codes, scales, lows, N, bits, group, out);
-#ifdef SLIMKV_BF16
+#if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
+    code_row_float_avx512(codes, scales, lows, N, bits, group, 0, out);
+    for (int j = 0; j < N; j += 2) {
+        const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(out[j + 1], out[j]);
+        out[j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        out[j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+    }
+#elif defined(SLIMKV_BF16)
+    code_row_float_avx512(codes, scales, lows, N, bits, group, 1, out);
     for (int j = 0; j < N; j++) out[j] = round_to_bf16(out[j]);
+#else
+    code_row_float_avx512(codes, scales, lows, N, bits, group, 0, out);
 #endif
 }
 
@@ -224,7 +246,7 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
         __m512i kr[4];
         if (codes) {
             __m512 kf[8]; /* rounded to bfloat16 by the conversion, as code_row_avx512 would */
-            code_row_float_avx512(codes->k + t * codes->k_row, codes->ks + t * codes->ks_row, codes->kl + t * codes->kl_row, ND, bits, group, kf);
+            code_row_float_avx512(codes->k + t * codes->k_row, codes->ks + t * codes->ks_row, codes->kl + t * codes->kl_row, ND, bits, group, 1, kf);
             for (int j = 0; j < ND / 2; j++) kr[j] = (__m512i)_mm512_cvtne2ps_pbh(kf[2 * j + 1], kf[2 * j]);
         } else {
             for (int j = 0; j < ND / 2; j++) kr[j] = _mm512_loadu_si512(kt + 32 * j);

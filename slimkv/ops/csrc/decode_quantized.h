@@ -316,6 +316,7 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx512(c
         for (int64_t e = 0; e < dim; e++) acc[g * dim + e] = 0.0f;
     }
     const __m512 scale16 = _mm512_set1_ps(job->scale);
+    float wide[4][BLOCK_KEYS * 4]; /* a bfloat16 block's scales and minima of keys and values as float32 (dim / group <= 4 per row) */
     for (int s = 0; s < job->n_segments; s++) {
         const QSegment *seg = job->segments + s;
         const float *restrict q = seg->q + item * groups * dim;
@@ -323,10 +324,12 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx512(c
         for (int64_t t0 = 0; t0 < seg->keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg->keys - t0 < BLOCK_KEYS ? seg->keys - t0 : BLOCK_KEYS);
             if (seg->bits) {
-                const CodeBlock block = {row_at(seg->k, kst, b, h, t0, 1), row_at(seg->v, vst, b, h, t0, 1),
-                                         row_at(seg->ks, seg->ks_st, b, h, t0, sizeof(elem_t)), row_at(seg->kl, seg->kl_st, b, h, t0, sizeof(elem_t)),
-                                         row_at(seg->vs, seg->vs_st, b, h, t0, sizeof(elem_t)), row_at(seg->vl, seg->vl_st, b, h, t0, sizeof(elem_t)),
-                                         kst[2], vst[2], seg->ks_st[2], seg->kl_st[2], seg->vs_st[2], seg->vl_st[2]};
+                const int per_row = dim / group;
+                CodeBlock block = {.k = row_at(seg->k, kst, b, h, t0, 1), .v = row_at(seg->v, vst, b, h, t0, 1), .k_row = kst[2], .v_row = vst[2]};
+                block.ks = block_scales(row_at(seg->ks, seg->ks_st, b, h, t0, sizeof(elem_t)), seg->ks_st[2], n, per_row, wide[0], &block.ks_row);
+                block.kl = block_scales(row_at(seg->kl, seg->kl_st, b, h, t0, sizeof(elem_t)), seg->kl_st[2], n, per_row, wide[1], &block.kl_row);
+                block.vs = block_scales(row_at(seg->vs, seg->vs_st, b, h, t0, sizeof(elem_t)), seg->vs_st[2], n, per_row, wide[2], &block.vs_row);
+                block.vl = block_scales(row_at(seg->vl, seg->vl_st, b, h, t0, sizeof(elem_t)), seg->vl_st[2], n, per_row, wide[3], &block.vl_row);
                 rows_in_tiles_avx512(q, NULL, NULL, 0, 0, n, groups, ND, ND, scale16, 0, &block, bits, group, acc, run_max, run_sum);
             } else {
                 const elem_t *kb = (const elem_t *)seg->k + b * kst[0] + h * kst[1] + t0 * kst[2];
