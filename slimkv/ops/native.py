@@ -44,6 +44,7 @@ from slimkv.ops.native_build import (
     compiler,
     library_isa,
     library_row_prefetch_rule,
+    library_tile_logits,
     load,
     runnable_isas,
 )
@@ -136,6 +137,14 @@ def kernel_row_prefetch(dtype: torch.dtype = torch.float32) -> str | None:
     the torch path."""
     library = decode_kernel(dtype)
     return None if library is None else library_row_prefetch_rule(library)
+
+
+def kernel_tile_logits(dtype: torch.dtype = torch.float32) -> str | None:
+    """How the kernel's AVX-512 tiles compute logits over caches of ``dtype`` ("vdpbf16ps" or
+    "widened fma" for bfloat16, chosen per CPU at build time: ``TILE_DOT_BF16`` in
+    csrc/decode_avx512.h), or None where there is no such choice (float32, AVX2, portable, torch)."""
+    library = decode_kernel(dtype)
+    return None if library is None else library_tile_logits(library)
 
 
 def kernel_isa(dtype: torch.dtype = torch.float32) -> str:

@@ -166,6 +166,24 @@ def test_avx512_row_tiles_match_the_reference_with_either_prefetch_rule(always, 
 
 
 @needs_kernel
+@pytest.mark.skipif("avx512-bf16" not in ISAS, reason="the choice of tile logits needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("dot", [0, 1])
+@pytest.mark.parametrize("layout", ["mha64", "gqa64x3", "mqa64", "gqa128x3", "gqa32x9", "mla288", "mla-odd", "lrkv192", "latent-shared", "odd40x24"])
+def test_avx512_bf16_tiles_match_the_reference_with_either_logits_rule(dot, layout):
+    """A bfloat16 cache's logits in the AVX-512 tiles are vdpbf16ps dot products or widened keys
+    and fused multiply-adds, chosen per CPU at build time (TILE_DOT_BF16 in csrc/decode_avx512.h:
+    1 on AMD Zen, 0 elsewhere); both builds run here whatever this CPU's default, on the row tiles
+    (32/64/128 wide, 1 to 9 query rows per head) and the wide tiles (MLA, LRKV, latent, odd
+    widths), each saying which rule it took, and a float32 build has no such choice."""
+    q, k, v = _isa_cache(layout, 2700, torch.bfloat16, seed=7)
+    library = native.isa_kernel(torch.bfloat16, "avx512-bf16", (f"-DTILE_DOT_BF16={dot}",))
+    assert native.library_tile_logits(library) == ("vdpbf16ps" if dot else "widened fma")
+    out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(q.shape[-1]), library)
+    torch.testing.assert_close(out.float(), reference_attention(q.float(), k.float(), v.float()), **_tolerance(torch.bfloat16))
+    assert native.library_tile_logits(native.isa_kernel(torch.float32, "avx512-bf16", (f"-DTILE_DOT_BF16={dot}",))) is None
+
+
+@needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["mla288", "lrkv192", "latent-shared", "gqa64", "mla-odd"])
@@ -246,6 +264,9 @@ def test_kernel_isa_is_what_the_loaded_library_says():
     """The default build is the CPU's best path; for float32 caches "avx512-bf16" is the avx512 path."""
     assert native.kernel_isa() == native.library_isa(LIBRARY) == native.runnable_isas()[0].removesuffix("-bf16")
     assert native.kernel_isa(torch.bfloat16) == native.runnable_isas()[0]
+    assert native.kernel_tile_logits(torch.float32) is None
+    expected = {"avx512-bf16": {"vdpbf16ps", "widened fma"}, "avx512": {"widened fma"}}.get(native.runnable_isas()[0], {None})
+    assert native.kernel_tile_logits(torch.bfloat16) in expected
 
 
 def test_kernel_isa_says_why_there_is_no_kernel(monkeypatch, tmp_path):
@@ -446,6 +467,9 @@ def test_slimkv_eval_cache_prints_the_kernel_path():
     assert text.endswith("native decode kernel path: avx2; threads: torch's OpenMP team")
     text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": "avx512", "kernel_row_prefetch": "several-tiles"})
     assert text.endswith("native decode kernel path: avx512; row-tile prefetch: several-tiles")
+    text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": "avx512-bf16", "kernel_row_prefetch": "always",
+                          "kernel_tile_logits": "widened fma"})
+    assert text.endswith("native decode kernel path: avx512-bf16; row-tile prefetch: always; tile logits: widened fma")
     text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": "avx512",
                           "block_steps": {"one_call": 28, "two_calls": 2, "module_path": 0}})
     assert text.endswith("decode steps of the model's blocks: 28 in one native call, 2 in two around the attention, 0 on the module path "

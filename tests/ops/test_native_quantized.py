@@ -83,6 +83,21 @@ def test_every_isa_path_reads_codes_as_the_reference_reads_their_rows(isa, dtype
 
 
 @needs_kernel
+@pytest.mark.skipif("avx512-bf16" not in ISAS, reason="the choice of tile logits needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("dot", [0, 1])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("storage", ["int4", "int8", "int4:group=64,residual=3"])
+def test_avx512_bf16_codes_match_the_reference_with_either_logits_rule(dot, layout, storage):
+    """The AVX-512 tiles read a bfloat16 cache's codes with the logits by vdpbf16ps or by widened
+    keys (TILE_DOT_BF16, chosen per CPU at build time): both builds run here whatever this CPU's default."""
+    q, kb, vb = _filled(layout, storage, 333, torch.bfloat16, seed=3)
+    segments = buffer_segments(kb, vb)
+    library = native.isa_kernel(torch.bfloat16, "avx512-bf16", (f"-DTILE_DOT_BF16={dot}",))
+    out = native.native_stored_attention(q, segments, 1 / math.sqrt(q.shape[-1]), library)
+    torch.testing.assert_close(out.float(), _expected(q, segments), **_tolerance(torch.bfloat16))
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sinks_codes_window_and_the_new_token_are_one_softmax(dtype):
     """The four segments a quantized streaming cache's decode step reads."""

@@ -27,8 +27,9 @@
  *   tiles over 16-float chunks (attend_item_wide: keys in lanes for a head of one query row).
  *   bfloat16 rows are widened 32 at a time into "pair order" (even and odd elements, one
  *   instruction per 16 floats; queries and accumulators kept in that order, outputs put back).
- *   "avx512-bf16" is that path for bfloat16 rows with the logits by AVX512-BF16 dot products
- *   (in both tile kinds: the 32/64/128-wide rows too).
+ *   "avx512-bf16" is that path for bfloat16 rows on a CPU with AVX512-BF16: quantized values
+ *   rounded by its conversion, and, where TILE_DOT_BF16 (decode_avx512.h: AMD Zen, where it
+ *   measured faster), the logits by its dot products in both tile kinds (slimkv_tile_logits says).
  *
  * Heads: a work item is one (batch, kv_head) pair, or, when every segment's values are shared by
  * all heads (value head stride 0), all heads of a batch row (or a share of them per thread), so
@@ -303,7 +304,7 @@ static inline int values_in_key_rows(const elem_t *k, const elem_t *v, int64_t d
  * CPU's; slimkv/ops/native.py can build a named one). SLIMKV_PORTABLE forces the portable path. */
 #if !defined(SLIMKV_PORTABLE) && defined(__AVX512F__) && (!defined(SLIMKV_BF16) || defined(__AVX512BW__))
 #if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
-#define SLIMKV_ISA "avx512-bf16" /* bfloat16 logits by vdpbf16ps (decode_avx512.h) */
+#define SLIMKV_ISA "avx512-bf16" /* AVX512-BF16 conversions and dot products (decode_avx512.h, decode_linear.h) */
 #else
 #define SLIMKV_ISA "avx512"
 #endif
@@ -317,9 +318,20 @@ static inline int values_in_key_rows(const elem_t *k, const elem_t *v, int64_t d
 #define SLIMKV_ISA "portable"
 #endif
 
-/* Which path this build runs: "avx512-bf16" (bfloat16 caches, AVX512-BF16 dot products), "avx512", "avx2" or
+/* Which path this build runs: "avx512-bf16" (bfloat16 caches, AVX512-BF16 instructions), "avx512", "avx2" or
  * "portable" (what was compiled, not a guess). */
 const char *slimkv_kernel_isa(void) { return SLIMKV_ISA; }
+
+/* How the attention tiles compute a bfloat16 cache's logits (TILE_DOT_BF16 in decode_avx512.h):
+ * "vdpbf16ps" (AVX512-BF16 dot products on the stored keys) or "widened fma" (keys widened to
+ * float32, fused multiply-adds); "" in float32 builds and on paths without such tiles' choice. */
+const char *slimkv_tile_logits(void) {
+#if defined(SLIMKV_PATH_AVX512) && defined(SLIMKV_BF16)
+    return TILE_DOT_BF16 ? "vdpbf16ps" : "widened fma";
+#else
+    return "";
+#endif
+}
 
 /* The AVX-512 row tiles' prefetch rule this build took (ROW_PREFETCH_ALWAYS in decode_avx512.h):
  * "always", "several-tiles", or "" where the path has no such tiles. */

@@ -7,9 +7,10 @@
  * bfloat16 rows: widened 32 elements at a time into pair order (load32_pair: the even elements by
  * a shift, the odd by a mask, one instruction per 16 floats where widening in row order takes
  * two); the tiles' queries and accumulators are kept in that order and the output is put back in
- * row order at the end (unpair_row). With AVX512-BF16 the logits are vdpbf16ps dot products of the
- * bfloat16 queries and the keys as stored, in every tile; the values keep float32 products (the
- * dot instruction would round the probabilities to bfloat16). */
+ * row order at the end (unpair_row). With AVX512-BF16 on CPUs where it is faster (TILE_DOT_BF16,
+ * below) the logits are vdpbf16ps dot products of the bfloat16 queries and the keys as stored, in
+ * every tile; the values keep float32 products (the dot instruction would round the probabilities
+ * to bfloat16). */
 #include <immintrin.h>
 
 /* Software prefetch in the 32/64/128-wide row tiles (block_rows_avx512), PREFETCH_BLOCKS blocks ahead.
@@ -29,6 +30,28 @@
 #endif
 #endif
 #define ROW_HINT (ROW_PREFETCH_ALWAYS ? _MM_HINT_T0 : _MM_HINT_T1)
+
+/* The attention tiles' logits over a bfloat16 cache on a CPU with AVX512-BF16. TILE_DOT_BF16 1:
+ * vdpbf16ps dot products of the bfloat16 queries and the keys as stored; 0: the keys widened into
+ * float32 pair order (load32_pair) and fused multiply-adds, as on AVX-512 without BF16. Both give
+ * float32 products and sums. Measured on one layer of 8 x 64 heads at 32K, one thread
+ * (benchmarks/decode_native.py --layers, the avx512-bf16 column against avx512): on an AMD Zen 4
+ * the dot products took 0.78-0.87x the widened tiles' time for GQA, MQA, hybrid, MLA and LRKV
+ * (decode_roofline_layer.md), on an Intel Xeon (Emerald Rapids) 1.09-1.19x
+ * (decode_roofline_layer_xeon_bfloat16_1thread.md; 1.06-1.23x in the session A/B of 2026-12-06,
+ * SmolLM2's layer, MHA, MLA's and odd-width rows). AMD Zen builds with AVX512-BF16 take 1, others 0.
+ * The rounding of quantized values (code_row_avx512) and the linear rows (decode_linear.h, 1.3x
+ * faster by vdpbf16ps on that Xeon) use AVX512-BF16 wherever it is. */
+#ifndef TILE_DOT_BF16
+#if defined(__AVX512BF16__) && (defined(__znver4__) || defined(__znver5__))
+#define TILE_DOT_BF16 1
+#else
+#define TILE_DOT_BF16 0
+#endif
+#endif
+#if TILE_DOT_BF16 && !defined(__AVX512BF16__)
+#error "TILE_DOT_BF16 1 needs AVX512-BF16"
+#endif
 
 /* 16 cached elements as float32 lanes (masked: lanes off the mask are zero, nothing read there). */
 #ifdef SLIMKV_BF16
@@ -206,7 +229,7 @@ static inline __attribute__((always_inline)) void code_row_avx512(const uint8_t 
  * dim = 16 * ND and v_dim = 16 * NV: each key and value vector is loaded once for the R rows, the
  * R accumulators stay in registers. Same arithmetic as attend_item. bfloat16 rows are widened 32
  * at a time into pair order (load32_pair; the accumulators hold their values in that order), and
- * with AVX512-BF16 the logits are dot products of the bfloat16 query (exact: the queries of a
+ * with TILE_DOT_BF16 the logits are dot products of the bfloat16 query (exact: the queries of a
  * bfloat16 cache come from bfloat16 tensors) and the keys as stored, the scale applied to the sums.
  * ``fetch``: prefetch the rows PREFETCH_BLOCKS blocks ahead (ROW_PREFETCH_ALWAYS). ``codes`` (NULL
  * for rows): read the block from int4 / int8 codes of ``bits`` and ``group`` instead of kb and vb,
@@ -217,7 +240,7 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
                                                                      const CodeBlock *codes, const int bits, const int group,
                                                                      float *restrict acc, float *restrict run_max, float *restrict run_sum) {
     float logits[4][BLOCK_KEYS] __attribute__((aligned(64)));
-#if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
+#if defined(SLIMKV_BF16) && TILE_DOT_BF16
     __m512i qv[4][4]; /* bfloat16 pairs: 32 channels per vector (in pair order for codes, as code_row_avx512 gives the keys) */
     for (int i = 0; i < R; i++)
         for (int j = 0; j < ND / 2; j++) {
@@ -242,7 +265,7 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
             for (int j = 0; j < ND * (int)sizeof(elem_t) / 4; j++) _mm_prefetch((const char *)(kt + PREFETCH_BLOCKS * BLOCK_KEYS * k_row) + 64 * j, ROW_HINT);
         }
         __m512 dots[4];
-#if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
+#if defined(SLIMKV_BF16) && TILE_DOT_BF16
         __m512i kr[4];
         if (codes) {
             __m512 kf[8]; /* rounded to bfloat16 by the conversion, as code_row_avx512 would */
@@ -275,7 +298,7 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
         horizontal_sums(dots, R, sums);
         for (int i = 0; i < R; i++) logits[i][t] = sums[i];
     }
-#if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
+#if defined(SLIMKV_BF16) && TILE_DOT_BF16
     const float post = _mm512_cvtss_f32(scale16); /* the scale, on the sums */
     for (int i = 0; i < R; i++)
         for (int t = 0; t < n; t++) logits[i][t] *= post;
@@ -400,13 +423,13 @@ static inline __mmask16 chunk_mask(int64_t width, int64_t j) {
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
 }
 
-/* The logits' dot products over chunks of DOT_WIDTH channels. bfloat16 rows on a CPU with
- * AVX512-BF16 take vdpbf16ps (32 bfloat16 pairs of query and key per instruction, products and
+/* The logits' dot products over chunks of DOT_WIDTH channels. bfloat16 rows with TILE_DOT_BF16
+ * take vdpbf16ps (32 bfloat16 pairs of query and key per instruction, products and
  * sums in float32; the keys are used as stored, the queries, which come from bfloat16 tensors,
  * as bfloat16 too, and the scale is applied to the sum). Other bfloat16 rows are widened 32 at a
  * time into pair order (load32_pair: one instruction per 16) and multiplied with the scaled
  * float32 queries kept in the same order; float32 rows 16 at a time. */
-#if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
+#if defined(SLIMKV_BF16) && TILE_DOT_BF16
 #define SLIMKV_BF16_DOT 1
 #define DOT_WIDTH 32
 typedef uint16_t qelem_t;
