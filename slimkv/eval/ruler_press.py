@@ -16,6 +16,8 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,6 +183,20 @@ def check_env(options: list[str]) -> None:
     if problem:
         raise ImportError(f"--caches {presses[0]}: kvpress presses run in kvpress's own virtualenv (kvpress 0.5.5 with lm-eval 0.4.13, "
                           f"transformers < 5.3), and {problem}; run `{ENV_TARGET}` (or set {ENV_VARIABLE} to such a python)")
+
+
+def exit_with_parent(poll_s: float = 2.0) -> None:
+    """End this process when the one that started it is gone (the runner calls it first): a SIGTERM
+    or SIGKILL to ``slimkv eval ruler`` ends it without running its clean-up, and the press runner
+    would go on computing a cell nobody reads (Ctrl-C in a terminal reaches both already)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def call_runner(request: dict[str, Any], log_path: Path | None = None, timeout_s: float | None = None) -> dict[str, Any]:

@@ -333,6 +333,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
+    ruler_press.exit_with_parent()
     request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     reply = run_cell(request) if request["mode"] == "cell" else run_probe(request)
     Path(argv[1]).write_text(json.dumps(reply), encoding="utf-8")

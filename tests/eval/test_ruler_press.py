@@ -116,6 +116,43 @@ def test_a_press_cell_is_summarized_with_the_bytes_attention_still_sees(tiny_fol
     assert len(cell["probe"]["prompts"]) == 3 and cell["machine"]["earlier_parts"][0]["press_runner"]["packages"]["kvpress"] == "0.5.5"
 
 
+def test_a_runner_whose_parent_is_killed_stops(tmp_path):
+    """exit_with_parent: a press runner whose ``slimkv eval ruler`` got SIGKILL (no clean-up ran) ends
+    too, instead of computing a cell nobody reads."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    module = Path(ruler_press.__file__)
+    child = (f"import importlib.util, sys, time; s = importlib.util.spec_from_file_location('p', {str(module)!r}); "  # as the runner loads it
+             "m = sys.modules['p'] = importlib.util.module_from_spec(s); s.loader.exec_module(m); m.exit_with_parent(0.05); "
+             "print('watching', flush=True); time.sleep(60)")
+    parent = (f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+              "print(c.pid, flush=True); time.sleep(60)")
+    started = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    child_pid = int(started.stdout.readline())
+    assert started.stdout.readline().strip() == "watching"  # the child runs, its watch started
+    started.send_signal(signal.SIGKILL)
+    started.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:  # an exited child not yet reaped by init is a zombie
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+    deadline = time.monotonic() + 10
+    while alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survived = alive(child_pid)
+    if survived:
+        os.kill(child_pid, signal.SIGKILL)
+    assert not survived
+
+
 def test_the_runner_sets_the_ratio_for_equal_bytes_with_the_question_tail():
     runner = load_runner()
     press = SimpleNamespace(compression_ratio=0.0)
