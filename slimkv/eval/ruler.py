@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -168,20 +169,38 @@ def run_cell(loaded: LoadedModel, option: str, task: str, length: int, *, first:
     return written[0][0], written[1][0], lm.generate_s
 
 
+LM_EVAL_PROGRESS = re.compile(r"generate_until requests:\s*\d+%\|[^|\r\n]*\|\s*(\d+)/(\d+)")
+"""lm-eval's tqdm line for a cell's prompts (``Running generate_until requests:  40%|####  | 16/40 [...]``)."""
+
+
+def prompts_done(output: str) -> int | None:
+    """How many prompts the last lm-eval progress line in ``output`` counts, None where it has none."""
+    found = LM_EVAL_PROGRESS.findall(output)
+    return int(found[-1][0]) if found else None
+
+
 def run_press_cell(model_dir: str, option: str, task: str, length: int, *, first: int = 0, limit: int, max_gen_toks: int, seed: int, dtype: str,
-                   cell_dir: Path, patterns_dir: Path, haystack: str | None = None) -> tuple[Path, Path, float, dict[str, Any]]:
+                   cell_dir: Path, patterns_dir: Path, haystack: str | None = None,
+                   on_prompts: Callable[[int], None] | None = None) -> tuple[Path, Path, float, dict[str, Any]]:
     """The cell of a kvpress press: ``ruler_press_runner.py`` runs the same ``simple_evaluate`` in
     kvpress's environment and writes lm-eval's files into ``cell_dir`` (its output in
-    ``runner.log``); lm-eval's two files, the seconds inside generation and the runner's reply
-    (per-prompt bytes, its package versions)."""
+    ``runner.log``; ``on_prompts`` hears how many prompts it has answered as lm-eval counts them);
+    lm-eval's two files, the seconds inside generation and the runner's reply (per-prompt bytes,
+    its package versions)."""
     for stale in [*cell_dir.glob("lm_eval_*.json"), *cell_dir.glob("samples_*.jsonl")]:
         stale.unlink()
     cell_dir.mkdir(parents=True, exist_ok=True)
+
+    def relay(output: str) -> None:
+        done = prompts_done(output)
+        if done is not None and on_prompts is not None:
+            on_prompts(done)
+
     reply = ruler_press.call_runner({"mode": "cell", "option": option, "task": task, "length": length, "first": first, "limit": limit,
                                      "max_gen_toks": max_gen_toks, "seed": seed, "model_dir": model_dir, "tokenizer_dir": model_dir, "dtype": dtype,
                                      "threads": torch.get_num_threads(), "cell_dir": str(cell_dir.resolve()), "patterns_dir": str(patterns_dir.resolve()),
                                      "haystack_file": haystack},
-                                    log_path=cell_dir / "runner.log")
+                                    log_path=cell_dir / "runner.log", on_log=relay)
     return Path(reply.pop("results")), Path(reply.pop("samples")), reply.pop("generate_s"), reply
 
 
@@ -322,10 +341,15 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
         part_dir = part_folder(cell_dir, first, limit)
         load_start, t0 = os.getloadavg(), time.perf_counter()
         press = ruler_press.is_press(cell["option"])
-        if press:
-            results_path, samples_path, generate_s, reply = run_press_cell(model_dir, cell["option"], cell["task"], cell["length"], first=first, limit=limit,
-                                                                           max_gen_toks=gen[cell["task"]], seed=seed, dtype=base["dtype"], cell_dir=part_dir,
-                                                                           patterns_dir=out_dir / "press_patterns", haystack=haystack)
+        if press:  # in kvpress's process: its prompts on a bar of their own (lm-eval's shows in its runner.log)
+            with tqdm(total=limit - first, desc=f"{cell['id']} (kvpress env)", unit="prompt", leave=False, disable=not progress) as prompts_bar:
+                def on_prompts(done: int, bar: tqdm = prompts_bar) -> None:
+                    bar.update(done - bar.n)
+
+                results_path, samples_path, generate_s, reply = run_press_cell(model_dir, cell["option"], cell["task"], cell["length"], first=first, limit=limit,
+                                                                               max_gen_toks=gen[cell["task"]], seed=seed, dtype=base["dtype"], cell_dir=part_dir,
+                                                                               patterns_dir=out_dir / "press_patterns", haystack=haystack,
+                                                                               on_prompts=on_prompts)
             prompts = (before["probe"]["prompts"] if before else []) + reply["prompts"]
             measured = {**press_bytes(prompts), "prompts": prompts, **ruler_press.settings(cell["option"])}
         else:

@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,20 +200,41 @@ def exit_with_parent(poll_s: float = 2.0) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def call_runner(request: dict[str, Any], log_path: Path | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+def call_runner(request: dict[str, Any], log_path: Path | None = None, timeout_s: float | None = None,
+                on_log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run ``ruler_press_runner.py`` with kvpress's python on ``request`` and return its JSON reply;
-    its output goes to ``log_path`` (a temporary file without one). RuntimeError with the log's last
-    lines when it fails."""
+    its output goes to ``log_path`` (a temporary file without one), and each second what it has
+    added is handed to ``on_log`` (lm-eval's progress, for a bar). subprocess.TimeoutExpired past
+    ``timeout_s`` (the runner stopped); RuntimeError with the log's last lines when it fails."""
     with tempfile.TemporaryDirectory(prefix="slimkv-press-") as folder:
         request_path, reply_path = Path(folder) / "request.json", Path(folder) / "reply.json"
         log_path = Path(log_path) if log_path is not None else Path(folder) / "runner.log"
         request_path.write_text(json.dumps(request), encoding="utf-8")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        with open(log_path, "w", encoding="utf-8") as log:
-            done = subprocess.run([str(env_python()), str(RUNNER), str(request_path), str(reply_path)], env=env, cwd=RUNNER.parent,
-                                  stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
-        if done.returncode != 0 or not reply_path.is_file():
+        command = [str(env_python()), str(RUNNER), str(request_path), str(reply_path)]
+        started, read = time.monotonic(), 0
+        with open(log_path, "w", encoding="utf-8") as log, subprocess.Popen(command, env=env, cwd=RUNNER.parent, stdout=log,
+                                                                           stderr=subprocess.STDOUT) as runner:
+            while True:
+                try:
+                    returncode = runner.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    returncode = None
+                if on_log is not None:
+                    with open(log_path, encoding="utf-8", errors="replace") as out:
+                        out.seek(read)
+                        added = out.read()
+                        read = out.tell()
+                    if added:
+                        on_log(added)
+                if returncode is not None:
+                    break
+                if timeout_s is not None and time.monotonic() - started > timeout_s:
+                    runner.kill()
+                    runner.wait()
+                    raise subprocess.TimeoutExpired(command, timeout_s)
+        if returncode != 0 or not reply_path.is_file():
             tail = "\n".join(log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-15:])
-            raise RuntimeError(f"the kvpress runner ({env_python()}) failed (exit code {done.returncode}) on its {request.get('mode')} of "
+            raise RuntimeError(f"the kvpress runner ({env_python()}) failed (exit code {returncode}) on its {request.get('mode')} of "
                                f"{request.get('option') or request.get('pairs')}; the end of {log_path}:\n{tail}")
         return json.loads(reply_path.read_text(encoding="utf-8"))

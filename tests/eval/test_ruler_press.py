@@ -80,8 +80,9 @@ def test_a_press_cell_is_summarized_with_the_bytes_attention_still_sees(tiny_fol
     reference = 2 * 2 * 64 * 2  # the tiny Llama's bfloat16 bytes per token: 2 layers, K and V, one head of 64
     requests: list = []
 
-    def fake_runner(request, log_path=None, timeout_s=None):
+    def fake_runner(request, log_path=None, timeout_s=None, on_log=None):
         requests.append(request)
+        on_log("Running generate_until requests:  50%|#####     | 1/2 [00:01<00:01,  1.00s/it]")  # what lm-eval prints: the prompts bar moves
         cell_dir = Path(request["cell_dir"])
         values = [float(i % 2 == 0) for i in range(request["first"], request["limit"])]
         results, samples = lm_eval_shaped(request["task"], request["length"], values)
@@ -114,6 +115,40 @@ def test_a_press_cell_is_summarized_with_the_bytes_attention_still_sees(tiny_fol
     assert row["n"] == 3 and row["full"] == 2 and row["bytes_ratio_to_bf16_original"] == pytest.approx(0.25)
     cell = json.loads((out / "cells" / "press:kvzip@0.25" / "niah_single_1" / "1024" / ruler.CELL_FILE).read_text())
     assert len(cell["probe"]["prompts"]) == 3 and cell["machine"]["earlier_parts"][0]["press_runner"]["packages"]["kvpress"] == "0.5.5"
+
+
+def test_lm_eval_progress_lines_give_the_prompts_done():
+    chunk = ("Running generate_until requests:   0%|          | 0/40 [00:00<?, ?it/s]\rRunning generate_until requests:  38%|###8      | "
+             "15/40 [03:08<06:02, 14.51s/it]\rRunning generate_until requests:  40%|####      | 16/40 [03:20<05:29, 13.73s/it]")
+    assert ruler.prompts_done(chunk) == 16
+    assert ruler.prompts_done("Building contexts for niah_single_1 on rank 0...\n100%|##########| 40/40 [00:02<00:00]") is None
+
+
+@pytest.mark.parametrize("outcome", ["reply", "fails", "hangs"])
+def test_the_runner_call_relays_its_output_and_reports_failures(tmp_path, monkeypatch, outcome):
+    """call_runner hands the runner's output on as it comes (the prompts bar), returns its reply, and
+    on a failure or past ``timeout_s`` says so with the end of its log."""
+    import subprocess
+
+    script = tmp_path / "runner.py"
+    script.write_text("import json, sys, time\n"
+                      "print('Running generate_until requests:  50%|#    | 1/2 [00:01<00:01]', flush=True)\n"
+                      f"time.sleep({3 if outcome == 'hangs' else 1.2})\n"
+                      + ("sys.exit('the press broke')\n" if outcome == "fails" else "json.dump({'ok': 1}, open(sys.argv[2], 'w'))\n"))
+    monkeypatch.setattr(ruler_press, "RUNNER", script)
+    monkeypatch.setattr(ruler_press, "env_python", lambda: Path(sys.executable))
+    heard: list[str] = []
+    call = lambda: ruler_press.call_runner({"mode": "cell", "option": "press:tova@0.5"}, log_path=tmp_path / "runner.log",  # noqa: E731
+                                           timeout_s=1.5 if outcome == "hangs" else None, on_log=heard.append)
+    if outcome == "reply":
+        assert call() == {"ok": 1}
+        assert ruler.prompts_done("".join(heard)) == 1
+    elif outcome == "fails":
+        with pytest.raises(RuntimeError, match="(?s)exit code 1.*press:tova@0.5.*the press broke"):
+            call()
+    else:
+        with pytest.raises(subprocess.TimeoutExpired):
+            call()
 
 
 def test_a_runner_whose_parent_is_killed_stops(tmp_path):
