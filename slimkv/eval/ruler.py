@@ -30,6 +30,7 @@ from tqdm import tqdm
 from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import check_folder_target, read_json, write_json, write_text
 from slimkv.common.timing import machine_info, package_versions, write_results
+from slimkv.data.austen import fetch_austen
 from slimkv.eval import ruler_cache, ruler_press
 from slimkv.eval.models import load_language_model, load_original, original_of
 from slimkv.eval.ruler_offline import LOCAL_HAYSTACK, OFFLINE_TASKS, gen_tokens, haystack_file
@@ -236,6 +237,8 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     check_folder_target(out_dir)
     gen = gen_tokens(tasks, max_gen_toks)
     out_dir = Path(out_dir)
+    if any(ruler_press.is_press(o) and ruler_press.parse_option(o)[0] == "duo_attention" for o in caches):
+        fetch_austen()  # DuoAttention's on-the-fly pattern is scored on these chapters in the runner: fetched now, not after other cells ran
     original_of(model)  # a moved or changed original is refused before any model loads, not after the probes
     loaded = load_language_model(model, dtype=getattr(torch, dtype))
     if loaded.tokenizer is None:

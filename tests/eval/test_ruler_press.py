@@ -188,6 +188,24 @@ def test_a_runner_whose_parent_is_killed_stops(tmp_path):
     assert not survived
 
 
+def test_duo_attention_texts_are_fetched_before_any_cell(tiny_folder, tmp_path, monkeypatch):  # noqa: F811
+    """DuoAttention's on-the-fly pattern is scored on Austen's chapters in the runner: a machine
+    without them fetches them first (and an offline one fails then, not after the other cells ran)."""
+    monkeypatch.setattr(ruler, "check_lm_eval", lambda: None)
+    monkeypatch.setattr(ruler_press, "check_env", lambda options: None)
+    calls: list = []
+    monkeypatch.setattr(ruler_press, "call_runner", lambda *a, **k: calls.append("runner"))
+
+    def offline():
+        calls.append("fetch")
+        raise RuntimeError("the austen package could not be downloaded")
+    monkeypatch.setattr(ruler, "fetch_austen", offline)
+    with pytest.raises(RuntimeError, match="austen"):
+        ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["press:tova@0.5", "press:duo_attention@0.5"], limit=2,
+                       out_dir=tmp_path / "o", progress=False, say=lambda _: None)
+    assert calls == ["fetch"]
+
+
 def test_the_runner_sets_the_ratio_for_equal_bytes_with_the_question_tail():
     runner = load_runner()
     press = SimpleNamespace(compression_ratio=0.0)
