@@ -245,7 +245,9 @@ def test_weighted_factors_minimise_the_weighted_error():
         other = torch.randn(2, 6, generator=g, dtype=torch.float64)
         assert lowrank.weighted_error(target, lowrank.least_squares_up(target, other, cov) @ other, cov, weight) > best
     full_down, full_up = lowrank.weighted_factors(target, cov, weight, 5)
-    assert lowrank.weighted_error(target, full_up @ full_down, cov, weight) < 1e-20
+    # full rank fits exactly, up to the fit's ridge (1e-10 of the Gram's mean diagonal in least_squares_up), which
+    # leaves a relative squared error near 1e-20: under it on an AMD EPYC, 1.00001e-20 on an Intel Xeon; the bound sits above it
+    assert lowrank.weighted_error(target, full_up @ full_down, cov, weight) < 1e-16
 
 
 def test_the_calibration_records_the_mean_for_biases():
