@@ -346,13 +346,10 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
         press = ruler_press.is_press(cell["option"])
         if press:  # in kvpress's process: its prompts on a bar of their own (lm-eval's shows in its runner.log)
             with tqdm(total=limit - first, desc=f"{cell['id']} (kvpress env)", unit="prompt", leave=False, disable=not progress) as prompts_bar:
-                def on_prompts(done: int, bar: tqdm = prompts_bar) -> None:
-                    bar.update(done - bar.n)
-
                 results_path, samples_path, generate_s, reply = run_press_cell(model_dir, cell["option"], cell["task"], cell["length"], first=first, limit=limit,
                                                                                max_gen_toks=gen[cell["task"]], seed=seed, dtype=base["dtype"], cell_dir=part_dir,
                                                                                patterns_dir=out_dir / "press_patterns", haystack=haystack,
-                                                                               on_prompts=on_prompts)
+                                                                               on_prompts=lambda done: prompts_bar.update(done - prompts_bar.n))
             prompts = (before["probe"]["prompts"] if before else []) + reply["prompts"]
             measured = {**press_bytes(prompts), "prompts": prompts, **ruler_press.settings(cell["option"])}
         else:

@@ -31,8 +31,7 @@ def test_a_tiny_run_checks_and_reports_every_variant():
 
 def test_the_committed_tables_are_what_their_json_renders():
     paths = sorted(results_path(bench.RESULTS, "decode_quantized_1thread.json").parent.glob("decode_quantized*.json"))
-    if not paths:
-        pytest.skip("no decode_quantized results are committed yet (run the benchmark on a quiet machine)")
+    assert results_path(bench.RESULTS, "decode_quantized_1thread.json") in paths  # the results docs/evaluation.md cites are committed
     for path in paths:
         payload = json.loads(path.read_text())
         assert path.with_suffix(".md").read_text() == bench.render(payload), path.name

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from slimkv.data.austen import austen_dir
 from slimkv.eval import ruler, ruler_cache, ruler_press
 from tests.eval.test_ruler import HAS_LM_EVAL, lm_eval_shaped, tiny_folder  # noqa: F401  (tiny_folder is a fixture)
 
@@ -204,6 +205,7 @@ def test_duo_attention_texts_are_fetched_before_any_cell(tiny_folder, tmp_path, 
         ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["press:tova@0.5", "press:duo_attention@0.5"], limit=2,
                        out_dir=tmp_path / "o", progress=False, say=lambda _: None)
     assert calls == ["fetch"]
+    assert austen_dir().name == ruler_press.DUO_TEXTS  # what is fetched is the folder the runner reads (texts/<DUO_TEXTS>)
 
 
 def test_the_runner_sets_the_ratio_for_equal_bytes_with_the_question_tail():
