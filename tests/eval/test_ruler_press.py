@@ -95,8 +95,10 @@ def test_a_press_cell_is_summarized_with_the_bytes_attention_still_sees(tiny_fol
                 "runner_versions": {"kvpress": "0.5.5", "transformers": "5.2.0"}, "runner_python": "/env/python", "threads": 1}
     monkeypatch.setattr(ruler_press, "call_runner", fake_runner)
     out = tmp_path / "o"
+    said: list[str] = []
     report = ruler.evaluate(str(tiny_folder), tasks=["niah_single_1"], lengths=[1024], caches=["press:kvzip@0.25"], limit=2, out_dir=out,
-                            progress=False, say=lambda _: None)
+                            progress=False, say=said.append)
+    assert any("1 to run, 1 cell(s) not timed (" in line for line in said)  # an untimed press is not "0.0 min"
     assert [r["mode"] for r in requests] == ["cell"] and requests[0]["option"] == "press:kvzip@0.25" and requests[0]["dtype"] == "float32"
     assert requests[0]["first"] == 0 and Path(requests[0]["patterns_dir"]) == (out / "press_patterns").resolve()
     row = report["cells"]["press:kvzip@0.25/niah_single_1/1024"]
