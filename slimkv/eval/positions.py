@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from slimkv.common.checks import check_int
-from slimkv.common.files import check_file_target, check_folder_target, check_writable, save_figure, write_json
+from slimkv.common.files import report_folder, save_figure, write_json
 from slimkv.common.plotting import new_figure
 from slimkv.scoring import eval_windows
 from slimkv.train.checkpoint import load_run
@@ -75,13 +75,8 @@ def positions_report(run_dir: str | Path, *, length: str, buckets: int, max_sequ
     check_int("--max-sequences", max_sequences, 1)
     check_int("--batch-size", batch_size, 1)
     run_dir = Path(run_dir)
-    if out_dir is not None:
-        check_folder_target(out_dir)
-        check_writable(out_dir)
+    target = report_folder(run_dir, out_dir, (RESULT_FILE, PLOT_FILE))
     model, cfg, dataset = load_run(run_dir)
-    target = Path(out_dir) if out_dir is not None else run_dir
-    for name in (RESULT_FILE, PLOT_FILE):  # a folder in their place fails now, not after the work
-        check_file_target(target / name, "--out" if out_dir is not None else "RUN_DIR")
     total = parse_length(length, cfg.seq_len)
     bucket_edges(total, buckets)
     windows = eval_windows(dataset.val, total, max_sequences)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from slimkv.common.checks import check_int
-from slimkv.common.files import check_file_target, check_folder_target, check_writable, write_json
+from slimkv.common.files import report_folder, write_json
 from slimkv.data.ruler_needles import NEUTRAL_TEXT, NeedleBuilder, NeedleDocument, random_key, random_value, value_found
 from slimkv.retrieval.grid import Cell, build_prompts, grid_cells, grid_table, parse_depths, parse_lengths, plot_grids, run_grid
 from slimkv.retrieval.grid import parse_tasks as grid_tasks
@@ -168,13 +168,8 @@ def measure_cell(model: Any, dataset: Any, builder: NeedleBuilder, docs: list[Ne
 def niah_report(run_dir: str | Path, *, tasks: list[str], lengths: str, depths: str, samples: int, max_new_tokens: int, seed: int, batch_size: int, out_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Evaluate a run directory; writes ``niah.json`` and ``niah.png`` into ``out_dir`` (default RUN_DIR)."""
     run_dir = Path(run_dir)
-    if out_dir is not None:
-        check_folder_target(out_dir)
-        check_writable(out_dir)
+    target = report_folder(run_dir, out_dir, (RESULT_FILE, PLOT_FILE))
     model, cfg, dataset = load_run(run_dir)
-    target = Path(out_dir) if out_dir is not None else run_dir
-    for name in (RESULT_FILE, PLOT_FILE):  # a folder in their place fails now, not after the work
-        check_file_target(target / name, "--out" if out_dir is not None else "RUN_DIR")
     length_list, depth_list = parse_lengths(lengths, cfg.seq_len, reference_name="the training length"), parse_depths(depths)
     results = evaluate_niah(model, dataset, tasks=tasks, lengths=length_list, depths=depth_list, samples=samples, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, progress=progress)
     report = {
