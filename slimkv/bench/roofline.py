@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from slimkv.ops.native import kernel_isa, kernel_row_prefetch, kernel_threading, kernel_tile_logits
+from slimkv.ops.native import kernel_isa, kernel_linear_prefetch, kernel_row_prefetch, kernel_threading, kernel_tile_logits
 
 READ_BYTES = 512 << 20  # larger than any last-level cache here, so the sum streams from memory
 GEMM_SIZE = 256  # three 256 x 256 float32 matrices (768 KiB) stay in a core's L2
@@ -126,6 +126,7 @@ def bound_context(dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         pass
     return {"cpu_model": model, "kernel_isa": kernel_isa(dtype), "kernel_threading": kernel_threading(dtype),
             "kernel_row_prefetch": kernel_row_prefetch(dtype), "kernel_tile_logits": kernel_tile_logits(dtype),
+            "kernel_linear_prefetch": kernel_linear_prefetch(dtype),
             "threads": torch.get_num_threads(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 

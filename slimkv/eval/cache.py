@@ -15,7 +15,7 @@ from slimkv.data.texts import evaluation_text, tokenize
 from slimkv.eval.models import check_positions, load_language_model, load_original, original_of
 from slimkv.model import SlimKVCache
 from slimkv.model.block_step import block_step_counts
-from slimkv.ops.native import kernel_isa, kernel_row_prefetch, kernel_threading, kernel_tile_logits
+from slimkv.ops.native import kernel_isa, kernel_linear_prefetch, kernel_row_prefetch, kernel_threading, kernel_tile_logits
 from slimkv.pretrained import LoadedModel
 
 
@@ -83,6 +83,7 @@ def cache_report(model: str, context: int, *, new_tokens: int = 16, text: str = 
     rows["kernel_threading"] = kernel_threading(dtype)
     rows["kernel_row_prefetch"] = kernel_row_prefetch(dtype)
     rows["kernel_tile_logits"] = kernel_tile_logits(dtype)
+    rows["kernel_linear_prefetch"] = kernel_linear_prefetch(dtype)
     rows["block_steps"] = block_step_counts(loaded.model)  # how its blocks take a decode step: one native call, two, or the module path
     return {"context": context, "new_tokens": new_tokens, "text": text, **rows}
 
@@ -101,7 +102,8 @@ def format_report(report: dict[str, Any]) -> str:
         threading = f"; threads: {report['kernel_threading']}" if report.get("kernel_threading") else ""
         prefetch = f"; row-tile prefetch: {report['kernel_row_prefetch']}" if report.get("kernel_row_prefetch") else ""
         logits = f"; tile logits: {report['kernel_tile_logits']}" if report.get("kernel_tile_logits") else ""
-        lines.append(f"native decode kernel path: {report['kernel_isa']}{threading}{prefetch}{logits}")
+        linear = f"; linear-row prefetch: {report['kernel_linear_prefetch']}" if report.get("kernel_linear_prefetch") else ""
+        lines.append(f"native decode kernel path: {report['kernel_isa']}{threading}{prefetch}{logits}{linear}")
     if report.get("block_steps"):
         steps = report["block_steps"]
         lines.append(f"decode steps of the model's blocks: {steps['one_call']} in one native call, {steps['two_calls']} in two around the "

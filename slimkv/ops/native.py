@@ -43,6 +43,7 @@ from slimkv.ops.native_build import (
     build,
     compiler,
     library_isa,
+    library_linear_prefetch,
     library_row_prefetch_rule,
     library_tile_logits,
     load,
@@ -137,6 +138,14 @@ def kernel_row_prefetch(dtype: torch.dtype = torch.float32) -> str | None:
     the torch path."""
     library = decode_kernel(dtype)
     return None if library is None else library_row_prefetch_rule(library)
+
+
+def kernel_linear_prefetch(dtype: torch.dtype = torch.float32) -> str | None:
+    """How far ahead the kernel's linear rows for ``dtype`` prefetch their weights ("2048 bytes ahead"
+    or "none": ``LINEAR_PREFETCH_BYTES`` in csrc/decode_linear.h, chosen per CPU at build time), or
+    None where decode calls take the torch path."""
+    library = decode_kernel(dtype)
+    return None if library is None else library_linear_prefetch(library)
 
 
 def kernel_tile_logits(dtype: torch.dtype = torch.float32) -> str | None:

@@ -148,7 +148,7 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     block_output.restype = ctypes.c_int
     quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
     quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
-    for name in ("slimkv_kernel_isa", "slimkv_kernel_threading", "slimkv_row_prefetch_rule", "slimkv_tile_logits"):
+    for name in ("slimkv_kernel_isa", "slimkv_kernel_threading", "slimkv_row_prefetch_rule", "slimkv_tile_logits", "slimkv_linear_prefetch"):
         getattr(library, name).argtypes, getattr(library, name).restype = [], ctypes.c_char_p
     return library
 
@@ -162,6 +162,13 @@ def library_row_prefetch_rule(library: ctypes.CDLL) -> str | None:
     """The AVX-512 row tiles' prefetch rule a loaded kernel library was built with (``ROW_PREFETCH_ALWAYS``
     in csrc/decode_avx512.h): "always", "several-tiles" or "none"; None for a path without those tiles."""
     return library.slimkv_row_prefetch_rule().decode() or None
+
+
+def library_linear_prefetch(library: ctypes.CDLL) -> str:
+    """How far ahead a loaded kernel library's linear rows prefetch their weights ("2048 bytes ahead",
+    or "none": the hardware prefetchers alone; chosen per CPU at build time, ``LINEAR_PREFETCH_BYTES``
+    in csrc/decode_linear.h)."""
+    return library.slimkv_linear_prefetch().decode()
 
 
 def library_tile_logits(library: ctypes.CDLL) -> str | None:

@@ -39,8 +39,8 @@ def test_a_gemm_held_to_avx2_runs_in_a_torch_held_to_it():
 
 def test_the_context_names_the_cpu_the_kernel_path_threads_and_load():
     context = roofline.bound_context(torch.float32)
-    assert set(context) == {"cpu_model", "kernel_isa", "kernel_threading", "kernel_row_prefetch", "kernel_tile_logits", "threads",
-                            "load_average"} and context["threads"] == torch.get_num_threads()
+    assert set(context) == {"cpu_model", "kernel_isa", "kernel_threading", "kernel_row_prefetch", "kernel_tile_logits",
+                            "kernel_linear_prefetch", "threads", "load_average"} and context["threads"] == torch.get_num_threads()
     assert context["kernel_isa"] in ("avx512", "avx2", "portable") or context["kernel_isa"].startswith("torch (")
     line = roofline.rates_line({"read_bytes_per_s": 2e10, "fma_flop_per_s": 1e11}, context)
     assert "read 20.00 GB/s" in line and "FMA 100.0 GFLOP/s" in line and context["kernel_isa"] in line

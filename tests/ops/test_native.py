@@ -471,6 +471,8 @@ def test_slimkv_eval_cache_prints_the_kernel_path():
     text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": "avx512-bf16", "kernel_row_prefetch": "always",
                           "kernel_tile_logits": "widened fma"})
     assert text.endswith("native decode kernel path: avx512-bf16; row-tile prefetch: always; tile logits: widened fma")
+    text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": "avx2", "kernel_linear_prefetch": "2048 bytes ahead"})
+    assert text.endswith("native decode kernel path: avx2; linear-row prefetch: 2048 bytes ahead")
     text = format_report({"context": 4, "new_tokens": 1, "text": "t", "model": row, "kernel_isa": "avx512",
                           "block_steps": {"one_call": 28, "two_calls": 2, "module_path": 0}})
     assert text.endswith("decode steps of the model's blocks: 28 in one native call, 2 in two around the attention, 0 on the module path "

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from slimkv.ops import linear as linear_ops
-from slimkv.ops import native, native_rows
+from slimkv.ops import native, native_build, native_rows
 from slimkv.ops.linear import Linear, linear
 from slimkv.ops.rope import Rotary
 
@@ -46,6 +46,19 @@ def test_every_isa_path_matches_torch(isa, dtype, out_f, in_f, bias):
     out = native_rows.native_linear(x, w, b, native.isa_kernel(dtype, isa))
     assert out.dtype == dtype and out.shape == (1, 1, out_f)
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), None if b is None else b.float()), **_tolerance(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ahead", [0, 2048])
+def test_either_linear_prefetch_rule_matches_torch(dtype, ahead):
+    """The weights' software prefetch (LINEAR_PREFETCH_BYTES, chosen per CPU at build time) on this
+    CPU's first path, both rules built whatever this CPU's default: torch's answer, and the rule said."""
+    dtype = DTYPES[dtype]
+    library = native.isa_kernel(dtype, ISAS[0], (f"-DLINEAR_PREFETCH_BYTES={ahead}",))
+    assert native_build.library_linear_prefetch(library) == (f"{ahead} bytes ahead" if ahead else "none")
+    x, w, b = _layer(1539, 576, dtype, True, seed=ahead)
+    torch.testing.assert_close(native_rows.native_linear(x, w, b, library).float(), F.linear(x.float(), w.float(), b.float()), **_tolerance(dtype))
 
 
 @needs_kernel
