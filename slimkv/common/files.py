@@ -196,18 +196,6 @@ def check_file_target(path: str | Path, option: str) -> None:
     check_writable(path, option)
 
 
-def report_folder(run_dir: str | Path, out_dir: str | Path | None, names: tuple[str, ...]) -> Path:
-    """The folder a run-directory report writes ``names`` into: ``out_dir`` if given (checked as
-    --out), else RUN_DIR itself; a folder where one of the files goes fails now, not after the work."""
-    if out_dir is not None:
-        check_folder_target(out_dir)
-        check_writable(out_dir)
-    target = Path(out_dir) if out_dir is not None else Path(run_dir)
-    for name in names:
-        check_file_target(target / name, "--out" if out_dir is not None else "RUN_DIR")
-    return target
-
-
 def check_json_target(path: str | Path, option: str) -> None:
     """``check_file_target`` for a JSON report a user names (``--json``): an existing file there must
     be JSON (an earlier report), so a text or a model file given by mistake is never overwritten."""
