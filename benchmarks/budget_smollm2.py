@@ -32,6 +32,7 @@ from slimkv.common.plotting import new_figure
 from slimkv.common.results import results_dir, results_path
 from slimkv.common.timing import machine_info, write_results
 from slimkv.convert.manifest import finished_conversion
+from slimkv.convert.methods import CONVERSIONS
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
 from slimkv.eval import ruler
 from slimkv.eval.ppl import perplexity_report
@@ -105,7 +106,10 @@ def conversion_label(converted: dict) -> str:
     if not plan:
         ratio = f" --cache-ratio {converted['cache_ratio']:g}" if converted.get("cache_ratio") is not None else ""
         storage = (converted.get("cache_storage") or "full").split(":")[0]
-        return f"convert --to {converted.get('method', '?')}{ratio}" + (f" --cache-storage {storage}" if storage != "full" else "") + healed
+        method = converted.get("method", "?")
+        defaults = CONVERSIONS[method].settings if method in CONVERSIONS else {}
+        changed = ",".join(f"{k}={v}" for k, v in options.items() if k in defaults and v != defaults[k])  # as --to spells them
+        return f"convert --to {method}{':' + changed if changed else ''}{ratio}" + (f" --cache-storage {storage}" if storage != "full" else "") + healed
     return (f"convert --cache-budget {plan.get('budget', converted.get('cache_ratio')):g} ({(plan.get('storage') or 'full').split(':')[0]}, "
             f"{plan.get('exact_heads', '?')} exact heads by {options.get('score', '?')}{healed})")
 

@@ -42,6 +42,9 @@ def test_rows_are_labelled_from_the_manifest_as_the_command_spells_them(script):
     assert (script.conversion_label({"method": "latent", "cache_ratio": 0.5, "cache_storage": "int4:group=32,residual=128", "budget_plan": None})
             == "convert --to latent --cache-ratio 0.5 --cache-storage int4")
     assert script.conversion_label({"method": "kvm", "cache_ratio": None, "cache_storage": "full"}) == "convert --to kvm"
+    options = {"split": "rule", "rope_placement": "decoupled", "rope_pairs": None}  # the manifest keeps every option; the label the changed ones
+    assert (script.conversion_label({"method": "lrkv", "cache_ratio": 0.5, "method_options": options})
+            == "convert --to lrkv:rope_placement=decoupled --cache-ratio 0.5")
     assert (script.compression_label({"method": "latentllm", "ratio": 0.2})
             == "compress --method latentllm --ratio 0.2 (weights; the cache is the original's)")
 
