@@ -320,9 +320,9 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
         cell["timed"] = timed is not None
     budget_s = None if budget_minutes is None else budget_minutes * 60 - (time.perf_counter() - started)
     run, skipped = plan([dict(cells[k], id=k) for k in pending], budget_s)
-    untimed = sum(not c["timed"] for c in run)
-    cost = " plus ".join(([f"about {sum(c['estimate_s'] for c in run) / 60:.1f} min"] if untimed < len(run) or not run else [])
-                         + ([f"{untimed} cell(s) not timed"] if untimed else []))
+    untimed, timed_min = sum(not c["timed"] for c in run), sum(c["estimate_s"] for c in run) / 60
+    cost = (f"about {timed_min:.1f} min" if not untimed else f"{untimed} cell(s) not timed" if untimed == len(run)
+            else f"about {timed_min:.1f} min plus {untimed} cell(s) not timed")
     say(f"{len(finished)} of {len(cells)} cells finished before; {len(run)} to run, {cost} "
         f"({limit} prompts each, upper bound from the timed prompt)" + (f", within --budget-minutes {budget_minutes:.1f}" if budget_minutes else ""))
     for cell in run:

@@ -148,8 +148,9 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     block_output.restype = ctypes.c_int
     quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
     quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
-    for name in ("slimkv_kernel_isa", "slimkv_kernel_threading", "slimkv_row_prefetch_rule", "slimkv_tile_logits", "slimkv_linear_prefetch"):
+    for name in ("slimkv_kernel_isa", "slimkv_kernel_threading", "slimkv_row_prefetch_rule", "slimkv_tile_logits"):
         getattr(library, name).argtypes, getattr(library, name).restype = [], ctypes.c_char_p
+    library.slimkv_linear_prefetch_bytes.argtypes, library.slimkv_linear_prefetch_bytes.restype = [], ctypes.c_int
     return library
 
 
@@ -168,7 +169,8 @@ def library_linear_prefetch(library: ctypes.CDLL) -> str:
     """How far ahead a loaded kernel library's linear rows prefetch their weights ("2048 bytes ahead",
     or "none": the hardware prefetchers alone; chosen per CPU at build time, ``LINEAR_PREFETCH_BYTES``
     in csrc/decode_linear.h)."""
-    return library.slimkv_linear_prefetch().decode()
+    ahead = library.slimkv_linear_prefetch_bytes()
+    return f"{ahead} bytes ahead" if ahead > 0 else "none"
 
 
 def library_tile_logits(library: ctypes.CDLL) -> str | None:

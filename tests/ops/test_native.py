@@ -166,8 +166,8 @@ def test_avx512_row_tiles_match_the_reference_with_either_prefetch_rule(always, 
 
 
 @needs_kernel
-@pytest.mark.skipif("avx512-bf16" not in ISAS, reason="a build with TILE_DOT_BF16=1 runs only on a CPU with AVX512-BF16, which this one "
-                    "lacks; the tiles this CPU builds are checked by the every-path tests")
+@pytest.mark.skipif("avx512-bf16" not in ISAS, reason="TILE_DOT_BF16 chooses between two tiles of the avx512-bf16 build, which runs only "
+                    "on a CPU with AVX512-BF16 and this one lacks it; the tiles this CPU builds are checked by the every-path tests")
 @pytest.mark.parametrize("dot", [0, 1])
 @pytest.mark.parametrize("layout", ["mha64", "gqa64x3", "mqa64", "gqa128x3", "gqa32x9", "mla288", "mla-odd", "lrkv192", "latent-shared", "odd40x24"])
 def test_avx512_bf16_tiles_match_the_reference_with_either_logits_rule(dot, layout):

@@ -83,8 +83,8 @@ def test_every_isa_path_reads_codes_as_the_reference_reads_their_rows(isa, dtype
 
 
 @needs_kernel
-@pytest.mark.skipif("avx512-bf16" not in ISAS, reason="a build with TILE_DOT_BF16=1 runs only on a CPU with AVX512-BF16, which this one "
-                    "lacks; the tiles this CPU builds are checked by the every-path tests")
+@pytest.mark.skipif("avx512-bf16" not in ISAS, reason="TILE_DOT_BF16 chooses between two tiles of the avx512-bf16 build, which runs only "
+                    "on a CPU with AVX512-BF16 and this one lacks it; the tiles this CPU builds are checked by the every-path tests")
 @pytest.mark.parametrize("dot", [0, 1])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("storage", ["int4", "int8", "int4:group=64,residual=3"])

@@ -466,15 +466,9 @@ static inline void split_range(int64_t total_keys, int64_t splits, int64_t j, in
 #include "decode_quantized.h"
 #include "decode_linear.h"
 
-/* How far ahead the linear rows prefetch their weights (LINEAR_PREFETCH_BYTES in decode_linear.h):
- * "N bytes ahead", or "none" (the hardware prefetchers alone). */
-const char *slimkv_linear_prefetch(void) {
-#define SLIMKV_TEXT(x) #x
-#define SLIMKV_BYTES_AHEAD(x) SLIMKV_TEXT(x) " bytes ahead"
-    return LINEAR_PREFETCH_BYTES > 0 ? SLIMKV_BYTES_AHEAD(LINEAR_PREFETCH_BYTES) : "none";
-#undef SLIMKV_BYTES_AHEAD
-#undef SLIMKV_TEXT
-}
+/* How far ahead the linear rows prefetch their weights, in bytes (LINEAR_PREFETCH_BYTES in
+ * decode_linear.h; 0: the hardware prefetchers alone). */
+int slimkv_linear_prefetch_bytes(void) { return LINEAR_PREFETCH_BYTES; }
 
 #include "decode_block.h"
 #include "quantize_rows.h"

@@ -138,7 +138,7 @@ typedef struct {
  * sum's rate; prefetching 2 KiB ahead, 0.82 and 0.91 (1.20-1.22x; two threads 1.06-1.24x; 1 KiB
  * and 4 KiB within a few per cent). AMD Zen builds keep 0: there the stream alone reached 0.9 of
  * the read rate and L1 prefetches slowed the attention tiles (ROW_PREFETCH_ALWAYS), and no run has
- * measured this one. slimkv_linear_prefetch() says which a build took; the outputs do not change. */
+ * measured this one. slimkv_linear_prefetch_bytes() says which a build took; the outputs do not change. */
 #ifndef LINEAR_PREFETCH_BYTES
 #if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 #define LINEAR_PREFETCH_BYTES 0
