@@ -16,9 +16,10 @@ import torch
 from slimkv.attention.base import LayerShape, Presets, register_attention
 from slimkv.attention.cache import AttentionCache
 from slimkv.attention.mha import MultiHeadAttention
-from slimkv.common.buffer import GrowableBuffer, dtype_bytes
+from slimkv.common.buffer import GrowableBuffer, RowSpan, dtype_bytes
 from slimkv.common.checks import check_int
 from slimkv.ops.attention import attend, buffer_segments, masked_attention, query_block, stored_decode_attention
+from slimkv.ops.codes import CodeSpans
 from slimkv.ops.native import StoredRows
 from slimkv.ops.norm import compute_dtype
 from slimkv.ops.quantize import FULL, KVStorage
@@ -96,6 +97,10 @@ class StreamingCache(AttentionCache):
         query (a decode step reads them all: ``stored_decode_attention``; store the new token with
         ``add`` after reading, which may move what these segments point to)."""
         return [*buffer_segments(self.sink_k, self.sink_v), *buffer_segments(self.recent_k, self.recent_v)]
+
+    def stored_spans(self) -> list[tuple[RowSpan | CodeSpans, RowSpan | CodeSpans]]:
+        """``stored_segments`` named by spans of the buffers' storage (no views: a native block step's roles)."""
+        return [*zip(self.sink_k.spans(), self.sink_v.spans()), *zip(self.recent_k.spans(), self.recent_v.spans())]
 
     def extend(self, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys, values, positions) a call reads: the cached sinks and window, then the new tokens

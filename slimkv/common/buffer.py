@@ -8,6 +8,8 @@ windows) only moves a pointer until the buffer is compacted. ``nbytes`` counts t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 MIN_CAPACITY = 64
@@ -33,6 +35,17 @@ def state_bytes(part: torch.Tensor | GrowableBuffer, float_size: int | None = No
     return part.nbytes(float_size)
 
 
+class RowSpan(NamedTuple):
+    """``count`` rows of a (batch, heads, capacity, dim) storage named without a tensor view: the
+    address of the first (of the first batch row and head) and the storage's batch / head / row
+    strides in elements, what a native call reads of them. A view costs microseconds to make, and a
+    model's decode step names a few hundred segments."""
+
+    address: int
+    count: int
+    strides: tuple[int, int, int]
+
+
 class GrowableBuffer:
     """A (batch, heads, length, dim) tensor that grows along ``length`` without per-token copies."""
 
@@ -42,6 +55,7 @@ class GrowableBuffer:
         self._storage = torch.empty(batch, heads, max(capacity, 0), dim, dtype=dtype, device=device)
         self._start = 0
         self._end = 0
+        self._layout: tuple[torch.Tensor, int, tuple[int, int, int], int] | None = None  # (storage, address, strides, row bytes) for span
 
     def __len__(self) -> int:
         return self._end - self._start
@@ -84,6 +98,19 @@ class GrowableBuffer:
     def segments(self) -> list[torch.Tensor]:
         """The live part as one segment (the interface ``QuantizedBuffer`` shares), none when empty."""
         return [self.view()] if len(self) else []
+
+    def span(self, first: int, count: int) -> RowSpan:
+        """Rows ``first`` .. ``first + count - 1`` of the storage (as ``reserve`` numbers them) as a
+        ``RowSpan``: no view made, the storage's address and strides read once per storage."""
+        layout = self._layout
+        if layout is None or layout[0] is not self._storage:
+            strides = self._storage.stride()
+            layout = self._layout = (self._storage, self._storage.data_ptr(), strides[:3], strides[2] * self._storage.element_size())
+        return RowSpan(layout[1] + first * layout[3], count, layout[2])
+
+    def spans(self) -> list[RowSpan]:
+        """``segments()`` as a ``RowSpan`` (no view made), none when empty."""
+        return [self.span(self._start, self._end - self._start)] if len(self) else []
 
     def keep_last(self, n: int) -> None:
         """Drop all but the newest ``n`` entries (pointer move; storage is reused on the next compaction)."""

@@ -178,7 +178,7 @@ def _cache_roles(attn: MultiHeadAttention, cache) -> tuple[list[CacheRole], Call
     the new token once the call succeeds, or None where the step takes two calls: a cache that is
     not rows (or int8 / int4 codes and a full-precision window) in the buffers its storage makes,
     and the first token (its attention is the prefill's kernel; a hybrid cache's too until its
-    sinks are full, whose rows go elsewhere). The segments are those ``attend_rows`` reads."""
+    sinks are full, whose rows go elsewhere). The segments are those ``attend_rows`` reads, as spans."""
     if cache.seq_len < 1:
         return None
     buffer = GrowableBuffer if cache.storage.bits is None else QuantizedBuffer
@@ -202,8 +202,8 @@ def _cache_roles(attn: MultiHeadAttention, cache) -> tuple[list[CacheRole], Call
     roles = []
     if attn.full_heads:
         roles.append(_role(tuple(attn.full_heads), cache.full_k, cache.full_v))
-    if attn.streaming_heads:  # the sinks and the window as the module path reads them (stored_segments), then the new token's rows
-        roles.append(_role(tuple(attn.streaming_heads), cache.recent_k, cache.recent_v, cache.stored_segments))
+    if attn.streaming_heads:  # the sinks and the window as the module path reads them (stored_segments, as spans), then the new token's rows
+        roles.append(_role(tuple(attn.streaming_heads), cache.recent_k, cache.recent_v, cache.stored_spans))
     if None in roles:
         return None
 
@@ -224,21 +224,21 @@ def _role(heads: tuple[int, ...], keys, values, before: Callable[[], list] | Non
     ``QuantizedBuffer``: room reserved, not yet counted). Without ``before``, its attention reads
     the buffers as a store of the new rows leaves them (quantized rows first: the rows the new one
     pushes out of the window are quantized now), the live rows with the new one as one segment;
-    with it, the segments ``before()`` gives (read after the reserve, which may move the storage)
-    and then the new rows as a segment of their own, stored after the call. None when the two
-    buffers' rows are not in step, or a new row would be quantized at once."""
+    with it, the segments ``before()`` gives (spans, read after the reserve, which may move the
+    storage) and then the new rows as a segment of their own, stored after the call. None when the
+    two buffers' rows are not in step, or a new row would be quantized at once."""
     if before is None and isinstance(keys, QuantizedBuffer) and not (keys.quantize_ahead() and values.quantize_ahead()):
         return None
     k_storage, first, row = keys.reserve(1)
     v_storage, v_first, v_row = values.reserve(1)
     if (v_first, v_row) != (first, row) or k_storage.stride(3) != 1 or v_storage.stride(3) != 1:
         return None
-    new_keys, new_values = k_storage[:, :, row:row + 1], v_storage[:, :, row:row + 1]
+    new_keys, new_values = keys.span(row, 1), values.span(row, 1)
     if before is not None:
         return CacheRole(heads, new_keys, new_values, [*before(), (new_keys, new_values)])
-    segments = [(k_storage[:, :, first:row + 1], v_storage[:, :, first:row + 1])]
+    segments = [(keys.span(first, row + 1 - first), values.span(first, row + 1 - first))]
     if isinstance(keys, QuantizedBuffer) and keys.quantized_len():
-        segments.insert(0, (keys.segments()[0], values.segments()[0]))
+        segments.insert(0, (keys.spans()[0], values.spans()[0]))
     return CacheRole(heads, new_keys, new_values, segments)
 
 

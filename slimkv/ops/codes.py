@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slimkv.common.buffer import RowSpan
+
 
 def quantize_groups(x: torch.Tensor, bits: int, group: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric quantization of (..., dim) rows in groups of ``group`` channels (the last group
@@ -87,3 +89,18 @@ class QuantizedRows:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The rows (batch, heads, n, dim) in ``dtype`` (``dequantize_groups``)."""
         return dequantize_groups(self.codes, self.scale, self.low, self.bits, self.dim, dtype)
+
+
+@dataclass(frozen=True)
+class CodeSpans:
+    """``QuantizedRows`` named by spans of their buffers' storage (``RowSpan``) instead of views:
+    what a native call reads of them (a model's decode step names a few hundred segments)."""
+
+    codes: RowSpan
+    scale: RowSpan
+    low: RowSpan
+    bits: int
+    group: int
+
+    def __len__(self) -> int:
+        return self.codes.count

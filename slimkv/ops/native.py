@@ -33,8 +33,9 @@ from collections.abc import Sequence
 
 import torch
 
+from slimkv.common.buffer import RowSpan
 from slimkv.common.paths import cache_dir
-from slimkv.ops.codes import QuantizedRows
+from slimkv.ops.codes import CodeSpans, QuantizedRows
 from slimkv.ops.native_build import (
     ENTRIES,
     ISAS,
@@ -213,12 +214,20 @@ def supports(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Ten
     return True
 
 
-def segment_fields(q_address: int, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+def rows_place(x: torch.Tensor | RowSpan) -> tuple[int, int, tuple[int, ...]]:
+    """(address, rows, batch / head / row strides in elements) of (batch, heads, rows, dim) rows,
+    a view or a ``RowSpan`` of a buffer's storage: what a native call reads of them."""
+    if isinstance(x, RowSpan):
+        return x
+    return x.data_ptr(), x.shape[2], x.stride()[:3]
+
+
+def segment_fields(q_address: int, k: torch.Tensor | RowSpan, v: torch.Tensor | RowSpan) -> tuple[int, ...]:
     """One (keys, values) segment as the plain entry reads it (the C struct Segment's order, FIELDS
     integers): the query, key and value addresses, the keys, then the key and the value strides
     (batch, head, row; elements)."""
-    ks, vs = k.stride(), v.stride()
-    return q_address, k.data_ptr(), v.data_ptr(), k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]
+    (k_address, keys, ks), (v_address, _, vs) = rows_place(k), rows_place(v)
+    return q_address, k_address, v_address, keys, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]
 
 
 def native_decode_attention(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
@@ -297,18 +306,19 @@ def supports_stored(query: torch.Tensor, segments: Sequence[tuple[StoredRows, St
     return len(v_dims) == 1 and q_heads % kv_heads == 0
 
 
-def stored_segment_fields(q_address: int, k: StoredRows, v: StoredRows) -> list[int]:
+def stored_segment_fields(q_address: int, k: StoredRows | RowSpan | CodeSpans, v: StoredRows | RowSpan | CodeSpans) -> list[int]:
     """One (keys, values) segment as the quantized entry reads it (the C struct QSegment's order,
-    QFIELDS integers): codes with their scales and minima, or plain rows (bits 0)."""
-    if isinstance(k, QuantizedRows):
-        fields = [q_address, k.bits, k.group, len(k), k.codes.data_ptr(), v.codes.data_ptr(),
-                  k.scale.data_ptr(), k.low.data_ptr(), v.scale.data_ptr(), v.low.data_ptr()]
-        strides = (k.codes, v.codes, k.scale, k.low, v.scale, v.low)
+    QFIELDS integers): codes with their scales and minima (``QuantizedRows`` or ``CodeSpans``), or
+    plain rows (bits 0; a view or a ``RowSpan``)."""
+    if isinstance(k, (QuantizedRows, CodeSpans)):
+        places = [rows_place(x) for x in (k.codes, v.codes, k.scale, k.low, v.scale, v.low)]
+        fields = [q_address, k.bits, k.group, len(k), *(address for address, _, _ in places)]
     else:
-        fields = [q_address, 0, 0, k.shape[2], k.data_ptr(), v.data_ptr(), 0, 0, 0, 0]
-        strides = (k, v, k, k, k, k)
-    for x in strides:
-        fields += x.stride()[:3]
+        (k_address, keys, ks), (v_address, _, vs) = rows_place(k), rows_place(v)
+        fields = [q_address, 0, 0, keys, k_address, v_address, 0, 0, 0, 0]
+        places = [(0, 0, ks), (0, 0, vs), (0, 0, ks), (0, 0, ks), (0, 0, ks), (0, 0, ks)]
+    for _, _, strides in places:
+        fields += strides
     return fields
 
 

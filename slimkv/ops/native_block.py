@@ -4,7 +4,7 @@
 ``native_block_step`` call does, for one token, the attention's norm, q/k/v, RoPE, the new key
 and value rows written into the cache's storage, the attention over each KV head's cached rows
 (``CacheRole``: a GQA cache's heads alike, or per-head roles' exact rows and sinks + window; rows
-or int8 / int4 codes), the output projection and residual, and the SwiGLU half, each by the entry
+or int8 / int4 codes, named by spans of the cache's storage), the output projection and residual, and the SwiGLU half, each by the entry
 the module path would call and rounded where it rounds. For a block whose attention's cache is not
 described that way (a sliding window; codes with no full-precision window),
 ``native_block_input`` does everything before the attention and ``native_block_output``
@@ -21,8 +21,9 @@ from typing import NamedTuple
 
 import torch
 
-from slimkv.ops.codes import QuantizedRows
-from slimkv.ops.native import StoredRows, attention_threads, segment_fields, stored_segment_fields
+from slimkv.common.buffer import RowSpan
+from slimkv.ops.codes import CodeSpans
+from slimkv.ops.native import attention_threads, segment_fields, stored_segment_fields
 from slimkv.ops.native_build import BLOCK_ENTRIES, BLOCK_INPUT_ENTRIES, BLOCK_OUTPUT_ENTRIES
 from slimkv.ops.native_rows import linear_threads
 
@@ -64,17 +65,18 @@ def block_fields(weights: BlockWeights, shape: BlockShape) -> tuple[int, ...]:
 
 class CacheRole(NamedTuple):
     """KV heads of a block whose cache has the same segments for a decode step: ``heads`` (KV head
-    indices, in the order of the views' head dimension), where their new key and value rows go
-    (``new_keys`` / ``new_values``, (1, len(heads), 1, head_dim) views of the cache's storage) and
-    the (keys, values) segments the attention reads, in order, under one softmax ((1, len(heads),
-    n, head_dim) views, rows contiguous, or int8 / int4 codes: ``QuantizedRows``, read by the
-    quantized entry as ``native_stored_attention`` reads them; a segment may hold the new rows,
-    which are written first)."""
+    indices, in the order of the storage's head dimension), where their new key and value rows go
+    (``new_keys`` / ``new_values``: one-row spans of the cache's storage) and the (keys, values)
+    segments the attention reads, in order, under one softmax (spans of (1, len(heads), capacity,
+    head_dim) storage, rows contiguous, or of int8 / int4 codes: ``CodeSpans``, read by the
+    quantized entry as ``native_stored_attention`` reads ``QuantizedRows``; a segment may hold the
+    new rows, which are written first). Spans, not views: a view costs microseconds to make, and a
+    step of a model names a few hundred segments."""
 
     heads: Sequence[int]
-    new_keys: torch.Tensor
-    new_values: torch.Tensor
-    segments: Sequence[tuple[StoredRows, StoredRows]]
+    new_keys: RowSpan
+    new_values: RowSpan
+    segments: Sequence[tuple[RowSpan | CodeSpans, RowSpan | CodeSpans]]
 
 
 def native_block_step(x: torch.Tensor, fields: tuple[int, ...], weights: BlockWeights, shape: BlockShape, rotation: torch.Tensor,
@@ -94,11 +96,11 @@ def native_block_step(x: torch.Tensor, fields: tuple[int, ...], weights: BlockWe
                                linear_threads(weights.down.numel() * size)))
     role_fields = array.array("q")
     for role in roles:
-        codes = any(isinstance(k, QuantizedRows) for k, _ in role.segments)
-        keys = sum(len(k) if isinstance(k, QuantizedRows) else k.shape[2] for k, _ in role.segments)
+        codes = any(isinstance(k, CodeSpans) for k, _ in role.segments)
+        keys = sum(len(k) if isinstance(k, CodeSpans) else k.count for k, _ in role.segments)
         role_fields.extend((len(role.heads), len(role.segments), attention_threads(4 * len(role.heads) * group * keys * shape.head_dim),
-                            role.new_keys.data_ptr(), role.new_keys.stride(1), role.new_values.data_ptr(), role.new_values.stride(1), int(codes),
-                            *role.heads))
+                            role.new_keys.address, role.new_keys.strides[1], role.new_values.address, role.new_values.strides[1],
+                            int(codes), *role.heads))
         for k, v in role.segments:  # in the entry's own segment layout, the query's address left for the C side to fill
             role_fields.extend(stored_segment_fields(0, k, v) if codes else segment_fields(0, k, v))
     status = getattr(library, BLOCK_ENTRIES[x.dtype])(packed.buffer_info()[0], role_fields.buffer_info()[0], len(roles), rotation.data_ptr(),

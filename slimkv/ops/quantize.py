@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from slimkv.common.buffer import GrowableBuffer, dtype_bytes
+from slimkv.common.buffer import GrowableBuffer, RowSpan, dtype_bytes
 from slimkv.common.spec import parse_item, split_items
 from slimkv.ops import native
-from slimkv.ops.codes import QuantizedRows, dequantize_groups, quantize_groups
+from slimkv.ops.codes import CodeSpans, QuantizedRows, dequantize_groups, quantize_groups
 
 STORAGE_KINDS = {"full": None, "int8": 8, "int4": 4}
 DEFAULT_GROUP = 32
@@ -148,6 +148,14 @@ class QuantizedBuffer:
             parts.append(self.recent.view())
         return parts
 
+    def spans(self) -> list[CodeSpans | RowSpan]:
+        """``segments()`` named by spans of the storage (``CodeSpans``, ``RowSpan``: no views made)."""
+        parts: list[CodeSpans | RowSpan] = []
+        if len(self.codes):
+            (codes,), (scale,), (low,) = self.codes.spans(), self.scale.spans(), self.low.spans()
+            parts.append(CodeSpans(codes, scale, low, self.storage.bits, self.storage.group))
+        return parts + self.recent.spans()
+
     def view(self) -> torch.Tensor:
         """Every live row, (batch, heads, len, dim) in the buffer's dtype (a fresh tensor)."""
         if not len(self.codes):
@@ -172,6 +180,10 @@ class QuantizedBuffer:
         a token's row straight into the storage): ``GrowableBuffer.reserve`` of the residual
         window. The rows count only after ``commit(n)``."""
         return self.recent.reserve(n)
+
+    def span(self, first: int, count: int) -> RowSpan:
+        """Rows of the residual window's storage as ``reserve`` numbers them (``GrowableBuffer.span``)."""
+        return self.recent.span(first, count)
 
     def commit(self, n: int) -> None:
         """Count the ``n`` rows written after the window's live ones (``reserve``) as ``store``
