@@ -162,23 +162,71 @@ static inline const float *block_scales(const elem_t *src, int64_t row, int n, i
 #endif
 }
 
+/* 16 floats rounded to the nearest bfloat16 (ties to even), still as floats: the dequantized
+ * value as a bfloat16 cache holds it (quantize.dequantize_groups rounds it so), by AVX512-BF16's
+ * conversion where there is one, else by integer arithmetic. */
+#ifdef SLIMKV_BF16
+static inline __m512 round_to_bf16(__m512 x) {
+#ifdef __AVX512BF16__
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+#else
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
+                                                _mm512_set1_epi32((int)0xFFFF0000u)));
+#endif
+}
+#endif
+
+/* One side's row of int4 codes as N 16-float chunks, in pair order (``pairs`` 1) or row order (0),
+ * by table: a group's 16 possible values c * s + m (c = 0 .. 15, one fused multiply-add each, as
+ * a code-by-code dequantization computes them; rounded to bfloat16 when ``round`` is set, as a
+ * bfloat16 cache holds them) are made once per 32 channels, and each code picks its value by a
+ * permute that reads only the low 4 bits of its lane: no conversion or multiply-add per channel.
+ * Pair order's even channels are the bytes' low nibbles as they come, its odd ones the bytes
+ * shifted by 4; row order interleaves the bytes with themselves shifted by 4 first. */
+static inline __attribute__((always_inline)) void int4_row_avx512(const uint8_t *restrict codes, const float *restrict scales,
+                                                                   const float *restrict lows, const int N, const int group, const int pairs,
+                                                                   const int round, __m512 *out) {
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int j = 0; j < N; j += 2) {
+        __m512 table = _mm512_fmadd_ps(levels, _mm512_set1_ps(scales[16 * j / group]), _mm512_set1_ps(lows[16 * j / group]));
+#ifdef SLIMKV_BF16
+        if (round) table = round_to_bf16(table);
+#else
+        (void)round;
+#endif
+        const __m128i x = _mm_loadu_si128((const __m128i *)(codes + 8 * j));
+        __m512i a, b; /* each lane's code in its low 4 bits */
+        if (pairs) {
+            a = _mm512_cvtepu8_epi32(x);
+            b = _mm512_srli_epi32(a, 4);
+        } else {
+            const __m128i shifted = _mm_srli_epi16(x, 4);
+            a = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(x, shifted));
+            b = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(x, shifted));
+        }
+        out[j] = _mm512_permutexvar_ps(a, table);
+        out[j + 1] = _mm512_permutexvar_ps(b, table);
+    }
+}
+
 /* One side's row of a code block as N 16-float chunks, in pair order (``pairs`` 1) or row order
  * (0): code * scale + minimum in float32, one fused multiply-add (code_row_avx512 rounds it as the
  * cache's element type holds it). ``group`` is 32 or 64, so each 32 channels share one scale.
- * int4's channel 2j is byte j's low nibble, so the low nibbles are pair order's even channels as
- * they come; int8's even and odd bytes come apart by a mask and a shift of 16-bit lanes. */
+ * int4 by table (int4_row_avx512); int8's even and odd bytes come apart by a mask and a shift of
+ * 16-bit lanes. */
 static inline __attribute__((always_inline)) void code_row_float_avx512(const uint8_t *restrict codes, const float *restrict scales,
                                                                          const float *restrict lows, const int N, const int bits, const int group,
                                                                          const int pairs, __m512 *out) {
+    if (bits == 4) {
+        int4_row_avx512(codes, scales, lows, N, group, pairs, 0, out);
+        return;
+    }
     for (int j = 0; j < N; j += 2) {
         const __m512 s = _mm512_set1_ps(scales[16 * j / group]), m = _mm512_set1_ps(lows[16 * j / group]);
         __m512i a, b; /* the 32 channels' codes as 32-bit integers, in the order asked for */
-        if (bits == 4) {
-            const __m128i x = _mm_loadu_si128((const __m128i *)(codes + 8 * j)), nibble = _mm_set1_epi8(15);
-            const __m128i lo = _mm_and_si128(x, nibble), hi = _mm_and_si128(_mm_srli_epi16(x, 4), nibble);
-            a = _mm512_cvtepu8_epi32(pairs ? lo : _mm_unpacklo_epi8(lo, hi));
-            b = _mm512_cvtepu8_epi32(pairs ? hi : _mm_unpackhi_epi8(lo, hi));
-        } else if (pairs) {
+        if (pairs) {
             const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(codes + 16 * j)));
             a = _mm512_and_si512(w, _mm512_set1_epi32(255));
             b = _mm512_srli_epi32(w, 8);
@@ -191,25 +239,20 @@ static inline __attribute__((always_inline)) void code_row_float_avx512(const ui
     }
 }
 
-/* 16 floats rounded to the nearest bfloat16 (ties to even), still as floats: the dequantized
- * value as a bfloat16 cache holds it (quantize.dequantize_groups rounds it so), where there is
- * no AVX512-BF16 conversion to do it. */
-#if defined(SLIMKV_BF16) && !defined(__AVX512BF16__)
-static inline __m512 round_to_bf16(__m512 x) {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
-                                                _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-#endif
-
 /* code_row_float_avx512 in the tiles' order (pair order in bfloat16 builds, row order in float32
  * ones), each value as the cache's element type holds it: bfloat16 builds round to the nearest
- * bfloat16. With AVX512-BF16 the row is dequantized in row order and rounded 32 values at a time
- * by one conversion, then widened into pair order as load32_pair widens a stored row. */
+ * bfloat16, int4 rows their tables (int4_row_avx512), int8 rows every value: with AVX512-BF16
+ * dequantized in row order and rounded 32 values at a time by one conversion, then widened into
+ * pair order as load32_pair widens a stored row. */
 static inline __attribute__((always_inline)) void code_row_avx512(const uint8_t *restrict codes, const float *restrict scales,
                                                                    const float *restrict lows, const int N, const int bits, const int group,
                                                                    __m512 *out) {
+#if defined(SLIMKV_BF16)
+    if (bits == 4) {
+        int4_row_avx512(codes, scales, lows, N, group, 1, 1, out);
+        return;
+    }
+#endif
 #if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
     code_row_float_avx512(codes, scales, lows, N, bits, group, 0, out);
     for (int j = 0; j < N; j += 2) {
