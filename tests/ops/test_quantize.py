@@ -74,3 +74,27 @@ def test_storage_grammar():
                        ("full:group=2", "no settings"), ("int8:residual=-1", "residual"), ("int8:group=1", "group")]:
         with pytest.raises(ValueError, match=words):
             parse_storage(bad, "--cache-storage")
+
+
+@pytest.mark.parametrize("spec", ["int4:group=8,residual=3,block=1", "full"])
+def test_spans_name_what_the_segments_view(spec):
+    """A buffer's spans (what a native block step reads: no views) give the fields its segments'
+    views give, through growth, trims and a restore that brings back older storage."""
+    from slimkv.ops.native import stored_segment_fields
+
+    storage = parse_storage(spec)
+    buffer = storage.buffer(1, 2, 16, dtype=torch.float32, device="cpu")
+    rows = torch.randn(1, 2, 200, 16)
+    mark = None
+    for start, n in ((0, 5), (5, 1), (6, 70), (76, 3), (79, 100)):  # the 76th row outgrows the first storage
+        buffer.store(rows[:, :, start:start + n])
+        if start == 6:
+            mark = buffer.mark()
+        if start == 79:
+            buffer.keep_last(40)
+        spans, segments = buffer.spans(), buffer.segments()
+        assert len(spans) == len(segments)
+        for span, view in zip(spans, segments):
+            assert stored_segment_fields(0, span, span) == stored_segment_fields(0, view, view)
+    buffer.restore(mark)
+    assert [stored_segment_fields(0, s, s) for s in buffer.spans()] == [stored_segment_fields(0, v, v) for v in buffer.segments()]
