@@ -217,7 +217,7 @@ def supports(queries: Sequence[torch.Tensor], segments: Sequence[tuple[torch.Ten
 def rows_place(x: torch.Tensor | RowSpan) -> tuple[int, int, tuple[int, ...]]:
     """(address, rows, batch / head / row strides in elements) of (batch, heads, rows, dim) rows,
     a view or a ``RowSpan`` of a buffer's storage: what a native call reads of them."""
-    if isinstance(x, RowSpan):
+    if isinstance(x, RowSpan):  # already that triple
         return x
     return x.data_ptr(), x.shape[2], x.stride()[:3]
 
