@@ -12,9 +12,8 @@ from slimkv import ModelConfig, SlimKVForCausalLM
 from slimkv.model.block_step import block_step
 from slimkv.model.modeling import Block
 from slimkv.ops import native
+from tests.ops.kernel_markers import needs_kernel
 
-needs_kernel = pytest.mark.skipif(native.decode_kernel() is None, reason="no C compiler on this machine, so there is no native kernel: every "
-                                  "block takes the module path, which tests/model/test_model.py checks")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

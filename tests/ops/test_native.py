@@ -8,10 +8,7 @@ import torch
 
 from slimkv.ops import native, native_build
 from slimkv.ops.attention import decode_attention, matmul_decode_attention, reference_attention
-
-LIBRARY = native.decode_kernel()
-needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no C compiler on this machine, so there is no native kernel to test: decode takes the "
-                                  "torch path, which the fallback tests below and the attention tests still check")
+from tests.ops.kernel_markers import ISAS, LIBRARY, needs_avx512_bf16, needs_kernel
 
 
 def _cache(batch, kv_heads, keys, dim, v_dim, *, spare=0, seed=0):
@@ -87,7 +84,6 @@ def test_bfloat16_latent_rows_are_read_in_place():
     torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-6)
 
 
-ISAS = native.runnable_isas() if LIBRARY is not None else []
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYOUTS = {  # name -> (kv_heads, groups, dim, v_dim, values in the key rows from this offset, "shared", or None)
     "mha32": (4, 1, 32, 32, None), "mha64": (3, 1, 64, 64, None), "mha128": (2, 1, 128, 128, None), "mha-odd": (3, 1, 40, 24, None),
@@ -166,8 +162,7 @@ def test_avx512_row_tiles_match_the_reference_with_either_prefetch_rule(always, 
 
 
 @needs_kernel
-@pytest.mark.skipif("avx512-bf16" not in ISAS, reason="TILE_DOT_BF16 chooses between two tiles of the avx512-bf16 build, which runs only "
-                    "on a CPU with AVX512-BF16 and this one lacks it; the tiles this CPU builds are checked by the every-path tests")
+@needs_avx512_bf16
 @pytest.mark.parametrize("dot", [0, 1])
 @pytest.mark.parametrize("layout", ["mha64", "gqa64x3", "mqa64", "gqa128x3", "gqa32x9", "mla288", "mla-odd", "lrkv192", "latent-shared", "odd40x24"])
 def test_avx512_bf16_tiles_match_the_reference_with_either_logits_rule(dot, layout):

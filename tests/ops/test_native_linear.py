@@ -11,11 +11,8 @@ from slimkv.ops import linear as linear_ops
 from slimkv.ops import native, native_build, native_rows
 from slimkv.ops.linear import Linear, linear
 from slimkv.ops.rope import Rotary
+from tests.ops.kernel_markers import ISAS, LIBRARY, needs_kernel
 
-LIBRARY = native.decode_kernel()
-needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no C compiler on this machine, so there is no native kernel to test: linear layers "
-                                  "take torch's path, which every model test still checks")
-ISAS = native.runnable_isas() if LIBRARY is not None else []
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -13,11 +13,8 @@ from slimkv.ops import native
 from slimkv.ops.attention import buffer_segments, reference_attention, stored_decode_attention
 from slimkv.ops.codes import QuantizedRows
 from slimkv.ops.quantize import parse_storage
+from tests.ops.kernel_markers import ISAS, LIBRARY, needs_avx512_bf16, needs_kernel
 
-LIBRARY = native.decode_kernel()
-needs_kernel = pytest.mark.skipif(LIBRARY is None, reason="no C compiler on this machine, so there is no native kernel to test: decode takes the "
-                                  "torch path, which the attention tests still check")
-ISAS = native.runnable_isas() if LIBRARY is not None else []
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYOUTS = {  # name -> (kv_heads, query rows per kv head, head width)
     "mha64": (3, 1, 64), "gqa64x3": (3, 3, 64), "gqa128x2": (2, 2, 128), "mqa32x8": (1, 8, 32), "odd48": (2, 3, 48), "odd40": (1, 2, 40),
@@ -83,8 +80,7 @@ def test_every_isa_path_reads_codes_as_the_reference_reads_their_rows(isa, dtype
 
 
 @needs_kernel
-@pytest.mark.skipif("avx512-bf16" not in ISAS, reason="TILE_DOT_BF16 chooses between two tiles of the avx512-bf16 build, which runs only "
-                    "on a CPU with AVX512-BF16 and this one lacks it; the tiles this CPU builds are checked by the every-path tests")
+@needs_avx512_bf16
 @pytest.mark.parametrize("dot", [0, 1])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("storage", ["int4", "int8", "int4:group=64,residual=3"])
