@@ -313,12 +313,13 @@ def stored_segment_fields(q_address: int, k: StoredRows | RowSpan | CodeSpans, v
     if isinstance(k, (QuantizedRows, CodeSpans)):
         places = [rows_place(x) for x in (k.codes, v.codes, k.scale, k.low, v.scale, v.low)]
         fields = [q_address, k.bits, k.group, len(k), *(address for address, _, _ in places)]
+        strides = [place_strides for _, _, place_strides in places]
     else:
         (k_address, keys, ks), (v_address, _, vs) = rows_place(k), rows_place(v)
         fields = [q_address, 0, 0, keys, k_address, v_address, 0, 0, 0, 0]
-        places = [(0, 0, ks), (0, 0, vs), (0, 0, ks), (0, 0, ks), (0, 0, ks), (0, 0, ks)]
-    for _, _, strides in places:
-        fields += strides
+        strides = [ks, vs, ks, ks, ks, ks]
+    for place_strides in strides:
+        fields += place_strides
     return fields
 
 
