@@ -16,7 +16,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from slimkv.common.files import OutputFolder, read_json, write_json
+from slimkv.common.files import read_json, write_json
+from slimkv.common.output_folder import OutputFolder
 from slimkv.compress.arch import Architecture
 from slimkv.compress.factored import FactoredLinear, SharedInputFactor, SplitOutputLinear, make_input_factor
 from slimkv.pretrained.families import family_of

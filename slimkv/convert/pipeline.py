@@ -6,7 +6,7 @@ represent, the destination, the calibration text, the architecture); load the so
 calibration pass of the original model (``slimkv.convert.calibrate``); the method plans per-layer
 sizes that meet the cache ratio and fits every layer; the non-attention weights are copied
 exactly; the cache each layer will hold is measured from a live cache; the folder is published
-(``slimkv.common.files.OutputFolder``: nothing the user wrote there is deleted; a new conversion
+(``slimkv.common.output_folder.OutputFolder``: nothing the user wrote there is deleted; a new conversion
 replaces an earlier one there, its healing run included, so no healing of another conversion can
 be resumed on it).
 
@@ -31,7 +31,8 @@ from transformers import AutoConfig, AutoTokenizer
 
 from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import check_choice, check_float, check_int
-from slimkv.common.files import OutputFolder, write_json
+from slimkv.common.files import write_json
+from slimkv.common.output_folder import OutputFolder
 from slimkv.common.quiet import quiet_transformers
 from slimkv.common.version import VERSION
 from slimkv.common.vocabulary import VOCABULARY

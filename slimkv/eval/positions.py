@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from slimkv.common.checks import check_int
-from slimkv.common.files import save_figure, write_json
+from slimkv.common.files import report_folder, save_figure, write_json
 from slimkv.common.plotting import new_figure
 from slimkv.scoring import eval_windows
-from slimkv.train.checkpoint import load_run, report_folder
+from slimkv.train.checkpoint import load_run
 
 RESULT_FILE = "positions.json"
 PLOT_FILE = "positions.png"

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from slimkv.common.checks import check_int
-from slimkv.common.files import write_json
+from slimkv.common.files import report_folder, write_json
 from slimkv.data.ruler_needles import NEUTRAL_TEXT, NeedleBuilder, NeedleDocument, random_key, random_value, value_found
 from slimkv.retrieval.grid import Cell, build_prompts, grid_cells, grid_table, parse_depths, parse_lengths, plot_grids, run_grid
 from slimkv.retrieval.grid import parse_tasks as grid_tasks
-from slimkv.train.checkpoint import load_run, report_folder
+from slimkv.train.checkpoint import load_run
 
 TASKS: dict[str, dict[str, str]] = {
     "s1": {"haystack": "neutral", "value": "number", "description": "repeated neutral sentences, 7-digit number"},

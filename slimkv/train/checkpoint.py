@@ -25,9 +25,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from slimkv.common.files import (
     atomic_directory,
-    check_file_target,
     check_folder_target,
-    check_writable,
     existing_directory,
     read_json,
     write_json,
@@ -200,18 +198,6 @@ def read_run_config(run_dir: Path) -> TrainConfig:
         return TrainConfig.from_dict(current_attention_fields(read_json(path, expect=dict)))
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
-
-
-def report_folder(run_dir: str | Path, out_dir: str | Path | None, names: tuple[str, ...]) -> Path:
-    """The folder a run-directory report writes ``names`` into: ``out_dir`` if given (checked as
-    --out), else RUN_DIR itself; a folder where one of the files goes fails now, not after the work."""
-    if out_dir is not None:
-        check_folder_target(out_dir)
-        check_writable(out_dir)
-    target = Path(out_dir) if out_dir is not None else Path(run_dir)
-    for name in names:
-        check_file_target(target / name, "--out" if out_dir is not None else "RUN_DIR")
-    return target
 
 
 def load_run(run_dir: str | Path):
