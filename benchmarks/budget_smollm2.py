@@ -36,6 +36,7 @@ from slimkv.convert.methods import CONVERSIONS
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
 from slimkv.eval import ruler
 from slimkv.eval.ppl import perplexity_report
+from slimkv.eval.ruler_report import BUDGET_TIERS, budget_tier
 from slimkv.pretrained import SMOLLM2, fetch_smollm2
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -171,7 +172,38 @@ def render_ruler(rows: list[dict]) -> str:
                  for r in cell]
         lines += [markdown_table(["method", "bytes (ratio to bf16)", "score (95% CI)", "full / n (95% CI)", "intervals apart"], table,
                                  align=["left", "right", "right", "left", "left"]), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + ranking(rows))
+
+
+RANKED_TIERS = (0.25, 0.125)
+
+
+def ranking(rows: list[dict]) -> list[str]:
+    """Every method ranked at 0.25 and 0.125 of the bytes, per (task, length) the original solves: the
+    methods whose measured bytes fall in the tier (``budget_tier``: the nearest tier, as each run's
+    comparison.md places them), by score, each against the original's score and the tier's best."""
+    lines = [f"## Ranking at {' and '.join(map(str, RANKED_TIERS))} of the bytes", "",
+             "Per task and length whose original scores well (its interval reaching 0.5 or more), every method whose measured bytes fall "
+             "in the tier (the nearest of the tiers " + ", ".join(map(str, BUDGET_TIERS)) + " to its bytes ratio, on a log scale, as each run's "
+             "`comparison.md` places its cells), ranked by score (equal scores share a rank, the fewer bytes listed first). `of the original`: the score over the original's (float32 cache). `below "
+             "the best`: the method's interval lies below the tier's best's (a winner is named only where intervals separate).", ""]
+    table = []
+    for task, length in sorted({(r["task"], r["length"]) for r in rows}, key=lambda k: (k[1], k[0])):
+        cell = [r for r in rows if (r["task"], r["length"]) == (task, length)]
+        original = next((r for r in cell if r["method"] == "original"), None)
+        if original is None or original["high"] < 0.5:
+            continue
+        for budget in RANKED_TIERS:
+            members = sorted((r for r in cell if (not r["method"].startswith("original") or r["option"] != "none") and budget_tier(r["ratio"]) == budget),
+                             key=lambda r: (-r["score"], r["ratio"]))  # ties: the fewer bytes first, and the same rank
+            for r in members:
+                rank = 1 + sum(m["score"] > r["score"] for m in members)
+                share = f"{r['score'] / original['score']:.2f}" if original["score"] > 0 else ""
+                table.append([task, str(length), str(budget), str(rank), r["method"], f"{r['ratio']:.3f}",
+                              f"{r['score']:.3f} ({r['low']:.2f}-{r['high']:.2f})", share, "yes" if r["high"] < members[0]["low"] else "no"])
+    lines += [markdown_table(["task", "length", "tier", "rank", "method", "bytes (ratio to bf16)", "score (95% CI)", "of the original", "below the best"],
+                             table, align=["left", "right", "right", "right", "left", "right", "right", "right", "left"]), ""]
+    return lines
 
 
 def plot_ruler(rows: list[dict]):

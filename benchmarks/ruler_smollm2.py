@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 from pathlib import Path
 
 import torch
@@ -26,10 +25,10 @@ import torch
 from slimkv.common.files import write_text
 from slimkv.eval import ruler, ruler_offline
 from slimkv.eval.ruler_cache import parse_caches
+from slimkv.eval.ruler_report import BUDGET_TIERS, budget_tier
 from slimkv.retrieval.models import parse_lengths
 
 OUT = Path(__file__).resolve().parent / "results" / "ruler" / "smollm2"
-TIERS = (0.125, 0.25, 0.5, 1.0, 2.0)
 
 
 def minutes_until(stop_at: str | None) -> float | None:
@@ -53,11 +52,6 @@ def bytes_text(r: dict) -> str:
     return f"{r['bytes_per_token']:,.0f} ({r['bytes_ratio_to_bf16_original']:.3f}{masked})"
 
 
-def tier(ratio: float) -> float:
-    """The budget a cell belongs to: the nearest of TIERS to its measured ratio (on a log scale)."""
-    return min(TIERS, key=lambda t: abs(math.log(ratio / t)))
-
-
 def comparison(report: dict) -> str:
     """Per (task, length): the original's score (the ceiling) and each option's, its difference and
     whether the two 95% Wilson intervals are apart; then, per task and budget tier, the options
@@ -72,7 +66,7 @@ def comparison(report: dict) -> str:
         rows.append(f"| {r['task']} | {r['length']} | {r['option']} | {r['score']:.3f} | {r['full']}/{r['n']} ({r['wilson95'][0]:.2f}-{r['wilson95'][1]:.2f}) | "
                     f"{delta} | {sep} | {bytes_text(r)} | {r['seconds_per_sample']:.1f} |")
     rows += ["", "## Ranking per task and budget", "",
-             f"Each cell in the budget tier nearest its measured ratio to the bfloat16 original's bytes (tiers {', '.join(map(str, TIERS))}; "
+             f"Each cell in the budget tier nearest its measured ratio to the bfloat16 original's bytes (tiers {', '.join(map(str, BUDGET_TIERS))}; "
              "a press's ratio counts the entries attention still sees, its question tail included). `below the best`: the cell's 95% interval "
              "lies below the tier's best cell's (a winner is named only where intervals separate). A task whose original scores low measures the "
              "model more than its cache.", "",
@@ -80,7 +74,7 @@ def comparison(report: dict) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in cells.values():
         if r["option"] != "none":
-            groups.setdefault((r["task"], r["length"], tier(r["bytes_ratio_to_bf16_original"])), []).append(r)
+            groups.setdefault((r["task"], r["length"], budget_tier(r["bytes_ratio_to_bf16_original"])), []).append(r)
     task_order = list(dict.fromkeys(r["task"] for r in cells.values()))
     for (task, length, budget), members in sorted(groups.items(), key=lambda kv: (kv[0][1], task_order.index(kv[0][0]), kv[0][2])):
         members.sort(key=lambda r: -r["score"])

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+BUDGET_TIERS = (0.125, 0.25, 0.5, 1.0, 2.0)
+"""The budgets a comparison ranks methods at, as fractions of the bfloat16 original's cache bytes."""
+
+
+def budget_tier(ratio: float) -> float:
+    """The budget tier a cell belongs to: the nearest of ``BUDGET_TIERS`` to its measured bytes ratio (on a log scale)."""
+    return min(BUDGET_TIERS, key=lambda t: abs(math.log(ratio / t)))
 
 
 def in_report_order(cells: dict[str, dict[str, Any]], caches: list[str], previous_order: list[str], tasks: list[str]) -> dict[str, dict[str, Any]]:

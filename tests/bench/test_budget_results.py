@@ -8,6 +8,7 @@ import json
 import pytest
 
 from slimkv.common.results import results_path
+from slimkv.scoring import wilson
 from tests.helpers import BENCHMARKS, load_benchmark
 
 RESULTS = BENCHMARKS / "results"
@@ -53,3 +54,18 @@ def test_no_compressed_or_converted_model_is_labelled_the_original(script):
     for row in script.ruler_rows():
         if row["method"] == "original":
             assert row["ratio"] == 2.0  # the float32 original's own cache, against its bfloat16 bytes
+
+
+def test_the_ranking_places_methods_by_measured_bytes_and_names_no_winner_inside_the_intervals(script):
+    def row(method, ratio, full, n=40, task="niah_single_1", option="none"):
+        low, high = wilson(full, n)
+        return {"method": method, "task": task, "length": 4096, "ratio": ratio, "score": full / n, "low": low, "high": high, "option": option}
+
+    rows = [row("original", 2.0, 40), row("original, bfloat16 model", 1.0, 40), row("plan a", 0.27, 38), row("press b", 0.25, 38, option="press:b@0.25"),
+            row("press c", 0.25, 10, option="press:c@0.25"), row("plan d", 0.14, 30), row("wide e", 0.5, 40),
+            row("original", 2.0, 5, task="niah_multikey_3"), row("plan a", 0.27, 4, task="niah_multikey_3")]
+    table = [line.split(" | ") for line in "\n".join(script.ranking(rows)).splitlines() if line.startswith("| niah")]
+    ranked = [(cells[2], cells[3], cells[4], cells[-2], cells[-1].rstrip(" |")) for cells in table]
+    assert ranked == [("0.25", "1", "press b", "0.95", "no"), ("0.25", "1", "plan a", "0.95", "no"),  # equal scores: one rank, fewer bytes first
+                      ("0.25", "3", "press c", "0.25", "yes"),  # its interval below the best's
+                      ("0.125", "1", "plan d", "0.75", "no")]  # 0.5 and the originals are in no ranked tier; multikey_3's original fails
