@@ -21,8 +21,11 @@ import torch
 from slimkv.ops.native_build import NORM_ENTRIES, PROJECT_ENTRIES, ROTATE_ENTRIES, SWIGLU_ENTRIES
 
 # Measured by benchmarks/decode_threads.py (results/decode/decode_threads_2thread.md): with threads that need no start
-# per call, two gained from SmolLM2's smallest projection (1.1 MB) up.
-PARALLEL_MIN_BYTES = 1 << 20  # a linear layer's weights (a one-row product reads them once: bytes are its work)
+# per call, two gained from SmolLM2's float32 projections (1.1 MB and up). From 1 MiB down to 256 KiB (2026-12-06,
+# Intel Xeon, two threads, SmolLM2 at 16K in bfloat16, the two values alternating in one process, 8 rounds of 3 steps)
+# the bfloat16 output projection (663 KB) and gqa 0.5's one-head q/k/v (811 KB) split too: 1.4-3.0% less per step for
+# the exact copy, gqa 0.5, mla 0.5 and the int8 plan alike.
+PARALLEL_MIN_BYTES = 1 << 18  # a linear layer's weights (a one-row product reads them once: bytes are its work)
 
 
 def linear_threads(weight_bytes: int) -> int:
