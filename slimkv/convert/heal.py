@@ -8,7 +8,7 @@ progress bar, NaN stop, atomic checkpoints and exact resume, in the run folder `
 last 5% of the healing text's tokens are held out: the loop reports KL and the student's CE there.
 
 A healing run belongs to one conversion and one text: ``heal_config.json`` and every checkpoint
-record the conversion's fingerprint (the sha256 of its one-shot weights, ``conversion_sha256`` in
+record the conversion's fingerprint (the sha256 of its one-shot weights and config, ``conversion_sha256`` in
 the manifest), ``heal_config.json`` the healing text's (``text_sha256``), and ``--resume`` refuses
 a run of another conversion, or a text changed since, before anything is loaded.
 

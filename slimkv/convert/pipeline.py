@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import check_choice, check_float, check_int
-from slimkv.common.files import write_json
+from slimkv.common.files import sha256_file, write_json
 from slimkv.common.output_folder import OutputFolder
 from slimkv.common.quiet import quiet_transformers
 from slimkv.common.version import VERSION
@@ -342,13 +342,13 @@ def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str,
     """Publish ``out_dir``: the slimkv model (config + safetensors), the tokenizer, the manifest,
     and the DeepSeek-V3 form of the model in ``deepseek_v3/`` when the options ask for it; returns
     the manifest as published (with the export's facts). A one-shot conversion gets its
-    fingerprint, ``conversion_sha256`` (the sha256 of its weights), which a healed one keeps;
+    fingerprint, ``conversion_sha256`` (``model_fingerprint``: its weights and config), which a healed one keeps;
     ``keep``: names of the earlier folder to carry over (the healing run of this conversion)."""
     out_dir = Path(out_dir).expanduser()
     with CONVERTED_FOLDER.publish(out_dir, keep=keep) as folder, quiet_transformers():
         model.save_pretrained(folder)
         if not manifest.get(CONVERSION_KEY):
-            manifest = {**manifest, CONVERSION_KEY: weights_fingerprint(folder)}
+            manifest = {**manifest, CONVERSION_KEY: model_fingerprint(folder)}
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         if manifest.get("head_roles"):
@@ -388,6 +388,13 @@ def _convert_and_heal(model: str, options: ConvertOptions, out_dir: str | Path |
         manifest = heal_converted(out_dir, heal_cfg, progress=progress)
         converted = load_model_folder(out_dir)
     return converted, manifest
+
+
+def model_fingerprint(folder: Path) -> str:
+    """sha256 over a saved model's weights (``weights_fingerprint``) and its config.json: conversions
+    that keep the original's weights but differ in their layers (``hybrid`` plans, whose head roles and
+    cache storage live in the config) get fingerprints of their own."""
+    return hashlib.sha256(f"{weights_fingerprint(folder)} {sha256_file(Path(folder) / 'config.json')}".encode()).hexdigest()
 
 
 def conversion_fingerprint(out_dir: Path, manifest: dict[str, Any]) -> str:

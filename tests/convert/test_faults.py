@@ -46,6 +46,7 @@ def weights(out: Path) -> bytes:
 def test_a_new_conversion_drops_the_earlier_healing_and_resume_refuses_a_foreign_one(tiny_folder, tmp_path, capsys):
     out, cfg = tmp_path / "out", heal_options(tmp_path)
     convert_pretrained(str(tiny_folder), options("gqa-mean", 0.5, tmp_path), out, progress=False)
+    assert json.loads((out / CONVERTED_MANIFEST).read_text())[CONVERSION_KEY] == pipeline.model_fingerprint(out)
     assert heal_converted(out, cfg, progress=False, stop_after=3)["healing"]["status"] == "stopped"  # conversion A, healing interrupted
     stale = tmp_path / "stale-healing"
     shutil.copytree(out / HEAL_DIR, stale)
@@ -277,3 +278,17 @@ def test_conversion_and_healing_default_to_the_calibration_mix_compress_uses():
 
     assert pipeline.ConvertOptions("mla", 0.5).calib == HealConfig(tokens=1).text == DEFAULT_CALIB
     assert DEFAULT_CALIB.split(",") == list(CALIBRATION_SOURCES)
+
+
+def test_the_fingerprint_tells_apart_conversions_that_keep_the_same_weights(tiny_folder, tmp_path):
+    """hybrid plans keep the original's weights; their head roles and storage are in config.json, which the fingerprint covers."""
+    from slimkv.pretrained import weights_fingerprint
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folder, folder)
+    before, weights_before = pipeline.model_fingerprint(folder), weights_fingerprint(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
+    assert weights_fingerprint(folder) == weights_before and pipeline.model_fingerprint(folder) != before
+    shutil.copy(tiny_folder / "config.json", folder / "config.json")
+    assert pipeline.model_fingerprint(folder) == before
