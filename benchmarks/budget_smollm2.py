@@ -191,16 +191,15 @@ def ranking(rows: list[dict]) -> list[str]:
     for task, length in sorted({(r["task"], r["length"]) for r in rows}, key=lambda k: (k[1], k[0])):
         cell = [r for r in rows if (r["task"], r["length"]) == (task, length)]
         original = next((r for r in cell if r["method"] == "original"), None)
-        if original is None or original["high"] < 0.5:
+        if original is None or original["high"] < 0.5:  # (so its score is above 0: a share of it is defined)
             continue
         for budget in RANKED_TIERS:
             members = sorted((r for r in cell if (not r["method"].startswith("original") or r["option"] != "none") and budget_tier(r["ratio"]) == budget),
                              key=lambda r: (-r["score"], r["ratio"]))  # ties: the fewer bytes first, and the same rank
             for r in members:
                 rank = 1 + sum(m["score"] > r["score"] for m in members)
-                share = f"{r['score'] / original['score']:.2f}" if original["score"] > 0 else ""
                 table.append([task, str(length), str(budget), str(rank), r["method"], f"{r['ratio']:.3f}",
-                              f"{r['score']:.3f} ({r['low']:.2f}-{r['high']:.2f})", share, "yes" if r["high"] < members[0]["low"] else "no"])
+                              f"{r['score']:.3f} ({r['low']:.2f}-{r['high']:.2f})", f"{r['score'] / original['score']:.2f}", "yes" if r["high"] < members[0]["low"] else "no"])
     lines += [markdown_table(["task", "length", "tier", "rank", "method", "bytes (ratio to bf16)", "score (95% CI)", "of the original", "below the best"],
                              table, align=["left", "right", "right", "right", "left", "right", "right", "right", "left"]), ""]
     return lines
