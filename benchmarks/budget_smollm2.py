@@ -111,7 +111,8 @@ def conversion_label(converted: dict) -> str:
         defaults = CONVERSIONS[method].settings if method in CONVERSIONS else {}
         changed = ",".join(f"{k}={v}" for k, v in options.items() if k in defaults and v != defaults[k])  # as --to spells them
         return f"convert --to {method}{':' + changed if changed else ''}{ratio}" + (f" --cache-storage {storage}" if storage != "full" else "") + healed
-    return (f"convert --cache-budget {plan.get('budget', converted.get('cache_ratio')):g} ({(plan.get('storage') or 'full').split(':')[0]}, "
+    at = f" --at {plan['at']}" if plan.get("at", MAX_TOKENS) != MAX_TOKENS else ""  # as the command spells it (--at defaults to SmolLM2's 8192 positions)
+    return (f"convert --cache-budget {plan.get('budget', converted.get('cache_ratio')):g}{at} ({(plan.get('storage') or 'full').split(':')[0]}, "
             f"{plan.get('exact_heads', '?')} exact heads by {options.get('score', '?')}{healed})")
 
 
