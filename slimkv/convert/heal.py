@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import folder_lock, read_json, write_json
@@ -48,6 +49,9 @@ HEAL_DIR = "healing"
 CONVERSION_KEY = "conversion_sha256"  # the fingerprint of the conversion a healing run belongs to
 TEXT_KEY = "text_sha256"  # the fingerprint of the healing text a run started on (heal_config.json)
 PARAMETER_SETS = ("changed", "attention", "all")
+CHECKPOINTING_SETTINGS = ("auto", "on", "off")
+CHECKPOINTING_FROM = 2048  # "auto" recomputes activations from windows this long: measured on SmolLM2 (latent 0.5, one step), a
+# 2048-token window's step peaked at 19.8 GB without it and 6.0 GB with it (4096: 6.6 GB), for about 25% more time per step
 HELD_OUT_FRACTION = 0.05
 
 
@@ -74,6 +78,7 @@ class HealConfig:
     eval_windows: int = 8
     grad_accum: int = 1
     copy_fraction: float = 0.0  # the share of windows carrying a repeated span (CopyMixBatches)
+    activation_checkpointing: str = "auto"  # "on", "off" or "auto" (on from CHECKPOINTING_FROM tokens a window): memory, not results
 
     def validate(self) -> None:
         """ValueError naming the command-line option (``--heal-*``, ``--seed``) of a bad field."""
@@ -85,11 +90,17 @@ class HealConfig:
             check_int("--seed" if name == "seed" else f"heal {name}", getattr(self, name), 0)
         check_float("heal warmup_fraction", self.warmup_fraction, 0.0, 1.0)
         check_float("--heal-copy-fraction", self.copy_fraction, 0.0, 1.0)
+        check_choice("--heal-activation-checkpointing", self.activation_checkpointing, CHECKPOINTING_SETTINGS)
         check_optimizer_settings(self, prefix="--heal-")
 
     @property
     def steps(self) -> int:
         return max(1, math.ceil(self.tokens / (self.batch_size * self.seq_len)))
+
+    @property
+    def recomputes_activations(self) -> bool:
+        """Whether the student's blocks keep only their inputs and recompute the rest in the backward pass."""
+        return self.activation_checkpointing == "on" or (self.activation_checkpointing == "auto" and self.seq_len >= CHECKPOINTING_FROM)
 
     @property
     def warmup_steps(self) -> int:
@@ -236,14 +247,37 @@ class CopyMixBatches(TextBatches):
         return batch
 
 
+LOSS_CHUNK = 512  # tokens whose next-token distributions the distillation loss holds at once
+
+
+def final_hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A causal LM's last hidden states (after its final norm: what its LM head reads), (batch,
+    time, d_model), without the logits of every position (transformers' ``logits_to_keep``)."""
+    return model(ids, use_cache=False, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+
+
 def distillation_loss(teacher: torch.nn.Module):
-    """The objective: mean over predicted tokens of KL(teacher || student) of the next-token distributions."""
+    """The objective: mean over predicted tokens of KL(teacher || student) of the next-token
+    distributions. Both models' logits are made ``LOSS_CHUNK`` tokens at a time from their last
+    hidden states, and the student's are remade in the backward pass (``torch.utils.checkpoint``),
+    so a window never holds (time x vocabulary) logits: 0.8 GB each for SmolLM2 at 4K tokens."""
+    teacher_head = teacher.get_output_embeddings()
+
+    def chunk_kl(student_head: torch.nn.Module, hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = teacher_head(teacher_hidden).float().log_softmax(-1)
+        logits = student_head(hidden).float().log_softmax(-1)
+        return F.kl_div(logits.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum")
 
     def loss(student: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        inputs = ids[:, :-1]
         with torch.no_grad():
-            target = teacher(ids[:, :-1], use_cache=False).logits.float().log_softmax(-1)
-        logits = student(ids[:, :-1]).logits.float().log_softmax(-1)
-        return F.kl_div(logits.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
+            teacher_hidden = final_hidden(teacher, inputs)
+        hidden = final_hidden(student, inputs)
+        head = getattr(student, "module", student).get_output_embeddings()  # under DDP, the wrapped model's
+        total = sum(checkpoint(chunk_kl, head, hidden[:, start:start + LOSS_CHUNK], teacher_hidden[:, start:start + LOSS_CHUNK], use_reentrant=False)
+                    for start in range(0, inputs.shape[1], LOSS_CHUNK))
+        return total / inputs.numel()  # batchmean over the (batch x time) predicted tokens
 
     return loss
 
@@ -263,15 +297,20 @@ def select_parameters(model: torch.nn.Module, which: str, changed: list[str]) ->
 
 @torch.no_grad()
 def held_out_metrics(student: torch.nn.Module, teacher: torch.nn.Module, windows: torch.Tensor) -> dict[str, float]:
-    """KL(teacher || student) and the student's and teacher's CE on held-out windows, per token."""
+    """KL(teacher || student) and the student's and teacher's CE on held-out windows, per token
+    (the logits ``LOSS_CHUNK`` tokens at a time, as the training loss makes them)."""
     kl = ce = teacher_ce = 0.0
     tokens = 0
+    student_head, teacher_head = student.get_output_embeddings(), teacher.get_output_embeddings()
     for ids in windows.split(2):
-        target = teacher(ids[:, :-1], use_cache=False).logits.float().log_softmax(-1)
-        logits = student(ids[:, :-1]).logits.float().log_softmax(-1)
-        kl += float(F.kl_div(logits.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum"))
-        ce += float(F.nll_loss(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"))
-        teacher_ce += float(F.nll_loss(target.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"))
+        hidden, teacher_hidden = final_hidden(student, ids[:, :-1]), final_hidden(teacher, ids[:, :-1])
+        for start in range(0, hidden.shape[1], LOSS_CHUNK):
+            target = teacher_head(teacher_hidden[:, start:start + LOSS_CHUNK]).float().log_softmax(-1).flatten(0, 1)
+            logits = student_head(hidden[:, start:start + LOSS_CHUNK]).float().log_softmax(-1).flatten(0, 1)
+            labels = ids[:, 1 + start:1 + start + LOSS_CHUNK].flatten()
+            kl += float(F.kl_div(logits, target, log_target=True, reduction="sum"))
+            ce += float(F.nll_loss(logits, labels, reduction="sum"))
+            teacher_ce += float(F.nll_loss(target, labels, reduction="sum"))
         tokens += ids[:, 1:].numel()
     return {"kl": kl / tokens, "ce": ce / tokens, "teacher_ce": teacher_ce / tokens}
 
@@ -299,6 +338,8 @@ def heal(student: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cfg
                 (run_dir / name).unlink(missing_ok=True)
             write_json(run_dir / HEAL_CONFIG, {**cfg.to_dict(), CONVERSION_KEY: conversion, TEXT_KEY: heal_text_sha256(documents)})
         trainable = select_parameters(student, cfg.params, changed)
+        if cfg.recomputes_activations:
+            student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         teacher.eval().requires_grad_(False)
         torch.manual_seed(cfg.seed)
         batches = (CopyMixBatches(train_ids, cfg.seq_len, cfg.seed, cfg.copy_fraction, tokenizer, documents) if cfg.copy_fraction > 0
@@ -312,5 +353,8 @@ def heal(student: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cfg
         summary = run_loop(trainer, progress=progress, stop_after=stop_after)
         load = {"before": load_before, "after": os.getloadavg()[0]}
     student.requires_grad_(True)
+    if cfg.recomputes_activations:
+        student.activation_checkpointing_disable()
     return {**summary, "load_average_1min": load, "trainable_parameters": trainable, "text": cfg.text, "text_sha256": heal_text_sha256(documents),
-            "train_tokens": int(len(train_ids)), "held_out_tokens": int(len(eval_ids)), "config": cfg.to_dict()}
+            "train_tokens": int(len(train_ids)), "held_out_tokens": int(len(eval_ids)), "activation_checkpointing": cfg.recomputes_activations,
+            "config": cfg.to_dict()}

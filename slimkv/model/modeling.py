@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
@@ -90,8 +91,10 @@ class MLP(nn.Module):
         return x + self(norm(x))
 
 
-class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+class Block(GradientCheckpointingLayer):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). With
+    ``model.activation_checkpointing_enable()`` (transformers' ``GradientCheckpointingLayer``) a
+    training forward keeps only each block's input and recomputes the rest in the backward pass."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -117,6 +120,7 @@ class SlimKVPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
     _supports_sdpa = True
+    supports_gradient_checkpointing = True  # model.activation_checkpointing_enable(): each Block's activations recomputed in the backward pass
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | Path, *args: Any, **kwargs: Any):
@@ -180,7 +184,7 @@ class SlimKVModel(SlimKVPreTrainedModel):
         for i, block in enumerate(self.layers):
             if hidden_states is not None:
                 hidden_states.append(h)
-            h = block(h, None if cache is None else cache.layers[i])
+            h = block(h, cache=None if cache is None else cache.layers[i])  # a keyword: activation checkpointing drops a cache it would write twice
         h = self.norm(h)
         if hidden_states is not None:
             hidden_states.append(h)

@@ -102,3 +102,30 @@ def test_bad_input_is_refused_before_any_work(tiny_folder, tmp_path, capsys):
     assert main(["convert", "--out", str(tmp_path / "d"), "--resume"]) == 2
     assert "holds no conversion (slimkv_conversion.json is missing)" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_activation_checkpointing_and_chunked_logits_change_memory_not_the_healed_weights(tiny_folder, tmp_path, monkeypatch):
+    """Healing with each block's activations recomputed, and with the distillation's logits made a
+    few tokens at a time (heal.LOSS_CHUNK), trains the same weights as keeping everything."""
+    import slimkv.convert.heal as heal_module
+
+    healed = {}
+    for name, setting, chunk in (("kept", "off", 512), ("recomputed", "on", 512), ("chunked", "on", 7)):
+        monkeypatch.setattr(heal_module, "LOSS_CHUNK", chunk)
+        out = tmp_path / name
+        convert_pretrained(str(tiny_folder), options("gqa-mean", 0.5, tmp_path), out, progress=False)
+        cfg = HealConfig(tokens=32 * 4 * 3, text=str(tmp_path / "calib.txt"), seq_len=32, batch_size=4, lr=3e-3, activation_checkpointing=setting)
+        assert heal_converted(out, cfg, progress=False)["healing"]["activation_checkpointing"] is (setting == "on")
+        healed[name] = load_language_model(str(out)).model.state_dict()
+    convert_pretrained(str(tiny_folder), options("gqa-mean", 0.5, tmp_path), tmp_path / "one-shot", progress=False)
+    one_shot = load_language_model(str(tmp_path / "one-shot")).model.state_dict()
+    assert any(not torch.equal(healed["kept"][key], value) for key, value in one_shot.items())  # the three runs trained something
+    for key, kept in healed["kept"].items():
+        assert torch.equal(healed["recomputed"][key], kept), key
+        assert torch.allclose(healed["chunked"][key], kept, rtol=1e-5, atol=1e-6), key
+
+
+def test_a_bad_activation_checkpointing_setting_is_refused_naming_the_option():
+    with pytest.raises(ValueError, match="--heal-activation-checkpointing"):
+        HealConfig(tokens=64, activation_checkpointing="sometimes").validate()
+    assert HealConfig(tokens=64, seq_len=4096).recomputes_activations and not HealConfig(tokens=64, seq_len=512).recomputes_activations
