@@ -85,8 +85,8 @@ def add_commands(subparsers) -> None:
                       help="share of healing windows that repeat a span shown earlier (word lists, JSON records, prose; never an evaluation's "
                            f"template), to teach long-range copying back (default {HealConfig.copy_fraction:g})")
     heal.add_argument("--heal-activation-checkpointing", choices=CHECKPOINTING_SETTINGS, default=None,
-                      help=f"recompute each block's activations in the backward pass instead of keeping them: less memory (a 4K window of SmolLM2 "
-                           f"in 6.6 GB, not over 20), about 25%% more time, the same weights (default auto: on from {CHECKPOINTING_FROM}-token windows)")
+                      help=f"recompute each block's activations in the backward pass instead of keeping them: less memory on long windows, more "
+                           f"time, the same weights (default auto: on from {CHECKPOINTING_FROM}-token windows; docs/conversion.md)")
     heal.add_argument("--resume", action="store_true",
                       help="continue the interrupted healing of the conversion in --out, with the options it was started with (any given must match)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

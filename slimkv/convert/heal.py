@@ -50,8 +50,8 @@ CONVERSION_KEY = "conversion_sha256"  # the fingerprint of the conversion a heal
 TEXT_KEY = "text_sha256"  # the fingerprint of the healing text a run started on (heal_config.json)
 PARAMETER_SETS = ("changed", "attention", "all")
 CHECKPOINTING_SETTINGS = ("auto", "on", "off")
-CHECKPOINTING_FROM = 2048  # "auto" recomputes activations from windows this long: measured on SmolLM2 (latent 0.5, one step), a
-# 2048-token window's step peaked at 19.8 GB without it and 6.0 GB with it (4096: 6.6 GB), for about 25% more time per step
+CHECKPOINTING_FROM = 2048  # "auto" recomputes activations from windows this long, where a step's kept attention grows past the
+# rest of a run's memory (benchmarks/heal_memory.py: results/heal/heal_memory_smollm2.md)
 HELD_OUT_FRACTION = 0.05
 
 
