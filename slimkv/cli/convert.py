@@ -86,7 +86,7 @@ def add_commands(subparsers) -> None:
                            f"template), to teach long-range copying back (default {HealConfig.copy_fraction:g})")
     heal.add_argument("--heal-activation-checkpointing", choices=CHECKPOINTING_SETTINGS, default=None,
                       help=f"recompute each block's activations in the backward pass instead of keeping them: less memory on long windows, more "
-                           f"time, the same weights (default auto: on from {CHECKPOINTING_FROM}-token windows; docs/conversion.md)")
+                           f"time, the same weights (default auto: on from steps of {CHECKPOINTING_FROM} tokens, --heal-seq-len x --heal-batch-size; docs/conversion.md)")
     heal.add_argument("--resume", action="store_true",
                       help="continue the interrupted healing of the conversion in --out, with the options it was started with (any given must match)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

@@ -50,8 +50,8 @@ CONVERSION_KEY = "conversion_sha256"  # the fingerprint of the conversion a heal
 TEXT_KEY = "text_sha256"  # the fingerprint of the healing text a run started on (heal_config.json)
 PARAMETER_SETS = ("changed", "attention", "all")
 CHECKPOINTING_SETTINGS = ("auto", "on", "off")
-CHECKPOINTING_FROM = 2048  # "auto" recomputes activations from windows this long, where a step's kept attention grows past the
-# rest of a run's memory (benchmarks/heal_memory.py: results/heal/heal_memory_smollm2.md)
+CHECKPOINTING_FROM = 8192  # "auto" recomputes activations from steps of this many tokens (seq_len x batch_size), where what a
+# step keeps for its backward pass outgrows the rest of a run's memory (benchmarks/heal_memory.py: results/heal/heal_memory_smollm2.md)
 HELD_OUT_FRACTION = 0.05
 
 
@@ -78,7 +78,7 @@ class HealConfig:
     eval_windows: int = 8
     grad_accum: int = 1
     copy_fraction: float = 0.0  # the share of windows carrying a repeated span (CopyMixBatches)
-    activation_checkpointing: str = "auto"  # "on", "off" or "auto" (on from CHECKPOINTING_FROM tokens a window): memory, not results
+    activation_checkpointing: str = "auto"  # "on", "off" or "auto" (on from CHECKPOINTING_FROM tokens a step): memory, not results
 
     def validate(self) -> None:
         """ValueError naming the command-line option (``--heal-*``, ``--seed``) of a bad field."""
@@ -100,7 +100,7 @@ class HealConfig:
     @property
     def recomputes_activations(self) -> bool:
         """Whether the student's blocks keep only their inputs and recompute the rest in the backward pass."""
-        return self.activation_checkpointing == "on" or (self.activation_checkpointing == "auto" and self.seq_len >= CHECKPOINTING_FROM)
+        return self.activation_checkpointing == "on" or (self.activation_checkpointing == "auto" and self.seq_len * self.batch_size >= CHECKPOINTING_FROM)
 
     @property
     def warmup_steps(self) -> int:

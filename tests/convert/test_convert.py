@@ -128,4 +128,6 @@ def test_activation_checkpointing_and_chunked_logits_change_memory_not_the_heale
 def test_a_bad_activation_checkpointing_setting_is_refused_naming_the_option():
     with pytest.raises(ValueError, match="--heal-activation-checkpointing"):
         HealConfig(tokens=64, activation_checkpointing="sometimes").validate()
-    assert HealConfig(tokens=64, seq_len=4096).recomputes_activations and not HealConfig(tokens=64, seq_len=512).recomputes_activations
+    assert HealConfig(tokens=64, seq_len=4096, batch_size=2).recomputes_activations  # auto: from 8192 tokens a step
+    assert not HealConfig(tokens=64, seq_len=4096, batch_size=1).recomputes_activations and not HealConfig(tokens=64, seq_len=512).recomputes_activations
+    assert HealConfig(tokens=64, seq_len=512, activation_checkpointing="on").recomputes_activations
