@@ -256,18 +256,24 @@ def final_hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(ids, use_cache=False, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
 
 
+def log_probs(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Next-token log-probabilities from last hidden states (batch, chunk, d_model), flattened to
+    (batch * chunk, vocabulary), in float32."""
+    return head(hidden).float().log_softmax(-1).flatten(0, 1)
+
+
 def distillation_loss(teacher: torch.nn.Module):
     """The objective: mean over predicted tokens of KL(teacher || student) of the next-token
     distributions. Both models' logits are made ``LOSS_CHUNK`` tokens at a time from their last
-    hidden states, and the student's are remade in the backward pass (``torch.utils.checkpoint``),
-    so a window never holds (time x vocabulary) logits: 0.8 GB each for SmolLM2 at 4K tokens."""
+    hidden states, and remade in the backward pass (``torch.utils.checkpoint``; the teacher's too:
+    kept, they would add up to what chunking saves), so a window never holds (time x vocabulary)
+    logits: 0.8 GB each for SmolLM2 at 4K tokens."""
     teacher_head = teacher.get_output_embeddings()
 
     def chunk_kl(student_head: torch.nn.Module, hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            target = teacher_head(teacher_hidden).float().log_softmax(-1)
-        logits = student_head(hidden).float().log_softmax(-1)
-        return F.kl_div(logits.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum")
+            target = log_probs(teacher_head, teacher_hidden)
+        return F.kl_div(log_probs(student_head, hidden), target, log_target=True, reduction="sum")
 
     def loss(student: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         inputs = ids[:, :-1]
@@ -305,8 +311,8 @@ def held_out_metrics(student: torch.nn.Module, teacher: torch.nn.Module, windows
     for ids in windows.split(2):
         hidden, teacher_hidden = final_hidden(student, ids[:, :-1]), final_hidden(teacher, ids[:, :-1])
         for start in range(0, hidden.shape[1], LOSS_CHUNK):
-            target = teacher_head(teacher_hidden[:, start:start + LOSS_CHUNK]).float().log_softmax(-1).flatten(0, 1)
-            logits = student_head(hidden[:, start:start + LOSS_CHUNK]).float().log_softmax(-1).flatten(0, 1)
+            target = log_probs(teacher_head, teacher_hidden[:, start:start + LOSS_CHUNK])
+            logits = log_probs(student_head, hidden[:, start:start + LOSS_CHUNK])
             labels = ids[:, 1 + start:1 + start + LOSS_CHUNK].flatten()
             kl += float(F.kl_div(logits, target, log_target=True, reduction="sum"))
             ce += float(F.nll_loss(logits, labels, reduction="sum"))

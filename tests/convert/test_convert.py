@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+import slimkv.convert.heal as heal_module
 from slimkv.cli import main
 from slimkv.convert.heal import HealConfig, held_out_metrics
 from slimkv.convert.pipeline import convert_pretrained, heal_converted
@@ -107,8 +108,6 @@ def test_bad_input_is_refused_before_any_work(tiny_folder, tmp_path, capsys):
 def test_activation_checkpointing_and_chunked_logits_change_memory_not_the_healed_weights(tiny_folder, tmp_path, monkeypatch):
     """Healing with each block's activations recomputed, and with the distillation's logits made a
     few tokens at a time (heal.LOSS_CHUNK), trains the same weights as keeping everything."""
-    import slimkv.convert.heal as heal_module
-
     healed = {}
     for name, setting, chunk in (("kept", "off", 512), ("recomputed", "on", 512), ("chunked", "on", 7)):
         monkeypatch.setattr(heal_module, "LOSS_CHUNK", chunk)
