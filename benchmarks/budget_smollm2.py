@@ -112,6 +112,7 @@ def conversion_label(converted: dict) -> str:
         changed = ",".join(f"{k}={v}" for k, v in options.items() if k in defaults and v != defaults[k])  # as --to spells them
         return f"convert --to {method}{':' + changed if changed else ''}{ratio}" + (f" --cache-storage {storage}" if storage != "full" else "") + healed
     at = f" --at {plan['at']}" if plan.get("at", MAX_TOKENS) != MAX_TOKENS else ""  # as the command spells it (--at defaults to SmolLM2's 8192 positions)
+    at += " --cache-storage weighed" if plan.get("weighing") else ""  # the storage chosen by measured copy accuracy (slimkv.convert.budget.weighed)
     return (f"convert --cache-budget {plan.get('budget', converted.get('cache_ratio')):g}{at} ({(plan.get('storage') or 'full').split(':')[0]}, "
             f"{plan.get('exact_heads', '?')} exact heads by {options.get('score', '?')}{healed})")
 
