@@ -12,7 +12,7 @@ Retrieval of the same folders runs through RULER into ``results/ruler/smollm2-bu
 under its cache options (``results/ruler/smollm2/<length>/``: quanto, kvpress presses) beside the
 planner's conversions, per task and length, ordered by measured bytes, with intervals.
 
-    .venv/bin/python benchmarks/budget_smollm2.py run --budgets 0.125,0.25 --runs /tmp/budget [--threads 1]
+    .venv/bin/python benchmarks/budget_smollm2.py run --budgets 0.125,0.25 --runs /tmp/budget [--threads 1] [--at N] [--budget-windows 256,128,64]
     .venv-ruler/bin/slimkv eval ruler --model /tmp/budget/budget0.125 --lengths 2k --limit 40 --threads 1 \
         --out benchmarks/results/ruler/smollm2-budget0.125/2048
     .venv/bin/python benchmarks/budget_smollm2.py report
@@ -31,6 +31,7 @@ from slimkv.common.markdown import markdown_table
 from slimkv.common.plotting import new_figure
 from slimkv.common.results import results_dir, results_path
 from slimkv.common.timing import machine_info, write_results
+from slimkv.convert import hybrid
 from slimkv.convert.manifest import finished_conversion
 from slimkv.convert.methods import CONVERSIONS
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
@@ -45,15 +46,16 @@ TEXTS = ("shakespeare-val", "austen")
 SEQ_LEN, MAX_TOKENS = 4096, 8192
 
 
-def run(budgets: list[float], runs: Path, storage: str | None = None) -> Path:
+def run(budgets: list[float], runs: Path, storage: str | None = None, at: int | None = None, windows: list[int] | None = None) -> Path:
     """Convert at each budget (reusing finished folders; ``storage`` fixes the cache storage, else the
-    planner chooses), score perplexity, write the JSON: these plans' rows replace those of the same
-    budget and storage, other plans' rows stay, each with the machine and commit it ran on."""
+    planner chooses; ``at`` and ``windows`` as ``convert --at`` and ``--budget-windows``), score
+    perplexity, write the JSON: these plans' rows replace those of the same budget, storage, length
+    and windows, other plans' rows stay, each with the machine and commit it ran on."""
     fetch_smollm2()
     rows = []
     for budget in budgets:
-        out = runs / f"budget{budget:g}{storage or ''}"
-        options = ConvertOptions("hybrid", cache_budget=budget, cache_storage=storage)
+        out = runs / (f"budget{budget:g}{storage or ''}" + (f"at{at}" if at else "") + ("-windows" if windows else ""))
+        options = ConvertOptions("hybrid" + (f":at={at}" if at else ""), cache_budget=budget, cache_storage=storage, budget_windows=windows)
         manifest = finished_conversion(out, options)
         if manifest is None:
             _, manifest = convert_pretrained(SMOLLM2, options, out)
@@ -64,17 +66,22 @@ def run(budgets: list[float], runs: Path, storage: str | None = None) -> Path:
             scores[text] = {"original_ppl": original["ppl"], "ppl": converted["ppl"], "ratio": converted["ppl"] / original["ppl"],
                             "tokens_predicted": converted["tokens_predicted"], "through_cache_in_calls_of": converted.get("through_cache_in_calls_of")}
         rows.append({"budget": budget, "folder": str(out), "plan": manifest["budget_plan"], "allocation": manifest["allocation"],
-                     "cache_storage": manifest["cache_storage"], "asked_storage": storage, "cache_bytes": manifest["cache_bytes"],
+                     "cache_storage": manifest["cache_storage"], "asked_storage": storage, "budget_windows": windows, "cache_bytes": manifest["cache_bytes"],
                      "seconds": manifest["seconds"], "ppl": scores, "machine": machine_info()})
     path = results_path(RESULTS, f"{NAME}.json")
     if path.is_file():  # rows of other plans (budget, asked storage) stay, with the machine they name (older rows: the file's)
         earlier = json.loads(path.read_text())
-        ran = {(r["budget"], r["asked_storage"]) for r in rows}
-        rows = [{**r, "machine": r.get("machine", earlier["machine"])} for r in earlier["rows"] if (r["budget"], r.get("asked_storage")) not in ran] + rows
+        ran = {plan_key(r) for r in rows}
+        rows = [{**r, "machine": r.get("machine", earlier["machine"])} for r in earlier["rows"] if plan_key(r) not in ran] + rows
     payload = {"model": SMOLLM2, "seq_len": SEQ_LEN, "max_tokens": MAX_TOKENS,
                "protocol": f"slimkv convert --cache-budget B; slimkv eval ppl --seq-len {SEQ_LEN} --max-tokens {MAX_TOKENS} on {', '.join(TEXTS)}",
                "rows": rows}
     return write_results(NAME, payload, results_dir(RESULTS, NAME))
+
+
+def plan_key(row: dict) -> tuple:
+    """What makes a row's plan: budget, asked storage, the length planned at and the windows planned from."""
+    return row["budget"], row.get("asked_storage"), row["plan"]["at"], tuple(row.get("budget_windows") or ())
 
 
 def render(payload: dict) -> str:
@@ -85,12 +92,13 @@ def render(payload: dict) -> str:
     table = []
     for row in payload["rows"]:
         at = {r["context"]: r["ratio"] for r in row["cache_bytes"]}
-        table.append([f"{row['budget']:g}", row["plan"]["storage"], f"{row['plan']['exact_heads']} / {row['plan']['total_heads']}",
+        window = row["plan"].get("window", hybrid.METHOD_OPTIONS["window"])  # plans made before windows were planned: the method's default
+        table.append([f"{row['budget']:g}", str(row["plan"]["at"]), row["plan"]["storage"], str(window), f"{row['plan']['exact_heads']} / {row['plan']['total_heads']}",
                       *(f"{at[n]:.4f}" if n in at else "" for n in (2048, 4096, 8192)),
                       *(f"{row['ppl'][t]['ppl']:.2f} ({row['ppl'][t]['ratio']:.3f}x)" for t in TEXTS), f"{row['seconds']['total']:.0f}",
                       f"{row['machine']['load_average'][0]:.2f}", row["machine"]["git_commit"][:10]])
-    lines.append(markdown_table(["budget", "storage", "exact KV heads", "bytes 2K", "bytes 4K", "bytes 8K", *(f"ppl {t} (vs original)" for t in TEXTS),
-                                 "convert s", "load", "commit"], table, align=["left"] * 3 + ["right"] * 8))
+    lines.append(markdown_table(["budget", "at", "storage", "window", "exact KV heads", "bytes 2K", "bytes 4K", "bytes 8K", *(f"ppl {t} (vs original)" for t in TEXTS),
+                                 "convert s", "load", "commit"], table, align=["left", "right", "left", "right", "left"] + ["right"] * 8))
     lines += ["", "Bytes: the live bfloat16 cache against the bfloat16 original's at that context (measured at conversion). "
                   "Perplexity: 4K windows, the original beside each conversion in the same run; a quantized cache scored through itself."]
     return "\n".join(lines) + "\n"
@@ -112,9 +120,12 @@ def conversion_label(converted: dict) -> str:
         changed = ",".join(f"{k}={v}" for k, v in options.items() if k in defaults and v != defaults[k])  # as --to spells them
         return f"convert --to {method}{':' + changed if changed else ''}{ratio}" + (f" --cache-storage {storage}" if storage != "full" else "") + healed
     at = f" --at {plan['at']}" if plan.get("at", MAX_TOKENS) != MAX_TOKENS else ""  # as the command spells it (--at defaults to SmolLM2's 8192 positions)
-    at += " --cache-storage weighed" if plan.get("weighing") else ""  # the storage chosen by measured copy accuracy (slimkv.convert.budget.weighed)
+    windows = (converted.get("options") or {}).get("budget_windows")
+    at += f" --budget-windows {','.join(map(str, windows))}" if windows else ""  # the windows the plan chose from
+    at += " --cache-storage weighed" if plan.get("weighing") else ""  # chosen by measured copy accuracy (slimkv.convert.budget.weighed)
+    window = f", window {plan['window']}" if windows else ""
     return (f"convert --cache-budget {plan.get('budget', converted.get('cache_ratio')):g}{at} ({(plan.get('storage') or 'full').split(':')[0]}, "
-            f"{plan.get('exact_heads', '?')} exact heads by {options.get('score', '?')}{healed})")
+            f"{plan.get('exact_heads', '?')} exact heads by {options.get('score', '?')}{window}{healed})")
 
 
 def compression_label(compressed: dict) -> str:
@@ -228,12 +239,15 @@ def main() -> None:
     run_p.add_argument("--runs", type=Path, required=True, help="where the converted folders go (not git)")
     run_p.add_argument("--threads", type=int, default=None)
     run_p.add_argument("--storage", default=None, help="fix the cache storage (full, int8, int4[:...]); default: the planner chooses")
+    run_p.add_argument("--at", type=int, default=None, help="the length the budget is planned at (convert --at; default 8192)")
+    run_p.add_argument("--budget-windows", default=None, help="the windows the plan chooses from (convert --budget-windows, e.g. 256,128,64)")
     sub.add_parser("report")
     args = parser.parse_args()
     if args.command == "run":
         if args.threads:
             torch.set_num_threads(args.threads)
-        run([float(b) for b in args.budgets.split(",")], args.runs, args.storage)
+        windows = [int(w) for w in args.budget_windows.split(",")] if args.budget_windows else None
+        run([float(b) for b in args.budgets.split(",")], args.runs, args.storage, args.at, windows)
     payload = json.loads(results_path(RESULTS, f"{NAME}.json").read_text())
     write_text(results_path(RESULTS, f"{NAME}.md"), render(payload))
     print(render(payload))

@@ -11,7 +11,7 @@ import torch
 from slimkv.common.checks import check_int
 from slimkv.convert.heal import CHECKPOINTING_FROM, CHECKPOINTING_SETTINGS, HEAL_DIR, PARAMETER_SETS, HealConfig, check_resumable
 from slimkv.convert.manifest import read_manifest, same_method, stored_options
-from slimkv.convert.methods import CONVERSIONS
+from slimkv.convert.methods import CONVERSIONS, with_setting
 from slimkv.convert.pipeline import (
     EXPORTS,
     ConvertOptions,
@@ -66,6 +66,9 @@ def add_commands(subparsers) -> None:
                         "the exact KV heads are chosen from measured head roles (slimkv.convert.budget); --to defaults to hybrid")
     p.add_argument("--at", type=int, default=None, help="the context the budget is measured at (default min(8192, the model's positions)); "
                                                         "the same as --to hybrid:at=N")
+    p.add_argument("--budget-windows", type=_windows, default=None, metavar="W[,W...]",
+                   help="with --cache-budget: the windows the plan may give the bounded KV heads (default: the method's window, 256); "
+                        "the plan takes the one that keeps the most heads exact, or with --cache-storage weighed the one that copies best")
     p.add_argument("--out", required=True, help="output folder (must be empty, new, or an earlier conversion)")
     p.add_argument("--calib", default=None, help="calibration text: `shakespeare` (the training plays), `kjv`, `devil`, `pydoc`, `handbook`, a comma-separated mix of them (equal shares) "
                    f"or a text file/folder (default: {ConvertOptions.calib})")
@@ -100,7 +103,16 @@ HEAL_FLAGS = {"heal_tokens": "tokens", "heal_text": "text", "heal_params": "para
               "seed": "seed"}
 # conversion option -> ConvertOptions field (checked against the manifest on --resume)
 CONVERT_FLAGS = {"method": "method", "cache_ratio": "cache_ratio", "calib": "calib", "calib_tokens": "calib_tokens", "calib_seq_len": "calib_seq_len",
-                 "seed": "seed", "export": "export", "cache_storage": "cache_storage", "cache_budget": "cache_budget"}
+                 "seed": "seed", "export": "export", "cache_storage": "cache_storage", "cache_budget": "cache_budget",
+                 "budget_windows": "budget_windows"}
+
+
+def _windows(text: str) -> list[int]:
+    """``--budget-windows 256,128,64`` -> [256, 128, 64]; argparse's error names the option."""
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected window lengths separated by commas, e.g. 256,128,64; got {text!r}") from None
 
 
 def _flag(name: str) -> str:
@@ -147,9 +159,7 @@ def _with_at(method: str | None, at: int) -> str:
     """``--at N`` as the hybrid method's ``at`` option."""
     if method is None or not method.startswith("hybrid"):
         raise ValueError(f"--at sets where a hybrid conversion's budget is measured; it needs --to hybrid or --cache-budget, not --to {method}")
-    if "at=" in method.partition(":")[2]:
-        raise ValueError(f"--at {at} and --to {method} both set at: give it once")
-    return f"{method}{',' if ':' in method else ':'}at={at}"
+    return with_setting(method, "at", at, f"--at {at}")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -171,7 +181,8 @@ def _convert(args: argparse.Namespace) -> int:
         if options.cache_budget is not None:  # the plan is said before any weights load (convert_pretrained checks the rest first)
             options.validate()
             plan = budget_plan(options, read_shape(args.model))
-            settled = "" if plan.to_weigh else f" --cache-ratio {plan.cache_ratio:.4f} --cache-storage {plan.storage}"
+            window = f" (window {plan.window})" if options.budget_windows else ""
+            settled = "" if plan.to_weigh else f" --cache-ratio {plan.cache_ratio:.4f} --cache-storage {plan.storage}{window}"
             print(f"plan for --cache-budget {options.cache_budget} at {plan.at} tokens: --to {options.method}{settled}: {plan.why}")
         _, manifest = convert_pretrained(args.model, options, args.out, heal_cfg=heal_cfg, progress=not args.no_progress)
         if (manifest.get("budget_plan") or {}).get("weighing"):

@@ -10,11 +10,15 @@ precision, rows past the residual window as codes with a scale and a minimum per
 * the first storage that keeps every head exact wins; otherwise the one that keeps the most heads
   exact (measured retrieval lives in a minority of heads, and transformers' int4 cache keeps the
   original's retrieval: ``docs/conversion.md``);
-* which heads: the highest measured retrieval scores (``convert.hybrid``).
+* which heads: the highest measured retrieval scores (``convert.hybrid``);
+* with ``--budget-windows W1,W2,...``, the bounded heads' window too: every (window, storage) pair is
+  a candidate, and the same rule takes the one with the most exact heads (ties to the longer window,
+  then the more precise storage). A shorter window frees bytes for exact heads: at 2K tokens a
+  bounded head's sinks and 256-token window cost 0.09 of an exact bfloat16 head's bytes.
 
-``--cache-storage weighed`` (``WEIGHED``) decides between the storages that fit by a measurement
+``--cache-storage weighed`` (``WEIGHED``) decides between the candidates that fit by a measurement
 instead (``weighed``): each one's conversion copies spans of calibration copy contexts through its
-own cache, and the best copy accuracy wins, ties to the more precise storage. Fewer exact heads in
+own cache, and the best copy accuracy wins, ties to the longer window, then the more precise storage. Fewer exact heads in
 full precision or more in coarser codes: which loses less depends on the model and on the task
 (docs/conversion.md says where each wins), so it is asked for, not the default.
 
@@ -43,14 +47,16 @@ WEIGHED = "weighed"  # --cache-storage weighed: the storages that fit, decided b
 
 @dataclass(frozen=True)
 class BudgetPlan:
-    """The planner's answer: ``storage``, ``exact_heads`` of ``total_heads``, the element ratio that
-    gives ``hybrid.plan`` that head count, and the predicted byte fraction at ``at`` tokens.
+    """The planner's answer: ``storage``, the bounded heads' ``window``, ``exact_heads`` of
+    ``total_heads``, the element ratio that gives ``hybrid.plan`` that head count, and the predicted
+    byte fraction at ``at`` tokens. Each candidate is named by ``candidate_name``.
     ``to_weigh``: the candidates still to be weighed by copy accuracy (``weighed`` decides);
     ``weighing``: what that measurement found."""
 
     budget: float
     at: int
     storage: str
+    window: int
     exact_heads: int
     total_heads: int
     cache_ratio: float
@@ -61,7 +67,7 @@ class BudgetPlan:
     weighing: dict[str, Any] | None = None
 
     def fitting(self) -> list[dict[str, Any]]:
-        """The candidates whose heads fit the budget, most precise storage first."""
+        """The candidates whose heads fit the budget, the longest window and the most precise storage first."""
         return [c for c in self.candidates if c["exact_heads"] >= 0]
 
     def to_dict(self) -> dict[str, Any]:
@@ -91,49 +97,57 @@ def head_bytes(length: int, shape: Shape, storage: KVStorage, *, exact: bool, si
     return 2 * (sinks * shape.head_dim * size + rows_bytes(recent, shape.head_dim, storage, appended=length - sinks))
 
 
-def plan_budget(shape: Shape, budget: float, at: int, *, window: int, sink_len: int, storage: str | None = None) -> BudgetPlan:
-    """The storage and exact-head count for ``budget`` of the bfloat16 original's bytes at ``at``
-    tokens (module docstring); ``storage`` fixes the storage instead of choosing it, or (``WEIGHED``)
-    leaves the choice to ``weighed``. ValueError naming --cache-budget when even every head
-    streaming in int4 does not fit."""
+def candidate_name(storage: str, window: int, windows: tuple[int, ...]) -> str:
+    """A candidate's name in the plan's sentences and its weighing: the storage, and its window where several are planned."""
+    return storage if len(windows) == 1 else f"{storage}, window {window}"
+
+
+def plan_budget(shape: Shape, budget: float, at: int, *, window: int | tuple[int, ...], sink_len: int, storage: str | None = None) -> BudgetPlan:
+    """The storage, bounded-head window and exact-head count for ``budget`` of the bfloat16 original's
+    bytes at ``at`` tokens (module docstring); ``window`` one window or the candidates; ``storage``
+    fixes the storage instead of choosing it, or (``WEIGHED``) leaves the choice to ``weighed``.
+    ValueError naming --cache-budget when even every head streaming in int4 does not fit."""
     check_float("--cache-budget", budget, 0.0, 1.0, open_low=True)
+    windows = tuple(sorted(set(window if isinstance(window, tuple) else (window,)), reverse=True))
     total = shape.n_layers * shape.n_kv_heads
     original = total * 2 * rows_bytes(at, shape.head_dim, KVStorage())
     fixed = storage is not None and storage != WEIGHED
     names = [parse_storage(storage, "--cache-storage").name] if fixed else list(CANDIDATE_STORAGES)
     candidates = []
-    for name in names:
-        kind = parse_storage(name)
-        exact_cost = head_bytes(at, shape, kind, exact=True, sink_len=sink_len, window=window)
-        stream_cost = head_bytes(at, shape, kind, exact=False, sink_len=sink_len, window=window)
-        room = budget * original - total * stream_cost
-        heads = -1 if room < 0 else min(total, int(room // max(1, exact_cost - stream_cost)))
-        fraction = (heads * exact_cost + (total - heads) * stream_cost) / original if heads >= 0 else None
-        candidates.append({"storage": kind.name, "exact_heads": heads, "fraction": fraction,
-                           "cache_ratio": element_ratio(heads, total, at, sink_len, window) if heads >= 0 else None,
-                           "exact_head_fraction": exact_cost / (original / total), "streaming_head_fraction": stream_cost / (original / total)})
+    for size in windows:
+        for name in names:
+            kind = parse_storage(name)
+            exact_cost = head_bytes(at, shape, kind, exact=True, sink_len=sink_len, window=size)
+            stream_cost = head_bytes(at, shape, kind, exact=False, sink_len=sink_len, window=size)
+            room = budget * original - total * stream_cost
+            heads = -1 if room < 0 else min(total, int(room // max(1, exact_cost - stream_cost)))
+            fraction = (heads * exact_cost + (total - heads) * stream_cost) / original if heads >= 0 else None
+            candidates.append({"name": candidate_name(kind.name, size, windows), "storage": kind.name, "window": size, "exact_heads": heads,
+                               "fraction": fraction, "cache_ratio": element_ratio(heads, total, at, sink_len, size) if heads >= 0 else None,
+                               "exact_head_fraction": exact_cost / (original / total), "streaming_head_fraction": stream_cost / (original / total)})
     fitting = [c for c in candidates if c["exact_heads"] >= 0]
     if not fitting:
         smallest = min(c["streaming_head_fraction"] for c in candidates)
         raise ValueError(f"--cache-budget {budget} is below what a hybrid conversion can hold at {at} tokens: every KV head streaming "
-                         f"(sinks {sink_len} + window {window}) in {names[-1]} storage needs {smallest:.4f} of the bfloat16 original's bytes")
+                         f"(sinks {sink_len} + window {min(windows)}) in {names[-1]} storage needs {smallest:.4f} of the bfloat16 original's bytes")
     every = [c for c in fitting if c["exact_heads"] == total]
     chosen = every[0] if every else max(fitting, key=lambda c: c["exact_heads"])
     heads = chosen["exact_heads"]
     to_weigh = storage == WEIGHED and not every and len(fitting) > 1
     if to_weigh:
-        weigh = ", ".join(f"{c['storage']} keeps {c['exact_heads']} of {total} KV heads exact ({c['fraction']:.4f})" for c in fitting)
+        weigh = ", ".join(f"{c['name']} keeps {c['exact_heads']} of {total} KV heads exact ({c['fraction']:.4f})" for c in fitting)
         why = f"to be weighed by copy accuracy once the roles are measured: {weigh} (fractions of the bfloat16 original's cache at {at} tokens)"
     else:
-        if fixed:
+        if fixed and len(windows) == 1:
             why = f"storage {chosen['storage']} as asked: {heads} of {total} KV heads fit exact"
         elif every:
-            why = f"{chosen['storage']} is the most precise storage that keeps all {total} KV heads exact within the budget"
+            why = f"{chosen['name']} is the most precise storage that keeps all {total} KV heads exact within the budget"
         else:
-            others = ", ".join(f"{c['storage']} {max(c['exact_heads'], 0)}" for c in candidates if c is not chosen)
-            why = f"{chosen['storage']} keeps the most KV heads exact ({heads} of {total}; {others})"
+            others = ", ".join(f"{c['name']} {max(c['exact_heads'], 0)}" for c in candidates if c is not chosen)
+            why = f"{chosen['name']} keeps the most KV heads exact ({heads} of {total}; {others})"
         why += f"; predicted {chosen['fraction']:.4f} of the bfloat16 original's cache at {at} tokens"
-    return BudgetPlan(budget, at, chosen["storage"], heads, total, chosen["cache_ratio"], chosen["fraction"], candidates, why, to_weigh)
+    return BudgetPlan(budget, at, chosen["storage"], chosen["window"], heads, total, chosen["cache_ratio"], chosen["fraction"], candidates, why,
+                      to_weigh)
 
 
 def element_ratio(exact_heads: int, total: int, at: int, sink_len: int, window: int) -> float:
@@ -144,18 +158,18 @@ def element_ratio(exact_heads: int, total: int, at: int, sink_len: int, window: 
 
 
 def weighed(plan: BudgetPlan, accuracy: dict[str, float], measurement: dict[str, Any]) -> BudgetPlan:
-    """``plan`` decided by measured copy accuracy (``accuracy``: storage name -> the mean over the
+    """``plan`` decided by measured copy accuracy (``accuracy``: candidate name -> the mean over the
     copy contexts ``measurement`` describes, of each fitting candidate's conversion through its own
-    cache): the most accurate candidate, ties to the more precise storage."""
+    cache): the most accurate candidate, ties to the longer window, then the more precise storage."""
     fitting = plan.fitting()
-    missing = [c["storage"] for c in fitting if c["storage"] not in accuracy]
+    missing = [c["name"] for c in fitting if c["name"] not in accuracy]
     if missing:
-        raise ValueError(f"weighing the budget's storages: no copy accuracy for {', '.join(missing)}")
-    best = max(fitting, key=lambda c: (accuracy[c["storage"]], -fitting.index(c)))
-    candidates = [{**c, "copy_accuracy": accuracy.get(c["storage"])} for c in plan.candidates]
-    scores = ", ".join(f"{c['storage']} ({c['exact_heads']} exact heads) {accuracy[c['storage']]:.3f}" for c in fitting)
-    why = (f"{best['storage']} copies best through its own cache ({scores}; {measurement['contexts']} calibration copy contexts "
+        raise ValueError(f"weighing the budget's candidates: no copy accuracy for {', '.join(missing)}")
+    best = max(fitting, key=lambda c: (accuracy[c["name"]], -fitting.index(c)))
+    candidates = [{**c, "copy_accuracy": accuracy.get(c["name"])} for c in plan.candidates]
+    scores = ", ".join(f"{c['name']} ({c['exact_heads']} exact heads) {accuracy[c['name']]:.3f}" for c in fitting)
+    why = (f"{best['name']} copies best through its own cache ({scores}; {measurement['contexts']} calibration copy contexts "
            f"of {measurement['length']} tokens); predicted {best['fraction']:.4f} of the bfloat16 original's cache at {plan.at} tokens")
-    return replace(plan, storage=best["storage"], exact_heads=best["exact_heads"], cache_ratio=best["cache_ratio"],
+    return replace(plan, storage=best["storage"], window=best["window"], exact_heads=best["exact_heads"], cache_ratio=best["cache_ratio"],
                    predicted_fraction=best["fraction"], candidates=candidates, why=why, to_weigh=False,
-                   weighing={**measurement, "copy_accuracy": {c["storage"]: accuracy[c["storage"]] for c in fitting}})
+                   weighing={**measurement, "copy_accuracy": {c["name"]: accuracy[c["name"]] for c in fitting}})

@@ -44,8 +44,9 @@ def stored_options(manifest: dict[str, Any]) -> dict[str, Any]:
 
 def same_options(stored: dict[str, Any], wanted: dict[str, Any]) -> bool:
     """Whether two ``ConvertOptions`` (as dicts) make the same conversion: every field equal, the
-    ``--to`` texts by the method and settings they parse to (``kvm:a=1,b=2`` is ``kvm:b=2,a=1``)."""
-    if {k: v for k, v in stored.items() if k != "method"} != {k: v for k, v in wanted.items() if k != "method"}:
+    ``--to`` texts by the method and settings they parse to (``kvm:a=1,b=2`` is ``kvm:b=2,a=1``); a
+    field a folder's manifest predates (``budget_windows``) reads as None, the default of every such field."""
+    if any(stored.get(k) != wanted.get(k) for k in (stored.keys() | wanted.keys()) - {"method"}):
         return False
     return same_method(stored.get("method"), wanted.get("method"))
 

@@ -110,6 +110,14 @@ def parse_method(text: str) -> tuple[Conversion, dict[str, Any]]:
     return method, settings
 
 
+def with_setting(text: str, key: str, value: Any, option: str) -> str:
+    """``--to NAME[:...]`` with ``key=value`` added (as ``--at N`` or the budget's window set it);
+    ValueError naming ``option`` when the text sets ``key`` already."""
+    if any(item.partition("=")[0].strip() == key for item in text.partition(":")[2].split(",")):
+        raise ValueError(f"{option} and --to {text} both set {key}: give it once")
+    return f"{text}{',' if ':' in text else ':'}{key}={value}"
+
+
 # ---------------------------------------------------------------- the built-in methods
 
 register_conversion(

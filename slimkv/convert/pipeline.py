@@ -26,10 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import check_choice, check_float, check_int
 from slimkv.common.files import sha256_file, write_json
 from slimkv.common.output_folder import OutputFolder
@@ -38,11 +36,12 @@ from slimkv.common.version import VERSION
 from slimkv.common.vocabulary import VOCABULARY
 from slimkv.convert import hybrid, sensitivity
 from slimkv.convert.budget import WEIGHED, BudgetPlan, plan_budget, weighed
+from slimkv.convert.cache_bytes import cache_bytes_table
 from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfig, check_heal_text, check_resumable, heal
 from slimkv.convert.manifest import read_manifest
-from slimkv.convert.methods import Conversion, LayerContext, parse_method
+from slimkv.convert.methods import Conversion, LayerContext, parse_method, with_setting
 from slimkv.convert.roles import SCORES as ROLE_SCORES
 from slimkv.convert.roles import copy_accuracy, plot_head_roles
 from slimkv.convert.source import Shape, Source, check_convertible, copy_shared_weights, exact_copy, slimkv_config
@@ -65,8 +64,6 @@ OUTPUT_NAMES = ("config.json", "model.safetensors", "generation_config.json", "t
 FORMAT = "slimkv-converted"
 FORMAT_VERSION = 1
 EXPORTS = ("deepseek",)
-MEASURED_CONTEXT = 8192  # the longest context a quantized cache is measured at during conversion (a prefill of that many tokens)
-MEASURE_CHUNK = 1024
 HEAD_ROLES_PLOT = "head_roles.png"  # the measured roles as a layer x KV head heatmap, beside a model whose method measured them
 
 
@@ -83,6 +80,7 @@ class ConvertOptions:
     export: str | None = None  # "deepseek": also write the model as transformers' DeepseekV3ForCausalLM (mla-prefix only)
     cache_storage: str | None = None  # how the converted model's cache holds its rows (slimkv.ops.quantize): full (default), int8, int4[:group=G,residual=R,block=B]; with cache_budget also "weighed"
     cache_budget: float | None = None  # a fraction of the bfloat16 original's bytes at the method's `at` tokens: plans --to hybrid (slimkv.convert.budget)
+    budget_windows: list[int] | None = None  # with cache_budget: the windows the plan may give the bounded heads (default: the method's window)
 
     def validate(self) -> None:
         """ValueError naming the command-line option of a bad field."""
@@ -100,6 +98,14 @@ class ConvertOptions:
         elif self.cache_ratio is not None:
             raise ValueError(f"--to {method.name} takes no --cache-ratio: its cache is set by its own options "
                              f"({', '.join(method.settings)}; `--to {method.name}:NAME=VALUE,...`)")
+        if self.budget_windows is not None:
+            if self.cache_budget is None:
+                raise ValueError("--budget-windows gives the windows a --cache-budget plan chooses from: give --cache-budget B too")
+            if not self.budget_windows:
+                raise ValueError("--budget-windows needs at least one window")
+            for window in self.budget_windows:
+                check_int("--budget-windows", window, 1)
+            with_setting(self.method, "window", 0, "--budget-windows")  # the method's own window would be overridden: refused
         check_int("--calib-tokens", self.calib_tokens, 1)
         check_int("--calib-seq-len", self.calib_seq_len, 2)
         if self.export is not None:
@@ -134,9 +140,15 @@ def check_before_work(model: str, options: ConvertOptions, out_dir: str | Path |
     if options.export == "deepseek" and shape.qkv_bias:
         raise ValueError("--export deepseek cannot express this model: DeepSeek-V3's q_proj has no bias, and its queries have one (Qwen2)")
     method, settings = parse_method(options.method)
-    if method.check is not None:
-        method.check(shape, settings, heal_cfg.seq_len if heal_cfg is not None else None)
+    for window in (options.budget_windows or [None]) if method.check is not None else ():  # every window a plan may choose, as the method's own
+        try:
+            method.check(shape, settings if window is None else {**settings, "window": window}, heal_cfg.seq_len if heal_cfg is not None else None)
+        except ValueError as error:
+            if window is None:
+                raise
+            raise ValueError(f"--budget-windows {window}: {error}") from None
     options, _ = sized_by_budget(options, shape)
+    method, settings = parse_method(options.method)  # with the window a plan chose
     minimum = method.ratio_floor(shape, settings) if method.ratio_floor is not None else method.min_ratio(shape)
     if method.sized_by_ratio and options.cache_ratio < minimum:
         raise ValueError(f"--cache-ratio {options.cache_ratio} is below what --to {options.method} can represent for this model: "
@@ -157,31 +169,42 @@ def read_shape(model: str) -> Shape:
 
 
 def sized_by_budget(options: ConvertOptions, shape: Shape) -> tuple[ConvertOptions, BudgetPlan | None]:
-    """``options`` with ``--cache-budget`` turned into the ratio and storage its plan chose
-    (``slimkv.convert.budget``), and that plan; options without a budget as they are, and None."""
+    """``options`` with ``--cache-budget`` turned into the ratio, storage and (with ``--budget-windows``)
+    window its plan chose (``slimkv.convert.budget``), and that plan; options without a budget as they
+    are, and None. A plan still to be weighed keeps the method's window until ``weighed`` decides."""
     if options.cache_budget is None:
         return options, None
     plan = budget_plan(options, shape)
-    return replace(options, cache_ratio=plan.cache_ratio, cache_storage=plan.storage), plan
+    return apply_plan(options, plan), plan
+
+
+def apply_plan(options: ConvertOptions, plan: BudgetPlan) -> ConvertOptions:
+    """``options`` sized as ``plan`` says: its ratio, storage and, where windows were planned, its window."""
+    method = options.method
+    if options.budget_windows and not plan.to_weigh:
+        method = with_setting(method, "window", plan.window, "--budget-windows")
+    return replace(options, method=method, cache_ratio=plan.cache_ratio, cache_storage=plan.storage)
 
 
 def budget_plan(options: ConvertOptions, shape: Shape) -> BudgetPlan:
     """The plan of a ``--cache-budget`` conversion (before any weights load)."""
     _, settings = parse_method(options.method)
-    return plan_budget(shape, options.cache_budget, hybrid.budget_length(shape, settings), window=settings["window"], sink_len=settings["sink_len"],
+    windows = tuple(options.budget_windows) if options.budget_windows else settings["window"]
+    return plan_budget(shape, options.cache_budget, hybrid.budget_length(shape, settings), window=windows, sink_len=settings["sink_len"],
                        storage=options.cache_storage)
 
 
-def weigh_storages(source: Source, method: Conversion, layers: list[LayerContext], settings: dict[str, Any], budget: BudgetPlan,
+def weigh_candidates(source: Source, method: Conversion, layers: list[LayerContext], settings: dict[str, Any], budget: BudgetPlan,
                    options: ConvertOptions, progress: bool) -> BudgetPlan:
-    """The budget's fitting storages weighed (``slimkv.convert.budget.weighed``): each one's conversion, built
-    from the measured roles, copies the spans of calibration copy contexts through a cache of that storage."""
+    """The budget's fitting candidates weighed (``slimkv.convert.budget.weighed``): each one's conversion, built
+    from the measured roles (ranked once, with the method's window), copies the spans of calibration copy
+    contexts through a cache of that storage and window."""
     contexts = hybrid.weighing_contexts(source, settings, calib=options.calib, seed=options.seed)
     accuracy = {}
     for candidate in budget.fitting():
-        plan, _ = method.plan(layers, candidate["cache_ratio"], **settings)
+        plan, _ = method.plan(layers, candidate["cache_ratio"], **{**settings, "window": candidate["window"]})
         model, _, _ = build_converted(source, method, layers, plan, candidate["storage"])
-        accuracy[candidate["storage"]] = copy_accuracy(model, contexts, storage=candidate["storage"], progress=progress)["mean"]
+        accuracy[candidate["name"]] = copy_accuracy(model, contexts, storage=candidate["storage"], progress=progress)["mean"]
     return weighed(budget, accuracy, {"contexts": len(contexts), "length": len(contexts[0].ids), "formats": sorted({c.format for c in contexts})})
 
 
@@ -229,8 +252,9 @@ def convert_loaded(source: Source, options: ConvertOptions, *, progress: bool = 
     for layer in layers if roles is not None else ():
         layer.roles = {name: roles[name][layer.index] for name in ROLE_SCORES}
     if budget is not None and budget.to_weigh:
-        budget = weigh_storages(source, method, layers, settings, budget, options, progress)
-        options = replace(options, cache_ratio=budget.cache_ratio, cache_storage=budget.storage)
+        budget = weigh_candidates(source, method, layers, settings, budget, options, progress)
+        options = apply_plan(options, budget)
+        settings = {**settings, "window": budget.window}
     plan, allocation = method.plan(layers, options.cache_ratio, **settings)
     planned = time.perf_counter()
     model, layer_info, changed = build_converted(source, method, layers, plan, options.cache_storage)
@@ -298,43 +322,6 @@ def measure_sensitivity(source: Source, method: Conversion, layers: list[LayerCo
     return {"measure": "KL(original || original with this layer alone converted as the probe plan says), nats per token",
             "probe_plans": probes, "tokens": int(windows[:sensitivity.WINDOWS, :sensitivity.SEQ_LEN].numel()), "kl_per_plan_and_layer": measured,
             "seconds": time.perf_counter() - started}
-
-
-def cache_bytes_table(model: SlimKVForCausalLM, shape: Shape, *, progress: bool = False) -> list[dict[str, Any]]:
-    """Cache bytes of the converted model and of the original at contexts from 1K to the model's
-    position limit. Full storage: float32, analytic (the state of a bounded kind stops growing
-    here). Quantized storage: bfloat16 (the dtype it is served in; its scales are stored in it),
-    measured on the model's live cache prefilled in 1K chunks up to 8K, its floating elements
-    counted at bfloat16's size (``measured_cache_bytes``: the bytes a bfloat16 cache holds)."""
-    contexts = [n for n in (1024, 2048, 4096, 8192, 16384, 32768) if n <= shape.max_position_embeddings] or [shape.max_position_embeddings]
-    if model.config.cache_storage == "full":
-        rows = [(n, model.cache_bytes(n), n * shape.cache_elements * shape.n_layers * 4) for n in contexts]
-        dtype, measured = "float32", False
-    else:
-        sizes = measured_cache_bytes(model, [n for n in contexts if n <= MEASURED_CONTEXT] or contexts[:1], torch.bfloat16, progress)
-        rows = [(n, size, n * shape.cache_elements * shape.n_layers * 2) for n, size in sizes.items()]
-        dtype, measured = "bfloat16", True
-    return [{"context": n, "bytes": size, "original_bytes": original, "ratio": size / original, "dtype": dtype, "measured": measured}
-            for n, size, original in rows]
-
-
-@torch.no_grad()
-def measured_cache_bytes(model: SlimKVForCausalLM, contexts: list[int], dtype: torch.dtype, progress: bool = False) -> dict[int, int]:
-    """Live cache bytes of ``model`` served in ``dtype`` after each of ``contexts`` tokens: one
-    prefill of token 0 in chunks, in the model's own dtype, with the cache's floating elements
-    counted at ``dtype``'s size (``SlimKVCache.nbytes(float_size)``: the codes and the row counts
-    do not depend on the dtype; tests/attention/test_storage.py checks the count against a live
-    ``dtype`` cache on every kind). A float32 prefill is 2-5x faster than a bfloat16 one on a CPU
-    without bfloat16 arithmetic."""
-    cache = model.new_cache(1)
-    sizes, seen = {}, 0
-    for n in tqdm(sorted(contexts), desc="measure the cache", disable=not progress, leave=False):
-        while seen < n:
-            step = min(MEASURE_CHUNK, n - seen)
-            model(torch.zeros(1, step, dtype=torch.long), cache=cache, logits_to_keep=1)
-            seen += step
-        sizes[n] = cache.nbytes(float_size=dtype_bytes(dtype))
-    return sizes
 
 
 def save_converted(model: SlimKVForCausalLM, tokenizer: Any, manifest: dict[str, Any], out_dir: str | Path, *, keep: tuple[str, ...] = ()

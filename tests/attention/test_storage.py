@@ -124,7 +124,7 @@ def test_a_float32_cache_counted_at_two_bytes_is_the_bfloat16_cache(case):
 
 
 def test_conversion_measures_the_bfloat16_cache_without_a_bfloat16_prefill():
-    from slimkv.convert.pipeline import measured_cache_bytes
+    from slimkv.convert.cache_bytes import measured_cache_bytes
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=50, d_model=D_MODEL, n_layers=2, n_heads=N_HEADS, attention="gqa", attention_options={"n_kv_heads": 2},
                          cache_storage="int4:group=4,residual=8")

@@ -63,6 +63,41 @@ def test_weighing_takes_the_best_copy_accuracy_ties_to_the_more_precise_storage(
         weighed(plan, {names[0]: 0.9}, measurement)
 
 
+def test_planned_windows_are_candidates_and_a_shorter_window_buys_exact_heads():
+    """``--budget-windows``: every (window, storage) pair is a candidate; without weighing the most exact
+    heads win, ties to the longer window; weighing names each candidate by its storage and window."""
+    single = plan_budget(SHAPE, 0.3, 512, window=64, sink_len=2)
+    several = plan_budget(SHAPE, 0.3, 512, window=(16, 64), sink_len=2)
+    assert single.window == 64 and {c["name"] for c in single.candidates} == {c["storage"] for c in single.candidates}
+    assert [(c["window"], c["storage"]) for c in several.candidates] == [(w, c["storage"]) for w in (64, 16) for c in single.candidates]
+    by_window = {w: max(c["exact_heads"] for c in several.candidates if c["window"] == w) for w in (64, 16)}
+    assert by_window[16] >= by_window[64] and several.exact_heads == by_window[16] and several.predicted_fraction <= 0.3 + 1e-12
+    assert several.window == (16 if by_window[16] > by_window[64] else 64)
+    assert plan_budget(SHAPE, 0.99, 512, window=(16, 64), sink_len=2).window == 64  # every head exact either way: the longer window
+    weighable = plan_budget(SHAPE, 0.3, 512, window=(16, 64), sink_len=2, storage=WEIGHED)
+    names = [c["name"] for c in weighable.fitting()]
+    assert all(", window " in name for name in names)
+    best = weighable.fitting()[-1]
+    chosen = weighed(weighable, {name: float(name == best["name"]) for name in names}, {"contexts": 1, "length": 64})
+    assert (chosen.window, chosen.storage, chosen.exact_heads) == (best["window"], best["storage"], best["exact_heads"])
+
+
+def test_convert_plans_the_window_it_is_given(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    options = kvm_options(tmp_path, "hybrid:sink_len=2,roles_contexts=1", cache_budget=0.5)
+    argv = ["convert", "--model", str(tiny_folder), "--cache-budget", "0.5", "--at", "128", "--to", "hybrid:sink_len=2,roles_contexts=1",
+            "--budget-windows", "30,8", "--calib", options.calib, "--calib-tokens", "96", "--calib-seq-len", "32", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    manifest = json.loads((out / CONVERTED_MANIFEST).read_text())
+    plan = manifest["budget_plan"]
+    assert manifest["options"]["budget_windows"] == [30, 8] and manifest["method_options"]["window"] == plan["window"] in (30, 8)
+    assert f"(window {plan['window']})" in said and {c["window"] for c in plan["candidates"]} == {30, 8}
+    assert all(layer["options"]["window"] == plan["window"] for layer in manifest["layers"])
+    measured = [row for row in manifest["cache_bytes"] if row["context"] == 128]
+    assert measured[0]["ratio"] == pytest.approx(plan["predicted_fraction"], abs=1e-12) and measured[0]["ratio"] <= 0.5
+
+
 @pytest.mark.parametrize("storage", [None, WEIGHED])
 def test_convert_with_a_budget_says_the_plan_and_meets_it(tiny_folder, tmp_path, capsys, storage):
     out = tmp_path / "out"
@@ -95,6 +130,10 @@ def test_convert_with_a_budget_says_the_plan_and_meets_it(tiny_folder, tmp_path,
     ({"method": "hybrid:window=8", "cache_budget": 0.25, "cache_ratio": 0.5}, "give one"),
     ({"method": "hybrid:window=8", "cache_budget": 1.5}, "--cache-budget"),
     ({"method": "hybrid:window=8", "cache_ratio": 0.5, "cache_storage": "weighed"}, "--cache-storage weighed weighs the storages a --cache-budget allows"),
+    ({"method": "hybrid", "cache_ratio": 0.5, "budget_windows": [8]}, "--budget-windows gives the windows a --cache-budget plan chooses from"),
+    ({"method": "hybrid:window=8", "cache_budget": 0.5, "budget_windows": [8, 4]}, "--budget-windows and --to hybrid:window=8 both set window"),
+    ({"method": "hybrid", "cache_budget": 0.5, "budget_windows": [8, 0]}, "--budget-windows"),
+    ({"method": "hybrid:at=64", "cache_budget": 0.5, "budget_windows": [8, 70]}, "--budget-windows 70: --to hybrid: at must be"),
 ])
 def test_bad_budgets_fail_before_any_work(tiny_folder, tmp_path, no_loading, fields, message):
     method = fields.pop("method")
