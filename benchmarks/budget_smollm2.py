@@ -111,7 +111,8 @@ def conversion_label(converted: dict) -> str:
     healing = converted.get("healing") or {}
     config = healing.get("config") or {}
     copy = f", copy fraction {config['copy_fraction']:g}" if config.get("copy_fraction") else ""
-    healed = f", healed {config.get('tokens')} tokens{copy}" if healing else ""
+    steps = f" in {healing['step']} steps" if healing.get("step") else ""  # one token count, batches of another size: another healing
+    healed = f", healed {config.get('tokens')} tokens{steps}{copy}" if healing else ""
     if not plan:
         ratio = f" --cache-ratio {converted['cache_ratio']:g}" if converted.get("cache_ratio") is not None else ""
         storage = (converted.get("cache_storage") or "full").split(":")[0]
