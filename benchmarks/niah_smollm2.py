@@ -49,7 +49,8 @@ GRID = {"tasks": ["passkey", "needle-number"], "depths": [0.1, 0.5, 0.9], "sampl
 POWER_GRID = {"tasks": ["passkey", "needle-number"], "depths": [0.0, 0.25, 0.5, 0.75], "samples": 5, "seed": 0, "haystack": "shakespeare-val"}
 GRIDS = {"main": GRID, "power": POWER_GRID}
 NOTES = {
-    "slimkv rows": "the model's own generate() over the whole prompt; budget = the cache ratio asked of `convert`, cache kept = achieved; "
+    "slimkv rows": "the model's own generate() over the whole prompt; budget = the cache ratio asked of `convert`, cache kept = achieved (a --cache-budget plan: its byte budget, and the bfloat16 bytes "
+                   "measured at the length it was planned for); "
                    "bytes/token measured from the live cache after the prompt and the answer",
     "kvpress rows": "the press compresses the prefilled context (budget = cache kept = the fraction of its entries kept); the question and the answer are "
                     "appended uncompressed at their true positions, so bytes/token is above the budget by that tail",
@@ -64,7 +65,9 @@ def label_of(report: dict) -> str:
         plan = converted.get("budget_plan")
         if plan:  # convert --cache-budget: the budget and what the planner chose (its element ratio says neither)
             storage = plan["storage"].partition(":")[0]
-            return f"--cache-budget {plan['budget']:g} ({storage}, {plan['exact_heads']} of {plan['total_heads']} heads exact) {stage}"
+            at = f" --at {plan['at']}" if plan["at"] != 8192 else ""  # --at defaults to SmolLM2's 8192 positions
+            window = f", window {plan['window']}" if (converted.get("options") or {}).get("budget_windows") else ""
+            return f"--cache-budget {plan['budget']:g}{at} ({storage}, {plan['exact_heads']} of {plan['total_heads']} heads exact{window}) {stage}"
         if converted["method"] == "hybrid":  # its ratio is the budget at the length it was planned for
             return f"{conversion_method(converted)} {converted['cache_ratio']:g} {stage}"
         if converted.get("achieved_cache_ratio") is None:  # kvm, mla-kvm, streaming, rope-partial: bounded or sized by their own options

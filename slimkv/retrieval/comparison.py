@@ -51,6 +51,10 @@ def slimkv_row(report: dict[str, Any], label: str, source: str) -> dict[str, Any
     # the fraction asked (the budget class); a bounded cache's kept fraction (kvm; mla-kvm, whose ratio sizes its rows)
     bounded = converted.get("achieved_cache_ratio") is None
     budget = (kept if bounded else converted["cache_ratio"]) if converted and not compressed else 1.0
+    plan = converted.get("budget_plan")
+    if plan and not compressed:  # convert --cache-budget: the bytes asked, and those measured, at the length it was planned for
+        budget = plan["budget"]
+        kept = next((row["ratio"] for row in converted.get("cache_bytes") or [] if row["context"] == plan["at"]), kept)
     items = [(c["task"], c["length"], s) for c in report["cells"].values() for s in c["scores"]]
     return {"label": label, "tool": "slimkv", "source": source, "cache_budget": round(float(budget), 4), "cache_kept": round(float(kept), 4),
             "bytes_per_token": {n: round(c["bytes_per_token"], 1) for n, c in report.get("cache", {}).items()},
