@@ -18,9 +18,10 @@ precision, rows past the residual window as codes with a scale and a minimum per
 
 ``--cache-storage weighed`` (``WEIGHED``) decides between the candidates that fit by a measurement
 instead (``weighed``): each one's conversion copies spans of calibration copy contexts through its
-own cache, and the best copy accuracy wins, ties to the longer window, then the more precise storage. Fewer exact heads in
-full precision or more in coarser codes: which loses less depends on the model and on the task
-(docs/conversion.md says where each wins), so it is asked for, not the default.
+own cache, and the best copy accuracy wins, ties to the longer window, then the more precise
+storage. Fewer exact heads in full precision or more in coarser codes, a longer window or more
+exact heads: which loses less depends on the model, the task and the length (docs/conversion.md
+says where each wins), so it is asked for, not the default.
 
 The plan is said before any weights load; the conversion's manifest records it (and the weighing)
 and the cache measured on a live cache beside it (its floating elements at bfloat16's size: the
@@ -42,7 +43,7 @@ from slimkv.ops.quantize import KVStorage, parse_storage
 
 CANDIDATE_STORAGES = ("full", "int8", "int4")
 SERVED_DTYPE = torch.bfloat16
-WEIGHED = "weighed"  # --cache-storage weighed: the storages that fit, decided by measured copy accuracy
+WEIGHED = "weighed"  # --cache-storage weighed: the candidates that fit, decided by measured copy accuracy
 
 
 @dataclass(frozen=True)
