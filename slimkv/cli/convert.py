@@ -60,7 +60,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--cache-storage", default=None, metavar="full|int8|int4[:group=G,residual=R,block=B]|weighed",
                    help="how the converted model's cache holds its rows (default full): int8 / int4 codes in groups of 32 channels with a "
                         "full-precision window of the newest 128 tokens; stacks with --cache-ratio (latent 0.5 x int4 keeps about 0.16 of the bytes); "
-                        "with --cache-budget, 'weighed' builds each storage that fits and keeps the one that copies best (docs/conversion.md)")
+                        "with --cache-budget, 'weighed' builds each candidate that fits (storage, and window with --budget-windows) and keeps the one that copies best (docs/conversion.md)")
     p.add_argument("--cache-budget", type=float, default=None, metavar="B",
                    help="plan a hybrid conversion holding at most B of the bfloat16 original's cache bytes at --at tokens: the storage and "
                         "the exact KV heads are chosen from measured head roles (slimkv.convert.budget); --to defaults to hybrid")
