@@ -110,10 +110,15 @@ def parse_method(text: str) -> tuple[Conversion, dict[str, Any]]:
     return method, settings
 
 
+def sets_option(text: str, key: str) -> bool:
+    """Whether ``--to NAME:KEY=VALUE,...`` sets ``key`` itself."""
+    return any(item.partition("=")[0].strip() == key for item in text.partition(":")[2].split(","))
+
+
 def with_setting(text: str, key: str, value: Any, option: str) -> str:
     """``--to NAME[:...]`` with ``key=value`` added (as ``--at N`` or the budget's window set it);
     ValueError naming ``option`` when the text sets ``key`` already."""
-    if any(item.partition("=")[0].strip() == key for item in text.partition(":")[2].split(",")):
+    if sets_option(text, key):
         raise ValueError(f"{option} and --to {text} both set {key}: give it once")
     return f"{text}{',' if ':' in text else ':'}{key}={value}"
 

@@ -41,7 +41,7 @@ from slimkv.convert.calibrate import layer_statistics
 from slimkv.convert.deepseek import EXPORT_FOLDER, export_deepseek
 from slimkv.convert.heal import CONVERSION_KEY, HEAL_CONFIG, HEAL_DIR, HealConfig, check_heal_text, check_resumable, heal
 from slimkv.convert.manifest import read_manifest
-from slimkv.convert.methods import Conversion, LayerContext, parse_method, with_setting
+from slimkv.convert.methods import Conversion, LayerContext, parse_method, sets_option, with_setting
 from slimkv.convert.roles import SCORES as ROLE_SCORES
 from slimkv.convert.roles import copy_accuracy, plot_head_roles
 from slimkv.convert.source import Shape, Source, check_convertible, copy_shared_weights, exact_copy, slimkv_config
@@ -105,7 +105,8 @@ class ConvertOptions:
                 raise ValueError("--budget-windows needs at least one window")
             for window in self.budget_windows:
                 check_int("--budget-windows", window, 1)
-            with_setting(self.method, "window", 0, "--budget-windows")  # the method's own window would be overridden: refused
+            if sets_option(self.method, "window"):
+                raise ValueError(f"--budget-windows and --to {self.method} both set window: give it once")
         check_int("--calib-tokens", self.calib_tokens, 1)
         check_int("--calib-seq-len", self.calib_seq_len, 2)
         if self.export is not None:
