@@ -19,7 +19,8 @@ the kernel), its cache filled to the last of ``--contexts``, in each of ``--dtyp
 call routed to each path in turn, interleaved in rounds, and so is the kernel call alone on the
 arguments the layer passed. Paths: ``generic`` (the portable C built for this CPU without AVX-512:
 what a CPU with AVX2 and no AVX-512 ran before the AVX2 path), ``avx2``, ``avx512`` (where the CPU
-has it), ``avx512-bf16`` (bfloat16 caches, where the CPU has AVX512-BF16) and ``portable`` (no -march). Each row has its roofline (bytes read and FLOPs of the layer
+has it), ``avx512-bf16`` (bfloat16 caches, where the CPU has AVX512-BF16), ``amx-bf16`` (bfloat16 caches, where the
+CPU has AMX and the OS hands it out) and ``portable`` (no -march). Each row has its roofline (bytes read and FLOPs of the layer
 step and of the kernel call; a read-only bandwidth and a small-GEMM rate measured before and after
 each dtype) and its time against the generic path's.
 
@@ -89,13 +90,14 @@ def measure(kv_heads: int, context: int, *, heads: int, head_dim: int, rounds: i
 
 
 PATHS = {"generic": ("avx2", ("-DSLIMKV_PORTABLE",)), "avx2": ("avx2", ()), "avx512": ("avx512", ()), "avx512-bf16": ("avx512-bf16", ()),
-         "portable": ("portable", ())}
+         "amx-bf16": ("amx-bf16", ()), "portable": ("portable", ())}
 PATH_GEMM = {"generic": "avx2", "avx2": "avx2"}
 """The instruction set a path's FMA rate is measured under (``roofline.machine_rates(isa=...)``): a
 path held to AVX2 cannot reach an AVX-512 machine's peak, so its bound uses an AVX2 GEMM's; the
 others use the machine's best (for ``portable``, built for any x86-64, an optimistic bound)."""
 """--layers' paths -> (native.ISAS name, extra flags): ``generic`` is the portable C built for this CPU without AVX-512;
-``avx512-bf16`` (AVX512-BF16 dot products) runs for bfloat16 caches only, its float32 build being the avx512 path."""
+``avx512-bf16`` (AVX512-BF16) and ``amx-bf16`` (AMX logits for wide shared rows) run for bfloat16 caches only, their float32
+builds being the avx512 path."""
 
 
 def path_libraries(dtype: torch.dtype) -> dict[str, Any]:

@@ -11,8 +11,9 @@ returns None (with one warning saying why) and callers take the torch path; ``SL
 asks for that.
 
 Instruction-set paths (``ISAS``; the C source picks one at build time from the target's flags,
-and ``kernel_isa`` reports the one compiled): "avx512-bf16" (bfloat16 caches on a CPU with
-AVX512-BF16: the logits by its dot products), "avx512", "avx2" (AVX2 + FMA) and "portable" (plain
+and ``kernel_isa`` reports the one compiled): "amx-bf16" (bfloat16 caches on a CPU with AMX: the
+logits of wide rows shared by several query rows by AMX tiles, csrc/decode_amx.h), "avx512-bf16"
+(bfloat16 caches on a CPU with AVX512-BF16), "avx512", "avx2" (AVX2 + FMA) and "portable" (plain
 C). The default build is the CPU's best (``-march=native``); ``build(..., isa="avx2")`` builds a
 named one, which tests use to check every path this CPU can run (``runnable_isas``).
 
@@ -159,7 +160,7 @@ def kernel_tile_logits(dtype: torch.dtype = torch.float32) -> str | None:
 
 def kernel_isa(dtype: torch.dtype = torch.float32) -> str:
     """Which path decode calls on caches of ``dtype`` take: the loaded kernel's own answer
-    ("avx512-bf16", "avx512", "avx2", "portable"), or "torch (...)" with the reason there is no kernel."""
+    ("amx-bf16", "avx512-bf16", "avx512", "avx2", "portable"), or "torch (...)" with the reason there is no kernel."""
     library = decode_kernel(dtype)
     if library is not None:
         return library_isa(library)

@@ -19,17 +19,20 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"  # includes the headers beside it (decode_avx2.h, decode_avx512.h)
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"  # includes the headers beside it (decode_avx2.h, decode_avx512.h, decode_amx.h)
 FLAGS = ("-O3", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
 THREADING = (("-fopenmp",), ("-fopenmp-simd",))  # tried in order: threads from torch's OpenMP team (csrc/threads.h), else started per call
 ARCH_FLAGS = (("-march=native",), ())  # tried in order: this CPU's vector units, then the compiler's default target
-ISAS = {"avx512-bf16": ("-march=native",), "avx512": ("-march=native", "-mno-avx512bf16"), "avx2": ("-march=native", "-mno-avx512f"),
-        "portable": ("-DSLIMKV_PORTABLE",)}
+ISAS = {"amx-bf16": ("-march=native",), "avx512-bf16": ("-march=native", "-DSLIMKV_NO_AMX"), "avx512": ("-march=native", "-mno-avx512bf16"),
+        "avx2": ("-march=native", "-mno-avx512f"), "portable": ("-DSLIMKV_PORTABLE",)}
 """Named instruction-set path -> the flags that build it on a CPU that has it (``runnable_isas``).
-"avx512-bf16" differs from "avx512" in bfloat16 builds only (their logits by AVX512-BF16 dot
-products); a float32 build of it is the avx512 path and says so."""
-ISA_CPU_FLAGS = {"avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16"), "avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}
-"""Named path -> the /proc/cpuinfo flags a CPU needs to run it."""
+"amx-bf16", "avx512-bf16" and "avx512" differ in bfloat16 builds only: "avx512-bf16" has
+AVX512-BF16's conversions (and, on AMD Zen, its dot products for the logits), "amx-bf16" also AMX
+tiles for the logits of wide rows shared by several query rows (csrc/decode_amx.h); a float32
+build of either is the avx512 path and says so."""
+ISA_CPU_FLAGS = {"amx-bf16": ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"), "avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16"),
+                 "avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}
+"""Named path -> the /proc/cpuinfo flags a CPU needs to run it ("amx-bf16" also the OS's leave: ``amx_permitted``)."""
 ENTRIES = {torch.float32: ((), "slimkv_decode_attention_f32"), torch.bfloat16: (("-DSLIMKV_BF16",), "slimkv_decode_attention_bf16")}
 """Cache element type -> (the build's extra flags, its entry point)."""
 QUANTIZED_ENTRIES = {torch.float32: "slimkv_decode_quantized_f32", torch.bfloat16: "slimkv_decode_quantized_bf16"}
@@ -79,11 +82,26 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+@functools.lru_cache(maxsize=1)
+def amx_permitted() -> bool:
+    """Whether Linux lets this process use AMX's tile state (asked once: arch_prctl
+    ARCH_REQ_XCOMP_PERM for XTILEDATA, what the kernel library asks too; False off x86-64 Linux)."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(ctypes.c_long(158), ctypes.c_long(0x1023), ctypes.c_long(18)) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        return False
+
+
 def runnable_isas() -> list[str]:
-    """The named paths (``ISAS``) this CPU can run, best first: x86 flags decide; "portable" always."""
+    """The named paths (``ISAS``) this CPU can run, best first: x86 flags decide (and, for AMX, the
+    OS's leave); "portable" always."""
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
     flags = _cpu_flags()
-    return [isa for isa, needs in ISA_CPU_FLAGS.items() if not needs or (x86 and all(f in flags for f in needs))]
+    return [isa for isa, needs in ISA_CPU_FLAGS.items()
+            if not needs or (x86 and all(f in flags for f in needs) and (not isa.startswith("amx") or amx_permitted()))]
 
 
 def _sources() -> bytes:
@@ -155,7 +173,8 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
 
 
 def library_isa(library: ctypes.CDLL) -> str:
-    """The instruction-set path a loaded kernel library was compiled with: "avx512-bf16", "avx512", "avx2" or "portable"."""
+    """The instruction-set path a loaded kernel library takes: "amx-bf16", "avx512-bf16", "avx512", "avx2" or "portable" (what was
+    compiled; an AMX build the OS refused AMX says "avx512-bf16", the tiles it then runs)."""
     return library.slimkv_kernel_isa().decode()
 
 

@@ -50,4 +50,4 @@ def test_an_unknown_kernel_path_is_refused_naming_the_option(monkeypatch, capsys
     with pytest.raises(SystemExit):
         bench.parse()
     err = capsys.readouterr().err
-    assert "--isas 'neon'" in err and "allowed: avx512-bf16, avx512, avx2, portable" in err
+    assert "--isas 'neon'" in err and "allowed: amx-bf16, avx512-bf16, avx512, avx2, portable" in err

@@ -8,7 +8,7 @@ import torch
 
 from slimkv.ops import native, native_build
 from slimkv.ops.attention import decode_attention, matmul_decode_attention, reference_attention
-from tests.ops.kernel_markers import ISAS, LIBRARY, needs_avx512_bf16, needs_kernel
+from tests.ops.kernel_markers import FLOAT32_PATH, ISAS, LIBRARY, needs_avx512_bf16, needs_kernel
 
 
 def _cache(batch, kv_heads, keys, dim, v_dim, *, spare=0, seed=0):
@@ -91,6 +91,7 @@ LAYOUTS = {  # name -> (kv_heads, groups, dim, v_dim, values in the key rows fro
     "mla288": (1, 8, 288, 256, 32), "mla-odd": (1, 9, 100, 68, 32), "latent": (2, 1, 64, 512, None),
     "latent-shared": (8, 1, 64, 512, "shared"), "latent-shared-odd": (3, 2, 40, 72, "shared"),
     "lrkv192": (1, 8, 192, 192, None), "odd17x5": (1, 3, 17, 5, None), "odd40x24": (3, 2, 40, 24, None),
+    "mla288x17": (1, 17, 288, 256, 32), "wide96x3": (2, 3, 96, 48, None),
 }
 
 
@@ -120,8 +121,8 @@ def _tolerance(dtype):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_isa_build_reports_its_own_path(isa, dtype):
-    """A float32 build of "avx512-bf16" is the avx512 path (bfloat16 dot products serve bfloat16 rows only) and says so."""
-    assert native.library_isa(native.isa_kernel(DTYPES[dtype], isa)) == (isa if dtype == "bfloat16" else isa.removesuffix("-bf16"))
+    """A float32 build of "avx512-bf16" or "amx-bf16" is the avx512 path (their instructions serve bfloat16 rows only) and says so."""
+    assert native.library_isa(native.isa_kernel(DTYPES[dtype], isa)) == (isa if dtype == "bfloat16" else FLOAT32_PATH.get(isa, isa))
 
 
 @needs_kernel
@@ -177,6 +178,36 @@ def test_avx512_bf16_tiles_match_the_reference_with_either_logits_rule(dot, layo
     out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(q.shape[-1]), library)
     torch.testing.assert_close(out.float(), reference_attention(q.float(), k.float(), v.float()), **_tolerance(torch.bfloat16))
     assert native.library_tile_logits(native.isa_kernel(torch.float32, "avx512-bf16", (f"-DTILE_DOT_BF16={dot}",))) is None
+
+
+@needs_kernel
+@pytest.mark.skipif("amx-bf16" not in ISAS, reason="the AMX logits need a CPU with AMX-TILE and AMX-BF16 (Intel Sapphire Rapids or later) "
+                    "and the OS's leave to use them; this machine lacks one, and the tiles it runs are checked by the every-path tests")
+@pytest.mark.parametrize("layout", ["mla288", "lrkv192", "mla288x17", "wide96x3", "mla-odd", "gqa64x3"])
+@pytest.mark.parametrize("keys", [1, 16, 17, 64, 65, 300, 2700])
+@pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
+def test_amx_logits_match_the_reference(layout, keys, query_dtype, monkeypatch):
+    """The amx-bf16 build's AMX logits (csrc/decode_amx.h) on wide rows shared by 3 to 17 query rows
+    (two tiles of rows past 16), 16-key tiles whole and cut short, MLA's values inside the key rows,
+    key splits over threads at 2700 keys; layouts the row tiles keep (64-wide) and odd widths that
+    stay on the AVX-512 tiles run beside them. float32 queries that bfloat16 cannot hold take all
+    three bfloat16 parts of the split, and the float32 output is held to float32's tolerance."""
+    q, k, v = _isa_cache(layout, keys, torch.bfloat16, seed=keys)
+    if query_dtype == "float32":
+        q = q.float() * (1 + 1e-3 * torch.randn(q.shape, generator=torch.Generator().manual_seed(keys)))
+    library = native.isa_kernel(torch.bfloat16, "amx-bf16")
+    assert native.library_isa(library) == "amx-bf16"
+    scale = 1 / math.sqrt(q.shape[-1])
+    expected = reference_attention(q.float(), k.float(), v.float(), scale=scale)
+    monkeypatch.setattr(native, "ATTENTION_PARALLEL_MIN_FLOPS", 0)
+    with_threads = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            out = native.native_decode_attention([q], [(k, v)], scale, library)
+        finally:
+            torch.set_num_threads(with_threads)
+        torch.testing.assert_close(out.float(), expected, **_tolerance(q.dtype))
 
 
 @needs_kernel
@@ -246,22 +277,28 @@ def test_runnable_isas_follow_the_cpu_flags(monkeypatch):
     assert native.runnable_isas() == ["avx512", "avx2", "portable"]
     monkeypatch.setattr(native_build, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
     assert native.runnable_isas() == ["avx512-bf16", "avx512", "avx2", "portable"]
+    monkeypatch.setattr(native_build, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"})
+    monkeypatch.setattr(native_build, "amx_permitted", lambda: True)
+    assert native.runnable_isas() == ["amx-bf16", "avx512-bf16", "avx512", "avx2", "portable"]
+    monkeypatch.setattr(native_build, "amx_permitted", lambda: False)  # the CPU has AMX, the OS does not hand it out
+    assert native.runnable_isas() == ["avx512-bf16", "avx512", "avx2", "portable"]
     monkeypatch.setattr(native_build.platform, "machine", lambda: "aarch64")
     assert native.runnable_isas() == ["portable"]
 
 
 def test_an_unknown_isa_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="isa 'sse9' is not allowed; allowed values: avx512-bf16, avx512, avx2, portable"):
+    with pytest.raises(ValueError, match="isa 'sse9' is not allowed; allowed values: amx-bf16, avx512-bf16, avx512, avx2, portable"):
         native.build("cc", tmp_path, isa="sse9")
 
 
 @needs_kernel
 def test_kernel_isa_is_what_the_loaded_library_says():
-    """The default build is the CPU's best path; for float32 caches "avx512-bf16" is the avx512 path."""
-    assert native.kernel_isa() == native.library_isa(LIBRARY) == native.runnable_isas()[0].removesuffix("-bf16")
+    """The default build is the CPU's best path; for float32 caches "amx-bf16" and "avx512-bf16" are the avx512 path."""
+    best = native.runnable_isas()[0]
+    assert native.kernel_isa() == native.library_isa(LIBRARY) == FLOAT32_PATH.get(best, best)
     assert native.kernel_isa(torch.bfloat16) == native.runnable_isas()[0]
     assert native.kernel_tile_logits(torch.float32) is None
-    expected = {"avx512-bf16": {"vdpbf16ps", "widened fma"}, "avx512": {"widened fma"}}.get(native.runnable_isas()[0], {None})
+    expected = {"amx-bf16": {"vdpbf16ps", "widened fma"}, "avx512-bf16": {"vdpbf16ps", "widened fma"}, "avx512": {"widened fma"}}.get(native.runnable_isas()[0], {None})
     assert native.kernel_tile_logits(torch.bfloat16) in expected
 
 
@@ -488,4 +525,4 @@ def test_the_isa_switch_builds_the_named_path_and_refuses_others(monkeypatch):
     finally:
         monkeypatch.delenv(native.ISA_SWITCH)
         native.decode_kernel.cache_clear()
-    assert native.kernel_isa(torch.float32) == native.runnable_isas()[0].replace("avx512-bf16", "avx512")
+    assert native.kernel_isa(torch.float32) == FLOAT32_PATH.get(native.runnable_isas()[0], native.runnable_isas()[0])

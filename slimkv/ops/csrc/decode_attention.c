@@ -30,6 +30,8 @@
  *   "avx512-bf16" is that path for bfloat16 rows on a CPU with AVX512-BF16: quantized values
  *   rounded by its conversion, and, where TILE_DOT_BF16 (decode_avx512.h: AMD Zen, where it
  *   measured faster), the logits by its dot products in both tile kinds (slimkv_tile_logits says).
+ *   "amx-bf16" is that path on a CPU with AMX-TILE and AMX-BF16 whose OS hands AMX out: the wide
+ *   tiles' logits for query rows sharing a head (MLA, LRKV; decode_amx.h) by AMX tile products.
  *
  * Heads: a work item is one (batch, kv_head) pair, or, when every segment's values are shared by
  * all heads (value head stride 0), all heads of a batch row (or a share of them per thread), so
@@ -303,13 +305,16 @@ static inline int values_in_key_rows(const elem_t *k, const elem_t *v, int64_t d
 /* The instruction-set path, chosen at build time from the target's flags (-march=native: this
  * CPU's; slimkv/ops/native.py can build a named one). SLIMKV_PORTABLE forces the portable path. */
 #if !defined(SLIMKV_PORTABLE) && defined(__AVX512F__) && (!defined(SLIMKV_BF16) || defined(__AVX512BW__))
-#if defined(SLIMKV_BF16) && defined(__AVX512BF16__)
+#if defined(SLIMKV_BF16) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(SLIMKV_NO_AMX)
+#define SLIMKV_ISA "amx-bf16" /* AMX tiles for query rows sharing a head (decode_amx.h), the avx512-bf16 tiles for the rest */
+#define SLIMKV_PATH_AMX 1
+#elif defined(SLIMKV_BF16) && defined(__AVX512BF16__)
 #define SLIMKV_ISA "avx512-bf16" /* AVX512-BF16 conversions and dot products (decode_avx512.h, decode_linear.h) */
 #else
 #define SLIMKV_ISA "avx512"
 #endif
 #define SLIMKV_PATH_AVX512 1
-#include "decode_avx512.h"
+#include "decode_avx512.h" /* and decode_amx.h, where SLIMKV_PATH_AMX */
 #elif !defined(SLIMKV_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
 #define SLIMKV_ISA "avx2"
 #define SLIMKV_PATH_AVX2 1
@@ -320,7 +325,12 @@ static inline int values_in_key_rows(const elem_t *k, const elem_t *v, int64_t d
 
 /* Which path this build runs: "avx512-bf16" (bfloat16 caches, AVX512-BF16 instructions), "avx512", "avx2" or
  * "portable" (what was compiled, not a guess). */
-const char *slimkv_kernel_isa(void) { return SLIMKV_ISA; }
+const char *slimkv_kernel_isa(void) {
+#ifdef SLIMKV_PATH_AMX
+    if (!amx_ready()) return "avx512-bf16"; /* built with AMX, refused it by the OS: every item takes the AVX-512 tiles */
+#endif
+    return SLIMKV_ISA;
+}
 
 /* How the attention tiles compute a bfloat16 cache's logits (TILE_DOT_BF16 in decode_avx512.h):
  * "vdpbf16ps" (AVX512-BF16 dot products on the stored keys) or "widened fma" (keys widened to
@@ -391,6 +401,28 @@ static void *run_job(void *arg) {
     DISPATCH_AVX512(4, 4)
     DISPATCH_AVX512(2, 2)
     DISPATCH_AVX512(8, 8)
+#if defined(SLIMKV_PATH_AMX)
+    if (amx_takes(job->shared, job->groups, job->dim)) { /* the wide tiles, their logits by AMX (decode_amx.h); the row tiles above keep their widths */
+        const int64_t row_groups = (job->groups + AMX_ROWS - 1) / AMX_ROWS, chunks = job->dim / 32;
+        AmxQueries amx;
+        amx.tiles = malloc(sizeof(uint16_t) * (size_t)(row_groups * 3 * chunks * 512) + sizeof(elem_t) * (size_t)(16 * job->dim));
+        if (!amx.tiles) {
+            free(acc);
+            job->status = 1;
+            return NULL;
+        }
+        amx.tail = (elem_t *)(amx.tiles + row_groups * 3 * chunks * 512);
+        amx_configure();
+        for (int64_t i = job->first; i < job->last; i++) {
+            ITEM_SPAN(job, i, b, h, heads)
+            attend_item_wide_with(b * job->kv_heads + h, job->out + (b * job->kv_heads + h) * job->groups * job->v_dim, job->segments, job->n_segments,
+                                  b, h, heads, job->groups, job->dim, job->v_dim, job->scale, acc, qs, logits, run_max, run_sum, &amx);
+        }
+        _tile_release();
+        free(amx.tiles);
+        goto done;
+    }
+#endif
     DISPATCH_TILED(attend_item_wide)
 #elif defined(SLIMKV_PATH_AVX2)
 #ifndef SLIMKV_BF16

@@ -456,6 +456,12 @@ static inline __attribute__((always_inline)) void attend_item_avx512(int64_t ite
     }
 }
 
+#ifdef SLIMKV_PATH_AMX
+#include "decode_amx.h"
+#else
+typedef struct AmxQueries AmxQueries; /* no AMX in this build: attend_item_wide_with always gets NULL */
+#endif
+
 /* Keep x in a register: without this the compiler folds a vector that is used several times back
  * into each use as a memory operand, one load per use, and the tiles below become load-bound. */
 #define IN_REGISTER(x) __asm__("" : "+v"(x))
@@ -645,9 +651,10 @@ static inline __attribute__((always_inline)) void values_tile(const float *restr
  * value chunk read once for the tile's rows). Same arithmetic
  * as attend_item, in another order of sums. Scratch: acc (rows x v_pad), qs (rows x d_pad),
  * logits (rows x BLOCK_KEYS). */
-static void attend_item_wide(int64_t item, float *restrict out, const Segment *segments, int n_segments, int64_t b, int64_t h, int64_t heads,
-                             int64_t groups, int64_t dim, int64_t v_dim, float scale, float *restrict acc, float *restrict q_scratch,
-                             float *restrict logits, float *restrict run_max, float *restrict run_sum) {
+static inline __attribute__((always_inline)) void attend_item_wide_with(int64_t item, float *restrict out, const Segment *segments, int n_segments,
+                                                                         int64_t b, int64_t h, int64_t heads, int64_t groups, int64_t dim, int64_t v_dim,
+                                                                         float scale, float *restrict acc, float *restrict q_scratch, float *restrict logits,
+                                                                         float *restrict run_max, float *restrict run_sum, AmxQueries *amx) {
     const int64_t d_pad = (dim + DOT_WIDTH - 1) / DOT_WIDTH * DOT_WIDTH, rows_all = heads * groups;
 #ifdef SLIMKV_BF16
     const int64_t v_pad = (v_dim + 31) / 32 * 32; /* whole pairs of chunks (pair order) */
@@ -682,6 +689,9 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
                 qs[g * d_pad + d] = q[g * dim + d] * scale;
 #endif
             }
+#ifdef SLIMKV_PATH_AMX
+        if (amx) amx_queries(q, rows_all, dim, amx);
+#endif
         const elem_t *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
         const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
         const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
@@ -695,7 +705,13 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
             const int64_t next = seg.keys - t0 - AHEAD_BLOCKS * BLOCK_KEYS; /* keys of the block AHEAD_BLOCKS on (<= 0: none) */
             Ahead ah = ahead_rows(kh + (t0 + AHEAD_BLOCKS * BLOCK_KEYS) * k_row, vh + (t0 + AHEAD_BLOCKS * BLOCK_KEYS) * v_row, fetch && next > 0 ? (next < BLOCK_KEYS ? next : BLOCK_KEYS) : 0,
                                   k_row, v_row, seg.k_stride_h, heads, dim, v_dim, units, n);
-            for (int64_t hh = 0; hh < heads; hh++) {
+#ifdef SLIMKV_PATH_AMX
+            if (amx) { /* every row's logits by AMX tiles (heads is 1: amx_takes), the prefetch stepped by their share */
+                ahead_step(&ah, n * rows_all * d_chunks * ah.per_unit);
+                amx_logits(kh + t0 * k_row, k_row, n, dim, rows_all, amx, scale, logits);
+            }
+#endif
+            for (int64_t hh = 0; hh < heads && !amx; hh++) {
                 const elem_t *restrict kb = kh + hh * seg.k_stride_h + t0 * k_row;
                 if (groups == 1) {
                     const qelem_t *qr = qs + hh * d_pad;
@@ -791,4 +807,11 @@ static void attend_item_wide(int64_t item, float *restrict out, const Segment *s
         for (int64_t e = 0; e < v_dim; e++) out[g * v_dim + e] = acc[g * v_pad + e] * inv;
 #endif
     }
+}
+
+/* attend_item_wide_with, its logits by the AVX-512 tiles. */
+static void attend_item_wide(int64_t item, float *restrict out, const Segment *segments, int n_segments, int64_t b, int64_t h, int64_t heads,
+                             int64_t groups, int64_t dim, int64_t v_dim, float scale, float *restrict acc, float *restrict q_scratch,
+                             float *restrict logits, float *restrict run_max, float *restrict run_sum) {
+    attend_item_wide_with(item, out, segments, n_segments, b, h, heads, groups, dim, v_dim, scale, acc, q_scratch, logits, run_max, run_sum, NULL);
 }

@@ -1,0 +1,180 @@
+/* slimkv's decode kernel, AMX logits for bfloat16 caches (included by decode_avx512.h when the
+ * build targets AMX-TILE and AMX-BF16: Intel Sapphire Rapids and later).
+ *
+ * Why: where several query rows share a key/value head (GQA with several query heads per key
+ * head, MQA, MLA's latent rows, LRKV's rows), the AVX-512 tiles pay, for every key, one fused
+ * multiply-add per 16 channels per row and a horizontal sum per row: the logits alone cost more
+ * than the key rows' read. One AMX tile product takes 16 keys x 16 rows x 32 channels.
+ *
+ * How, per block of keys (attend_item_wide_with, decode_avx512.h, calls amx_logits in place of its
+ * logits tiles; the online softmax and the values stay the AVX-512 tiles'):
+ *   logits^T (16 keys x 16 rows) = K (16 cached rows x 32 channels, loaded straight from the cache)
+ *                                  x Q^T (the queries' channel pairs interleaved: AMX's B layout),
+ * accumulated over the 32-channel chunks in float32, stored, transposed to rows x keys and scaled.
+ * The queries are float32; each is split into three bfloat16 parts (high, middle, low, each
+ * rounded from what the ones before leave: their sum is the float32 to about 2^-26 of it) and a
+ * part is multiplied only when some query has it not zero (the queries of a bfloat16 model are
+ * bfloat16: one part). The keys are used as stored (exact). So the logits are the float32 dot
+ * products to float32's precision, summed in another order. A 16-key tile that would read past
+ * the block's n keys is copied into zeroed scratch first.
+ *
+ * Which items (amx_takes): bfloat16 rows, query rows of one head only (not the latent kind's
+ * shared values), at least AMX_MIN_GROUPS rows per head (one row fills a sixteenth of a tile; the
+ * keys-in-lanes tiles read at the memory's rate there), key widths a multiple of 32. Linux hands
+ * AMX's state to a process only when asked (arch_prctl ARCH_REQ_XCOMP_PERM): asked once; refused,
+ * every item takes the AVX-512 tiles and slimkv_kernel_isa() says "avx512-bf16". */
+#include <pthread.h>
+#include <sys/syscall.h>
+
+long syscall(long number, ...); /* unistd.h declares it only under _GNU_SOURCE / _DEFAULT_SOURCE, which -std=c11 leaves off */
+
+#ifndef AMX_MIN_GROUPS
+#define AMX_MIN_GROUPS 2
+#endif
+#define AMX_ROWS 16      /* query rows per tile */
+#define AMX_MAX_DIM 1024 /* key widths up to this (the queries' tiles: 3 parts x dim / 32 KiB per 16 rows) */
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static int amx_permitted;
+
+static void amx_request(void) { amx_permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0; }
+
+/* Whether this process may use AMX's tiles (asked of the OS once). */
+static int amx_ready(void) {
+    pthread_once(&amx_once, amx_request);
+    return amx_permitted;
+}
+
+/* Whether an item of ``groups`` query rows per head over keys ``dim`` wide takes amx_logits. */
+static inline int amx_takes(int shared, int64_t groups, int64_t dim) {
+    return !shared && groups >= AMX_MIN_GROUPS && groups <= 64 * AMX_ROWS && dim % 32 == 0 && dim <= AMX_MAX_DIM && amx_ready();
+}
+
+/* Three tiles of 16 rows x 64 bytes: 0 logits^T (keys x rows, float32), 1 keys (16 x 32
+ * bfloat16), 2 a part of the queries (B layout). Loaded by each thread before its items. */
+static void amx_configure(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 3; i++) {
+        config.colsb[i] = 64;
+        config.rows[i] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* The queries of one item as B tiles: for each group of AMX_ROWS rows, each part, each 32-channel
+ * chunk, 16 channel pairs x 16 rows (1 KiB; rows past the item's are zero). */
+typedef struct {
+    uint16_t *tiles;
+    int parts[64]; /* per row group: how many parts to multiply (1 to 3) */
+    int64_t chunks;
+    elem_t *tail; /* 16 key rows of dim, for a tile past the block's keys */
+} AmxQueries;
+
+static inline uint16_t *amx_query_tile(const AmxQueries *a, int64_t group, int part, int64_t chunk) {
+    return a->tiles + ((group * 3 + part) * a->chunks + chunk) * 512;
+}
+
+/* 16 floats as three bfloat16 parts, each rounded to nearest even from what the ones before leave
+ * (every subtraction exact): part[0] + part[1] + part[2] = x to about 2^-26 of x. */
+static inline void split_bf16(__m512 x, __m256i part[3]) {
+    for (int i = 0; i < 3; i++) {
+        const __m256bh h = _mm512_cvtneps_pbh(x);
+        part[i] = (__m256i)h;
+        x = _mm512_sub_ps(x, _mm512_cvtpbh_ps(h));
+    }
+}
+
+/* The B tiles of ``rows`` query rows of ``dim`` floats (unscaled: the scale goes on the logits). */
+static void amx_queries(const float *q, int64_t rows, int64_t dim, AmxQueries *a) {
+    a->chunks = dim / 32;
+    const int64_t groups = (rows + AMX_ROWS - 1) / AMX_ROWS;
+    memset(a->tiles, 0, sizeof(uint16_t) * (size_t)(groups * 3 * a->chunks * 512));
+    for (int64_t g = 0; g < groups; g++) {
+        a->parts[g] = 1;
+        for (int64_t c = 0; c < AMX_ROWS && g * AMX_ROWS + c < rows; c++)
+            for (int64_t d = 0; d < dim; d += 16) {
+                __m256i parts[3];
+                split_bf16(_mm512_loadu_ps(q + (g * AMX_ROWS + c) * dim + d), parts);
+                for (int i = 0; i < 3; i++) {
+                    uint16_t lanes[16];
+                    _mm256_storeu_si256((__m256i *)lanes, parts[i]);
+                    for (int e = 0; e < 16; e++) {
+                        const int64_t channel = d + e;
+                        amx_query_tile(a, g, i, channel / 32)[channel % 32 / 2 * 32 + c * 2 + channel % 2] = lanes[e]; /* pair row, column c */
+                        if (lanes[e] && i + 1 > a->parts[g]) a->parts[g] = i + 1;
+                    }
+                }
+            }
+    }
+}
+
+/* Rows [0, R) of dst (``dst_stride`` floats apart, 16 floats each) = post x the transpose of src
+ * (16 x 16, contiguous): dst[i][t] = post * src[t][i]. */
+static inline void transpose16_rows(const float *restrict src, float *restrict dst, int64_t dst_stride, int R, __m512 post) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + 16 * i);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    /* r[4b + j], 128-bit lane L: column 4L + j of src rows 4b .. 4b + 3; gather each column's four lanes */
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    }
+    for (int j = 0; j < 4; j++) {
+        if (j < R) _mm512_storeu_ps(dst + j * dst_stride, _mm512_mul_ps(post, _mm512_shuffle_f32x4(t[j], t[8 + j], _MM_SHUFFLE(2, 0, 2, 0))));
+        if (4 + j < R) _mm512_storeu_ps(dst + (4 + j) * dst_stride, _mm512_mul_ps(post, _mm512_shuffle_f32x4(t[4 + j], t[12 + j], _MM_SHUFFLE(2, 0, 2, 0))));
+        if (8 + j < R) _mm512_storeu_ps(dst + (8 + j) * dst_stride, _mm512_mul_ps(post, _mm512_shuffle_f32x4(t[j], t[8 + j], _MM_SHUFFLE(3, 1, 3, 1))));
+        if (12 + j < R) _mm512_storeu_ps(dst + (12 + j) * dst_stride, _mm512_mul_ps(post, _mm512_shuffle_f32x4(t[4 + j], t[12 + j], _MM_SHUFFLE(3, 1, 3, 1))));
+    }
+}
+
+/* logits[i * BLOCK_KEYS + t] = post * (query row i . key t) for the ``rows`` rows of amx_queries
+ * and the block's n keys (kb, k_row apart; a tile of 16 keys reaching past n is read from zeroed
+ * scratch); the logits of keys n .. the tile's end are written too (the caller overwrites them). */
+static inline void amx_logits(const elem_t *kb, int64_t k_row, int n, int64_t dim, int64_t rows, const AmxQueries *a, float post,
+                              float *restrict logits) {
+    float out[256] __attribute__((aligned(64)));
+    const __m512 post16 = _mm512_set1_ps(post);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const elem_t *keys = kb + t0 * k_row;
+        int64_t stride = k_row;
+        if (n - t0 < 16) {
+            memset(a->tail, 0, sizeof(elem_t) * (size_t)(16 * dim));
+            for (int t = 0; t < n - t0; t++) memcpy(a->tail + t * dim, keys + t * k_row, sizeof(elem_t) * (size_t)dim);
+            keys = a->tail;
+            stride = dim;
+        }
+        for (int64_t g = 0; g * AMX_ROWS < rows; g++) {
+            _tile_zero(0);
+            for (int64_t j = 0; j < a->chunks; j++) {
+                _tile_loadd(1, keys + 32 * j, stride * (int64_t)sizeof(elem_t));
+                for (int part = 0; part < a->parts[g]; part++) {
+                    _tile_loadd(2, amx_query_tile(a, g, part, j), 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+            }
+            _tile_stored(0, out, 64);
+            const int R = (int)(rows - g * AMX_ROWS < AMX_ROWS ? rows - g * AMX_ROWS : AMX_ROWS);
+            transpose16_rows(out, logits + g * AMX_ROWS * BLOCK_KEYS + t0, BLOCK_KEYS, R, post16);
+        }
+    }
+}
