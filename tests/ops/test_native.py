@@ -183,14 +183,14 @@ def test_avx512_bf16_tiles_match_the_reference_with_either_logits_rule(dot, layo
 @needs_kernel
 @pytest.mark.skipif("amx-bf16" not in ISAS, reason="the AMX logits need a CPU with AMX-TILE and AMX-BF16 (Intel Sapphire Rapids or later) "
                     "and the OS's leave to use them; this machine lacks one, and the tiles it runs are checked by the every-path tests")
-@pytest.mark.parametrize("layout", ["mla288", "lrkv192", "mla288x17", "wide96x3", "mla-odd", "gqa64x3"])
+@pytest.mark.parametrize("layout", ["mla288", "lrkv192", "mla288x17", "wide96x3", "mla-odd", "odd17x5", "odd40x24", "gqa64x3"])
 @pytest.mark.parametrize("keys", [1, 16, 17, 64, 65, 300, 2700])
 @pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
 def test_amx_logits_match_the_reference(layout, keys, query_dtype, monkeypatch):
     """The amx-bf16 build's AMX logits (csrc/decode_amx.h) on wide rows shared by 3 to 17 query rows
-    (two tiles of rows past 16), 16-key tiles whole and cut short, MLA's values inside the key rows,
-    key splits over threads at 2700 keys; layouts the row tiles keep (64-wide) and odd widths that
-    stay on the AVX-512 tiles run beside them. float32 queries that bfloat16 cannot hold take all
+    (two tiles of rows past 16), 16-key tiles whole and cut short, odd widths (a last chunk of fewer
+    than 32 channels), MLA's values inside the key rows, key splits over threads at 2700 keys; a
+    layout the row tiles keep (64-wide) runs beside them. float32 queries that bfloat16 cannot hold take all
     three bfloat16 parts of the split, and the float32 output is held to float32's tolerance."""
     q, k, v = _isa_cache(layout, keys, torch.bfloat16, seed=keys)
     if query_dtype == "float32":

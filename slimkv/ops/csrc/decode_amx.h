@@ -16,11 +16,11 @@
  * part is multiplied only when some query has it not zero (the queries of a bfloat16 model are
  * bfloat16: one part). The keys are used as stored (exact). So the logits are the float32 dot
  * products to float32's precision, summed in another order. A 16-key tile that would read past
- * the block's n keys is copied into zeroed scratch first.
+ * the block's n keys, and a last chunk of fewer than 32 channels, are copied into zeroed scratch first.
  *
  * Which items (amx_takes): bfloat16 rows, query rows of one head only (not the latent kind's
  * shared values), at least AMX_MIN_GROUPS rows per head (one row fills a sixteenth of a tile; the
- * keys-in-lanes tiles read at the memory's rate there), key widths a multiple of 32. Linux hands
+ * keys-in-lanes tiles read at the memory's rate there), key widths up to AMX_MAX_DIM. Linux hands
  * AMX's state to a process only when asked (arch_prctl ARCH_REQ_XCOMP_PERM): asked once; refused,
  * every item takes the AVX-512 tiles and slimkv_kernel_isa() says "avx512-bf16". */
 #include <pthread.h>
@@ -54,7 +54,7 @@ static int amx_ready(void) {
 
 /* Whether an item of ``groups`` query rows per head over keys ``dim`` wide takes amx_logits. */
 static inline int amx_takes(int shared, int64_t groups, int64_t dim) {
-    return !shared && groups >= AMX_MIN_GROUPS && groups <= 64 * AMX_ROWS && dim % 32 == 0 && dim <= AMX_MAX_DIM && amx_ready();
+    return !shared && groups >= AMX_MIN_GROUPS && groups <= 64 * AMX_ROWS && dim <= AMX_MAX_DIM && amx_ready();
 }
 
 /* Three tiles of 16 rows x 64 bytes: 0 logits^T (keys x rows, float32), 1 keys (16 x 32
@@ -75,8 +75,9 @@ static void amx_configure(void) {
 typedef struct {
     uint16_t *tiles;
     int parts[64]; /* per row group: how many parts to multiply (1 to 3) */
-    int64_t chunks;
-    elem_t *tail; /* 16 key rows of dim, for a tile past the block's keys */
+    int64_t chunks;          /* 32-channel chunks, the last one partial where dim is not a multiple of 32 */
+    elem_t *tail;            /* 16 key rows of dim, for a tile past the block's keys */
+    elem_t *last;            /* 16 rows x 32: a partial last chunk's channels, zero past dim */
 } AmxQueries;
 
 static inline uint16_t *amx_query_tile(const AmxQueries *a, int64_t group, int part, int64_t chunk) {
@@ -95,19 +96,20 @@ static inline void split_bf16(__m512 x, __m256i part[3]) {
 
 /* The B tiles of ``rows`` query rows of ``dim`` floats (unscaled: the scale goes on the logits). */
 static void amx_queries(const float *q, int64_t rows, int64_t dim, AmxQueries *a) {
-    a->chunks = dim / 32;
+    a->chunks = (dim + 31) / 32;
     const int64_t groups = (rows + AMX_ROWS - 1) / AMX_ROWS;
     memset(a->tiles, 0, sizeof(uint16_t) * (size_t)(groups * 3 * a->chunks * 512));
     for (int64_t g = 0; g < groups; g++) {
         a->parts[g] = 1;
         for (int64_t c = 0; c < AMX_ROWS && g * AMX_ROWS + c < rows; c++)
             for (int64_t d = 0; d < dim; d += 16) {
+                const int64_t width = dim - d < 16 ? dim - d : 16;
                 __m256i parts[3];
-                split_bf16(_mm512_loadu_ps(q + (g * AMX_ROWS + c) * dim + d), parts);
+                split_bf16(_mm512_maskz_loadu_ps((__mmask16)((1u << width) - 1u), q + (g * AMX_ROWS + c) * dim + d), parts);
                 for (int i = 0; i < 3; i++) {
                     uint16_t lanes[16];
                     _mm256_storeu_si256((__m256i *)lanes, parts[i]);
-                    for (int e = 0; e < 16; e++) {
+                    for (int e = 0; e < width; e++) {
                         const int64_t channel = d + e;
                         amx_query_tile(a, g, i, channel / 32)[channel % 32 / 2 * 32 + c * 2 + channel % 2] = lanes[e]; /* pair row, column c */
                         if (lanes[e] && i + 1 > a->parts[g]) a->parts[g] = i + 1;
@@ -149,7 +151,8 @@ static inline void transpose16_rows(const float *restrict src, float *restrict d
 
 /* logits[i * BLOCK_KEYS + t] = post * (query row i . key t) for the ``rows`` rows of amx_queries
  * and the block's n keys (kb, k_row apart; a tile of 16 keys reaching past n is read from zeroed
- * scratch); the logits of keys n .. the tile's end are written too (the caller overwrites them). */
+ * scratch, and so is a partial last chunk of channels: no tile reads past a row's dim channels);
+ * the logits of keys n .. the tile's end are written too (the caller overwrites them). */
 static inline void amx_logits(const elem_t *kb, int64_t k_row, int n, int64_t dim, int64_t rows, const AmxQueries *a, float post,
                               float *restrict logits) {
     float out[256] __attribute__((aligned(64)));
@@ -163,10 +166,18 @@ static inline void amx_logits(const elem_t *kb, int64_t k_row, int n, int64_t di
             keys = a->tail;
             stride = dim;
         }
+        const int64_t full = dim / 32;
+        if (full < a->chunks) { /* the last chunk's dim % 32 channels of each of the 16 rows, zero past them */
+            memset(a->last, 0, sizeof(elem_t) * 16 * 32);
+            for (int t = 0; t < 16; t++) memcpy(a->last + 32 * t, keys + t * stride + 32 * full, sizeof(elem_t) * (size_t)(dim - 32 * full));
+        }
         for (int64_t g = 0; g * AMX_ROWS < rows; g++) {
             _tile_zero(0);
             for (int64_t j = 0; j < a->chunks; j++) {
-                _tile_loadd(1, keys + 32 * j, stride * (int64_t)sizeof(elem_t));
+                if (j < full)
+                    _tile_loadd(1, keys + 32 * j, stride * (int64_t)sizeof(elem_t));
+                else
+                    _tile_loadd(1, a->last, 64);
                 for (int part = 0; part < a->parts[g]; part++) {
                     _tile_loadd(2, amx_query_tile(a, g, part, j), 64);
                     _tile_dpbf16ps(0, 1, 2);

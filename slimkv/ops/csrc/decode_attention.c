@@ -403,15 +403,16 @@ static void *run_job(void *arg) {
     DISPATCH_AVX512(8, 8)
 #if defined(SLIMKV_PATH_AMX)
     if (amx_takes(job->shared, job->groups, job->dim)) { /* the wide tiles, their logits by AMX (decode_amx.h); the row tiles above keep their widths */
-        const int64_t row_groups = (job->groups + AMX_ROWS - 1) / AMX_ROWS, chunks = job->dim / 32;
+        const int64_t row_groups = (job->groups + AMX_ROWS - 1) / AMX_ROWS, chunks = (job->dim + 31) / 32;
         AmxQueries amx;
-        amx.tiles = malloc(sizeof(uint16_t) * (size_t)(row_groups * 3 * chunks * 512) + sizeof(elem_t) * (size_t)(16 * job->dim));
+        amx.tiles = malloc(sizeof(uint16_t) * (size_t)(row_groups * 3 * chunks * 512) + sizeof(elem_t) * (size_t)(16 * job->dim + 16 * 32));
         if (!amx.tiles) {
             free(acc);
             job->status = 1;
             return NULL;
         }
         amx.tail = (elem_t *)(amx.tiles + row_groups * 3 * chunks * 512);
+        amx.last = amx.tail + 16 * job->dim;
         amx_configure();
         for (int64_t i = job->first; i < job->last; i++) {
             ITEM_SPAN(job, i, b, h, heads)
