@@ -30,5 +30,8 @@ needs_kernel = pytest.mark.skipif(NO_KERNEL is not None, reason=NO_KERNEL or "no
 needs_avx512_bf16 = pytest.mark.skipif("avx512-bf16" not in ISAS, reason="TILE_DOT_BF16 chooses between two tiles of the avx512-bf16 build, "
                                        "which runs only on a CPU with AVX512-BF16 and this one lacks it; the tiles this CPU builds are "
                                        "checked by the every-path tests")
+needs_amx = pytest.mark.skipif("amx-bf16" not in ISAS, reason="the AMX logits need a CPU with AMX-TILE and AMX-BF16 (Intel Sapphire Rapids or "
+                               "later) and the OS's leave to use them; this machine lacks one, and the tiles it runs are checked by the "
+                               "every-path tests")
 FLOAT32_PATH = {"amx-bf16": "avx512", "avx512-bf16": "avx512"}
 """What a float32 build of a named path is (their extra instructions serve bfloat16 rows only): the path itself where absent."""

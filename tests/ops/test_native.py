@@ -8,7 +8,7 @@ import torch
 
 from slimkv.ops import native, native_build
 from slimkv.ops.attention import decode_attention, matmul_decode_attention, reference_attention
-from tests.ops.kernel_markers import FLOAT32_PATH, ISAS, LIBRARY, needs_avx512_bf16, needs_kernel
+from tests.ops.kernel_markers import FLOAT32_PATH, ISAS, LIBRARY, needs_amx, needs_avx512_bf16, needs_kernel
 
 
 def _cache(batch, kv_heads, keys, dim, v_dim, *, spare=0, seed=0):
@@ -181,8 +181,7 @@ def test_avx512_bf16_tiles_match_the_reference_with_either_logits_rule(dot, layo
 
 
 @needs_kernel
-@pytest.mark.skipif("amx-bf16" not in ISAS, reason="the AMX logits need a CPU with AMX-TILE and AMX-BF16 (Intel Sapphire Rapids or later) "
-                    "and the OS's leave to use them; this machine lacks one, and the tiles it runs are checked by the every-path tests")
+@needs_amx
 @pytest.mark.parametrize("layout", ["mla288", "lrkv192", "mla288x17", "wide96x3", "mla-odd", "odd17x5", "odd40x24", "gqa64x3"])
 @pytest.mark.parametrize("keys", [1, 16, 17, 64, 65, 300, 2700])
 @pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])

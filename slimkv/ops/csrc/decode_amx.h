@@ -1,10 +1,11 @@
 /* slimkv's decode kernel, AMX logits for bfloat16 caches (included by decode_avx512.h when the
  * build targets AMX-TILE and AMX-BF16: Intel Sapphire Rapids and later).
  *
- * Why: where several query rows share a key/value head (GQA with several query heads per key
- * head, MQA, MLA's latent rows, LRKV's rows), the AVX-512 tiles pay, for every key, one fused
- * multiply-add per 16 channels per row and a horizontal sum per row: the logits alone cost more
- * than the key rows' read. One AMX tile product takes 16 keys x 16 rows x 32 channels.
+ * Why: where several query rows share a wide key row (MLA's latent rows, LRKV's rows), the
+ * AVX-512 wide tiles pay, for every key, one fused multiply-add per 16 channels per row and a
+ * horizontal sum per row: the logits alone cost more than the key rows' read. One AMX tile product
+ * takes 16 keys x 16 rows x 32 channels. (The 32/64/128-wide rows of GQA and MQA keep the AVX-512
+ * row tiles, run_job's dispatch: AMX logits measured slower there.)
  *
  * How, per block of keys (attend_item_wide_with, decode_avx512.h, calls amx_logits in place of its
  * logits tiles; the online softmax and the values stay the AVX-512 tiles'):

@@ -676,7 +676,7 @@ static inline __attribute__((always_inline)) void attend_item_wide_with(int64_t 
     for (int s = 0; s < n_segments; s++) {
         const Segment seg = segments[s];
         const float *restrict q = seg.q + item * groups * dim;
-        for (int64_t g = 0; g < rows_all; g++)
+        for (int64_t g = 0; g < (amx ? 0 : rows_all); g++) /* the logits tiles' queries (AMX takes its own, below) */
             for (int64_t d = 0; d < dim; d++) {
 #ifdef SLIMKV_BF16_DOT
                 float x = q[g * dim + d];
