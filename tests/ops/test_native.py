@@ -91,7 +91,7 @@ LAYOUTS = {  # name -> (kv_heads, groups, dim, v_dim, values in the key rows fro
     "mla288": (1, 8, 288, 256, 32), "mla-odd": (1, 9, 100, 68, 32), "latent": (2, 1, 64, 512, None),
     "latent-shared": (8, 1, 64, 512, "shared"), "latent-shared-odd": (3, 2, 40, 72, "shared"),
     "lrkv192": (1, 8, 192, 192, None), "odd17x5": (1, 3, 17, 5, None), "odd40x24": (3, 2, 40, 24, None),
-    "mla288x17": (1, 17, 288, 256, 32), "wide96x3": (2, 3, 96, 48, None),
+    "mla288x17": (1, 17, 288, 256, 32), "wide96x3": (2, 3, 96, 48, None), "mqa64x17": (1, 17, 64, 64, None),
 }
 
 
@@ -182,15 +182,20 @@ def test_avx512_bf16_tiles_match_the_reference_with_either_logits_rule(dot, layo
 
 @needs_kernel
 @needs_amx
-@pytest.mark.parametrize("layout", ["mla288", "lrkv192", "mla288x17", "wide96x3", "mla-odd", "odd17x5", "odd40x24", "gqa64x3"])
+@pytest.mark.parametrize(
+    "layout", ["mla288", "lrkv192", "mla288x17", "wide96x3", "mla-odd", "odd17x5", "odd40x24", "gqa64x3", "gqa64x5", "mqa64", "mqa64x17", "gqa32x9", "gqa128x3"]
+)
 @pytest.mark.parametrize("keys", [1, 16, 17, 64, 65, 300, 2700])
 @pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
 def test_amx_logits_match_the_reference(layout, keys, query_dtype, monkeypatch):
     """The amx-bf16 build's AMX logits (csrc/decode_amx.h) on wide rows shared by 3 to 17 query rows
     (two tiles of rows past 16), 16-key tiles whole and cut short, odd widths (a last chunk of fewer
-    than 32 channels), MLA's values inside the key rows, key splits over threads at 2700 keys; a
-    layout the row tiles keep (64-wide) runs beside them. float32 queries that bfloat16 cannot hold take all
-    three bfloat16 parts of the split, and the float32 output is held to float32's tolerance."""
+    than 32 channels), MLA's values inside the key rows, key splits over threads at 2700 keys; on the
+    32/64/128-wide rows of heads with more query rows than one row tile holds (5 to 17: whole blocks
+    of 64 keys by amx_logits_block's resident query tiles where the queries are bfloat16 and 16 rows
+    or fewer, the rest by amx_logits), and 3 rows of 64 that the row tiles keep. float32 queries that
+    bfloat16 cannot hold take all three bfloat16 parts of the split, and the float32 output is held to
+    float32's tolerance."""
     q, k, v = _isa_cache(layout, keys, torch.bfloat16, seed=keys)
     if query_dtype == "float32":
         q = q.float() * (1 + 1e-3 * torch.randn(q.shape, generator=torch.Generator().manual_seed(keys)))

@@ -4,11 +4,17 @@
  * Why: where several query rows share a wide key row (MLA's latent rows, LRKV's rows), the
  * AVX-512 wide tiles pay, for every key, one fused multiply-add per 16 channels per row and a
  * horizontal sum per row: the logits alone cost more than the key rows' read. One AMX tile product
- * takes 16 keys x 16 rows x 32 channels. (The 32/64/128-wide rows of GQA and MQA keep the AVX-512
- * row tiles, run_job's dispatch: AMX logits measured slower there.)
+ * takes 16 keys x 16 rows x 32 channels. The same holds for the 32/64/128-wide rows of GQA and MQA
+ * heads with more query rows than one AVX-512 row tile holds (5 or more of 64; block_rows_avx512
+ * then passes over each block once per tile, each pass with its own products and horizontal sums):
+ * there attend_item_avx512 takes every row's logits here and the row tiles do the softmax and the
+ * values alone (softmax_values_avx512), in tiles of up to 6 rows. Heads of up to 4 rows (one row
+ * tile) keep the row tiles' own logits: AMX logits measured slower there (one layer of SmolLM2's
+ * 3 x 3 rows: 0.8-0.9x).
  *
- * How, per block of keys (attend_item_wide_with, decode_avx512.h, calls amx_logits in place of its
- * logits tiles; the online softmax and the values stay the AVX-512 tiles'):
+ * How, per block of keys (attend_item_wide_with and attend_item_avx512, decode_avx512.h, call
+ * amx_logits in place of their logits tiles; the online softmax and the values stay the AVX-512
+ * tiles'):
  *   logits^T (16 keys x 16 rows) = K (16 cached rows x 32 channels, loaded straight from the cache)
  *                                  x Q^T (the queries' channel pairs interleaved: AMX's B layout),
  * accumulated over the 32-channel chunks in float32, stored, transposed to rows x keys and scaled.
@@ -21,7 +27,8 @@
  *
  * Which items (amx_takes): bfloat16 rows, query rows of one head only (not the latent kind's
  * shared values), at least AMX_MIN_GROUPS rows per head (one row fills a sixteenth of a tile; the
- * keys-in-lanes tiles read at the memory's rate there), key widths up to AMX_MAX_DIM. Linux hands
+ * keys-in-lanes tiles read at the memory's rate there), key widths up to AMX_MAX_DIM; of those, the
+ * 32/64/128-wide rows only past one row tile (run_job). Linux hands
  * AMX's state to a process only when asked (arch_prctl ARCH_REQ_XCOMP_PERM): asked once; refused,
  * every item takes the AVX-512 tiles and slimkv_kernel_isa() says "avx512-bf16". */
 #include <pthread.h>
@@ -53,18 +60,20 @@ static int amx_ready(void) {
     return amx_permitted;
 }
 
-/* Whether an item of ``groups`` query rows per head over keys ``dim`` wide takes amx_logits. */
+/* Whether an item of ``groups`` query rows per head over keys ``dim`` wide may take amx_logits (the
+ * row tiles' widths also need more rows than a row tile: run_job). */
 static inline int amx_takes(int shared, int64_t groups, int64_t dim) {
     return !shared && groups >= AMX_MIN_GROUPS && groups <= 64 * AMX_ROWS && dim <= AMX_MAX_DIM && amx_ready();
 }
 
-/* Three tiles of 16 rows x 64 bytes: 0 logits^T (keys x rows, float32), 1 keys (16 x 32
- * bfloat16), 2 a part of the queries (B layout). Loaded by each thread before its items. */
+/* All eight tiles 16 rows x 64 bytes (amx_logits: 0 logits^T (keys x rows, float32), 1 keys (16 x
+ * 32 bfloat16), 2 a part of the queries (B layout); amx_logits_block: its own). Loaded by each
+ * thread before its items. */
 static void amx_configure(void) {
     TileConfig config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 8; i++) {
         config.colsb[i] = 64;
         config.rows[i] = 16;
     }
@@ -80,6 +89,24 @@ typedef struct {
     elem_t *tail;            /* 16 key rows of dim, for a tile past the block's keys */
     elem_t *last;            /* 16 rows x 32: a partial last chunk's channels, zero past dim */
 } AmxQueries;
+
+/* Scratch for items of ``groups`` rows per head over keys ``dim`` wide, and the tile configuration
+ * loaded on this thread. 0 when out of memory. */
+static int amx_open(AmxQueries *a, int64_t groups, int64_t dim) {
+    const int64_t row_groups = (groups + AMX_ROWS - 1) / AMX_ROWS, chunks = (dim + 31) / 32;
+    a->tiles = malloc(sizeof(uint16_t) * (size_t)(row_groups * 3 * chunks * 512) + sizeof(elem_t) * (size_t)(16 * dim + 16 * 32));
+    if (!a->tiles) return 0;
+    a->tail = (elem_t *)(a->tiles + row_groups * 3 * chunks * 512);
+    a->last = a->tail + 16 * dim;
+    amx_configure();
+    return 1;
+}
+
+/* Gives back what amx_open took (the tiles' state and the scratch). */
+static void amx_close(AmxQueries *a) {
+    _tile_release();
+    free(a->tiles);
+}
 
 static inline uint16_t *amx_query_tile(const AmxQueries *a, int64_t group, int part, int64_t chunk) {
     return a->tiles + ((group * 3 + part) * a->chunks + chunk) * 512;
@@ -189,4 +216,40 @@ static inline void amx_logits(const elem_t *kb, int64_t k_row, int n, int64_t di
             transpose16_rows(out, logits + g * AMX_ROWS * BLOCK_KEYS + t0, BLOCK_KEYS, R, post16);
         }
     }
+}
+
+/* amx_logits for a whole block (BLOCK_KEYS = 64 keys) of keys 32 or 64 wide and at most 16 rows whose
+ * queries are one bfloat16 part (the row tiles' GQA and MQA heads): the query tiles stay in tile
+ * registers for the block and four logits^T tiles (one per 16 keys) accumulate side by side, so
+ * the tile products do not wait on each other. Tiles: 0-3 logits^T, 4-5 the queries' chunks, 6-7
+ * the keys' chunks. */
+static inline void amx_logits_block(const elem_t *kb, int64_t k_row, int64_t dim, int64_t rows, const AmxQueries *a, float post,
+                                    float *restrict logits) {
+    float out[4][256] __attribute__((aligned(64)));
+    const int64_t stride = k_row * (int64_t)sizeof(elem_t);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, amx_query_tile(a, 0, 0, 0), 64);
+#define AMX_KEYS_LO(T)                                \
+    _tile_loadd(6, kb + 16 * (T) * k_row, stride);    \
+    _tile_dpbf16ps(T, 6, 4);
+#define AMX_KEYS_HI(T)                                  \
+    _tile_loadd(7, kb + 16 * (T) * k_row + 32, stride); \
+    _tile_dpbf16ps(T, 7, 5);
+    if (dim == 64) {
+        _tile_loadd(5, amx_query_tile(a, 0, 0, 1), 64);
+        AMX_KEYS_LO(0) AMX_KEYS_HI(0) AMX_KEYS_LO(1) AMX_KEYS_HI(1) AMX_KEYS_LO(2) AMX_KEYS_HI(2) AMX_KEYS_LO(3) AMX_KEYS_HI(3)
+    } else {
+        AMX_KEYS_LO(0) AMX_KEYS_LO(1) AMX_KEYS_LO(2) AMX_KEYS_LO(3)
+    }
+#undef AMX_KEYS_LO
+#undef AMX_KEYS_HI
+    _tile_stored(0, out[0], 64);
+    _tile_stored(1, out[1], 64);
+    _tile_stored(2, out[2], 64);
+    _tile_stored(3, out[3], 64);
+    const __m512 post16 = _mm512_set1_ps(post);
+    for (int t = 0; t < 4; t++) transpose16_rows(out[t], logits + 16 * t, BLOCK_KEYS, (int)rows, post16);
 }

@@ -30,8 +30,9 @@
  *   "avx512-bf16" is that path for bfloat16 rows on a CPU with AVX512-BF16: quantized values
  *   rounded by its conversion, and, where TILE_DOT_BF16 (decode_avx512.h: AMD Zen, where it
  *   measured faster), the logits by its dot products in both tile kinds (slimkv_tile_logits says).
- *   "amx-bf16" is that path on a CPU with AMX-TILE and AMX-BF16 whose OS hands AMX out: the wide
- *   tiles' logits for query rows sharing a head (MLA, LRKV; decode_amx.h) by AMX tile products.
+ *   "amx-bf16" is that path on a CPU with AMX-TILE and AMX-BF16 whose OS hands AMX out: the logits
+ *   of query rows sharing a head (MLA, LRKV, and GQA / MQA heads of more rows than a row tile
+ *   holds; decode_amx.h) by AMX tile products.
  *
  * Heads: a work item is one (batch, kv_head) pair, or, when every segment's values are shared by
  * all heads (value head stride 0), all heads of a batch row (or a share of them per thread), so
@@ -306,7 +307,7 @@ static inline int values_in_key_rows(const elem_t *k, const elem_t *v, int64_t d
  * CPU's; slimkv/ops/native.py can build a named one). SLIMKV_PORTABLE forces the portable path. */
 #if !defined(SLIMKV_PORTABLE) && defined(__AVX512F__) && (!defined(SLIMKV_BF16) || defined(__AVX512BW__))
 #if defined(SLIMKV_BF16) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(SLIMKV_NO_AMX)
-#define SLIMKV_ISA "amx-bf16" /* AMX tiles for query rows sharing a head (decode_amx.h), the avx512-bf16 tiles for the rest */
+#define SLIMKV_ISA "amx-bf16" /* AMX logits for query rows sharing a head (decode_amx.h), the avx512-bf16 tiles for the rest */
 #define SLIMKV_PATH_AMX 1
 #elif defined(SLIMKV_BF16) && defined(__AVX512BF16__)
 #define SLIMKV_ISA "avx512-bf16" /* AVX512-BF16 conversions and dot products (decode_avx512.h, decode_linear.h) */
@@ -363,7 +364,7 @@ const char *slimkv_row_prefetch_rule(void) {
     if (!job->shared && job->dim == 16 * (ND) && job->v_dim == 16 * (NV)) {                                                    \
         for (int64_t i = job->first; i < job->last; i++)                                                                       \
             attend_item_avx512(i, job->out + i * job->groups * job->v_dim, job->segments, job->n_segments, i / job->kv_heads,   \
-                               i % job->kv_heads, job->groups, (ND), (NV), job->scale, acc, run_max, run_sum);                  \
+                               i % job->kv_heads, job->groups, (ND), (NV), job->scale, acc, run_max, run_sum, logits, amx);      \
         goto done;                                                                                                             \
     }
 #define DISPATCH_TILED(ATTEND)                                                                                                 \
@@ -398,29 +399,30 @@ static void *run_job(void *arg) {
     float *run_sum = run_max + rows;
     (void)logits;
 #if defined(SLIMKV_PATH_AVX512)
-    DISPATCH_AVX512(4, 4)
-    DISPATCH_AVX512(2, 2)
-    DISPATCH_AVX512(8, 8)
 #if defined(SLIMKV_PATH_AMX)
-    if (amx_takes(job->shared, job->groups, job->dim)) { /* the wide tiles, their logits by AMX (decode_amx.h); the row tiles above keep their widths */
-        const int64_t row_groups = (job->groups + AMX_ROWS - 1) / AMX_ROWS, chunks = (job->dim + 31) / 32;
-        AmxQueries amx;
-        amx.tiles = malloc(sizeof(uint16_t) * (size_t)(row_groups * 3 * chunks * 512) + sizeof(elem_t) * (size_t)(16 * job->dim + 16 * 32));
-        if (!amx.tiles) {
+    AmxQueries amx_scratch, *amx = NULL; /* AMX logits for this job's items (decode_amx.h); the row tiles' widths only past one tile of rows */
+    const int row_widths = !job->shared && job->dim == job->v_dim && (job->dim == 32 || job->dim == 64 || job->dim == 128);
+    if (amx_takes(job->shared, job->groups, job->dim) && (!row_widths || job->groups > row_tile_avx512((int)(job->v_dim / 16)))) {
+        if (!amx_open(&amx_scratch, job->groups, job->dim)) {
             free(acc);
             job->status = 1;
             return NULL;
         }
-        amx.tail = (elem_t *)(amx.tiles + row_groups * 3 * chunks * 512);
-        amx.last = amx.tail + 16 * job->dim;
-        amx_configure();
+        amx = &amx_scratch;
+    }
+#else
+    AmxQueries *amx = NULL;
+#endif
+    DISPATCH_AVX512(4, 4)
+    DISPATCH_AVX512(2, 2)
+    DISPATCH_AVX512(8, 8)
+#if defined(SLIMKV_PATH_AMX)
+    if (amx) { /* the wide tiles, their logits by AMX */
         for (int64_t i = job->first; i < job->last; i++) {
             ITEM_SPAN(job, i, b, h, heads)
             attend_item_wide_with(b * job->kv_heads + h, job->out + (b * job->kv_heads + h) * job->groups * job->v_dim, job->segments, job->n_segments,
-                                  b, h, heads, job->groups, job->dim, job->v_dim, job->scale, acc, qs, logits, run_max, run_sum, &amx);
+                                  b, h, heads, job->groups, job->dim, job->v_dim, job->scale, acc, qs, logits, run_max, run_sum, amx);
         }
-        _tile_release();
-        free(amx.tiles);
         goto done;
     }
 #endif
@@ -442,6 +444,9 @@ static void *run_job(void *arg) {
                     b, h, heads, job->groups, job->dim, job->v_dim, job->scale, acc, run_max, run_sum, qs);
     }
 done:
+#if defined(SLIMKV_PATH_AMX)
+    if (amx) amx_close(amx);
+#endif
     if (job->stats_max) { /* a key split runs one item: keep its rows' statistics */
         ITEM_SPAN(job, job->first, b, h, heads)
         const int64_t base = (b * job->kv_heads + h) * job->groups;

@@ -268,6 +268,68 @@ static inline __attribute__((always_inline)) void code_row_avx512(const uint8_t 
 #endif
 }
 
+#ifdef SLIMKV_PATH_AMX
+#include "decode_amx.h"
+#else
+typedef struct AmxQueries AmxQueries; /* no AMX in this build: the tiles always get NULL */
+#endif
+
+/* The online-softmax update of R query rows for one block of n keys and their values: ``logits``
+ * holds the rows' scaled logits (BLOCK_KEYS apart; overwritten by the
+ * probabilities), acc / run_max / run_sum the rows' running state (v_dim = 16 * NV floats a row).
+ * Each value vector is loaded once for the R rows, whose accumulators stay in registers. ``fetch``,
+ * ``codes``: as block_rows_avx512. */
+#define VALUE_ROWS_MAX 6
+static inline __attribute__((always_inline)) void softmax_values_avx512(float *restrict logits, const elem_t *restrict vb, int64_t v_row, int n,
+                                                                         const int R, const int NV, int fetch, const CodeBlock *codes, const int bits,
+                                                                         const int group, float *restrict acc, float *restrict run_max,
+                                                                         float *restrict run_sum) {
+    __m512 av[VALUE_ROWS_MAX][8];
+    for (int i = 0; i < R; i++) {
+        for (int t = n; t < BLOCK_KEYS; t++) logits[i * BLOCK_KEYS + t] = -INFINITY;
+        __m512 m16 = _mm512_loadu_ps(logits + i * BLOCK_KEYS);
+        for (int t = 16; t < BLOCK_KEYS; t += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(logits + i * BLOCK_KEYS + t));
+        const float block_max = _mm512_reduce_max_ps(m16);
+        for (int j = 0; j < NV; j++) av[i][j] = _mm512_loadu_ps(acc + i * 16 * NV + 16 * j);
+        if (block_max > run_max[i]) {
+            const __m512 correction = exp_nonpositive16(_mm512_set1_ps(run_max[i] - block_max));
+            run_sum[i] *= _mm512_cvtss_f32(correction);
+            for (int j = 0; j < NV; j++) av[i][j] = _mm512_mul_ps(av[i][j], correction);
+            run_max[i] = block_max;
+        }
+        const __m512 m = _mm512_set1_ps(run_max[i]);
+        __m512 sum16 = _mm512_setzero_ps();
+        for (int t = 0; t < BLOCK_KEYS; t += 16) {
+            const __m512 p = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(logits + i * BLOCK_KEYS + t), m));
+            _mm512_storeu_ps(logits + i * BLOCK_KEYS + t, p);
+            sum16 = _mm512_add_ps(sum16, p);
+        }
+        run_sum[i] += _mm512_reduce_add_ps(sum16);
+    }
+    for (int t = 0; t < n; t++) {
+        const elem_t *vt = vb + t * v_row;
+        __m512 vv[8];
+        if (codes) {
+            if (PREFETCH_BLOCKS > 0) _mm_prefetch((const char *)(codes->v + (t + PREFETCH_BLOCKS * BLOCK_KEYS) * codes->v_row), _MM_HINT_T0);
+            code_row_avx512(codes->v + t * codes->v_row, codes->vs + t * codes->vs_row, codes->vl + t * codes->vl_row, NV, bits, group, vv);
+        } else {
+            if (PREFETCH_BLOCKS > 0 && fetch)
+                for (int j = 0; j < NV * (int)sizeof(elem_t) / 4; j++) _mm_prefetch((const char *)(vt + PREFETCH_BLOCKS * BLOCK_KEYS * v_row) + 64 * j, ROW_HINT);
+#ifdef SLIMKV_BF16
+            for (int j = 0; j < NV; j += 2) load32_pair(vt + 16 * j, &vv[j], &vv[j + 1]);
+#else
+            for (int j = 0; j < NV; j++) vv[j] = load16(vt + 16 * j);
+#endif
+        }
+        for (int i = 0; i < R; i++) {
+            const __m512 p = _mm512_set1_ps(logits[i * BLOCK_KEYS + t]);
+            for (int j = 0; j < NV; j++) av[i][j] = _mm512_fmadd_ps(p, vv[j], av[i][j]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc + i * 16 * NV + 16 * j, av[i][j]);
+}
+
 /* R query rows (g0 .. g0 + R - 1 of one item) against one block of n keys, with AVX-512, for
  * dim = 16 * ND and v_dim = 16 * NV: each key and value vector is loaded once for the R rows, the
  * R accumulators stay in registers. Same arithmetic as attend_item. bfloat16 rows are widened 32
@@ -277,7 +339,8 @@ static inline __attribute__((always_inline)) void code_row_avx512(const uint8_t 
  * ``fetch``: prefetch the rows PREFETCH_BLOCKS blocks ahead (ROW_PREFETCH_ALWAYS). ``codes`` (NULL
  * for rows): read the block from int4 / int8 codes of ``bits`` and ``group`` instead of kb and vb,
  * dequantized in registers to the values the cache's own dequantization gives
- * (code_row_avx512), each code row prefetched PREFETCH_BLOCKS blocks ahead. */
+ * (code_row_avx512), each code row prefetched PREFETCH_BLOCKS blocks ahead. The softmax and the
+ * values: softmax_values_avx512. */
 static inline __attribute__((always_inline)) void block_rows_avx512(const float *restrict q, const elem_t *restrict kb, const elem_t *restrict vb,
                                                                      int64_t k_row, int64_t v_row, int n, const int R, const int ND, const int NV, __m512 scale16, int fetch,
                                                                      const CodeBlock *codes, const int bits, const int group,
@@ -346,70 +409,38 @@ static inline __attribute__((always_inline)) void block_rows_avx512(const float 
     for (int i = 0; i < R; i++)
         for (int t = 0; t < n; t++) logits[i][t] *= post;
 #endif
-    __m512 av[4][8];
-    for (int i = 0; i < R; i++) {
-        for (int t = n; t < BLOCK_KEYS; t++) logits[i][t] = -INFINITY;
-        __m512 m16 = _mm512_load_ps(logits[i]);
-        for (int t = 16; t < BLOCK_KEYS; t += 16) m16 = _mm512_max_ps(m16, _mm512_load_ps(logits[i] + t));
-        const float block_max = _mm512_reduce_max_ps(m16);
-        for (int j = 0; j < NV; j++) av[i][j] = _mm512_loadu_ps(acc + i * 16 * NV + 16 * j);
-        if (block_max > run_max[i]) {
-            const __m512 correction = exp_nonpositive16(_mm512_set1_ps(run_max[i] - block_max));
-            run_sum[i] *= _mm512_cvtss_f32(correction);
-            for (int j = 0; j < NV; j++) av[i][j] = _mm512_mul_ps(av[i][j], correction);
-            run_max[i] = block_max;
-        }
-        const __m512 m = _mm512_set1_ps(run_max[i]);
-        __m512 sum16 = _mm512_setzero_ps();
-        for (int t = 0; t < BLOCK_KEYS; t += 16) {
-            const __m512 p = exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(logits[i] + t), m));
-            _mm512_store_ps(logits[i] + t, p);
-            sum16 = _mm512_add_ps(sum16, p);
-        }
-        run_sum[i] += _mm512_reduce_add_ps(sum16);
-    }
-    for (int t = 0; t < n; t++) {
-        const elem_t *vt = vb + t * v_row;
-        __m512 vv[8];
-        if (codes) {
-            if (PREFETCH_BLOCKS > 0) _mm_prefetch((const char *)(codes->v + (t + PREFETCH_BLOCKS * BLOCK_KEYS) * codes->v_row), _MM_HINT_T0);
-            code_row_avx512(codes->v + t * codes->v_row, codes->vs + t * codes->vs_row, codes->vl + t * codes->vl_row, NV, bits, group, vv);
-        } else {
-            if (PREFETCH_BLOCKS > 0 && fetch)
-                for (int j = 0; j < NV * (int)sizeof(elem_t) / 4; j++) _mm_prefetch((const char *)(vt + PREFETCH_BLOCKS * BLOCK_KEYS * v_row) + 64 * j, ROW_HINT);
-#ifdef SLIMKV_BF16
-            for (int j = 0; j < NV; j += 2) load32_pair(vt + 16 * j, &vv[j], &vv[j + 1]);
-#else
-            for (int j = 0; j < NV; j++) vv[j] = load16(vt + 16 * j);
-#endif
-        }
-        for (int i = 0; i < R; i++) {
-            const __m512 p = _mm512_set1_ps(logits[i][t]);
-            for (int j = 0; j < NV; j++) av[i][j] = _mm512_fmadd_ps(p, vv[j], av[i][j]);
-        }
-    }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc + i * 16 * NV + 16 * j, av[i][j]);
+    softmax_values_avx512(logits[0], vb, v_row, n, R, NV, fetch, codes, bits, group, acc, run_max, run_sum);
 }
 
-/* The most rows a tile of block_rows_avx512 holds for v_dim 16 * NV. */
+/* The most rows a tile of block_rows_avx512 holds for v_dim 16 * NV, and of softmax_values_avx512
+ * alone (the logits given: no query or key registers). */
 static inline int row_tile_avx512(const int NV) { return NV > 4 ? 2 : 4; }
+static inline int value_tile_avx512(const int NV) { return NV > 4 ? 3 : VALUE_ROWS_MAX; }
 
 /* Every one of an item's ``groups`` query rows against one block of n keys (block_rows_avx512), in the
  * fewest tiles of at most row_tile_avx512 rows, evenly filled: 3 rows are one tile of 3 (each
- * block's keys read once), 6 two of 3. ``codes``: the block is int4 / int8 codes (block_rows_avx512). */
+ * block's keys read once), 6 two of 3. ``codes``: the block is int4 / int8 codes (block_rows_avx512).
+ * ``given`` (NULL: none): every row's scaled logits of the block, BLOCK_KEYS apart (amx_logits took
+ * them; overwritten): the tiles are softmax_values_avx512's alone, of at most value_tile_avx512 rows. */
 static inline __attribute__((always_inline)) void rows_in_tiles_avx512(const float *restrict q, const elem_t *restrict kb, const elem_t *restrict vb,
                                                                         int64_t k_row, int64_t v_row, int n, int64_t groups, const int ND,
                                                                         const int NV, __m512 scale16, int fetch, const CodeBlock *codes,
-                                                                        const int bits, const int group, float *restrict acc,
-                                                                        float *restrict run_max, float *restrict run_sum) {
+                                                                        const int bits, const int group, float *restrict given,
+                                                                        float *restrict acc, float *restrict run_max, float *restrict run_sum) {
     const int64_t dim = 16 * ND, v_dim = 16 * NV;
-    const int tile = row_tile_avx512(NV);
+    const int tile = given ? value_tile_avx512(NV) : row_tile_avx512(NV);
     for (int64_t g = 0; g < groups;) {
         const int64_t left = groups - g, tiles = (left + tile - 1) / tile;
         const int rows = (int)((left + tiles - 1) / tiles);
-#define ROWS_AVX512(R) block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, (R), ND, NV, scale16, fetch, codes, bits, group, acc + g * v_dim, run_max + g, run_sum + g)
+#define ROWS_AVX512(R)                                                                                                                            \
+    if (given)                                                                                                                                    \
+        softmax_values_avx512(given + g * BLOCK_KEYS, vb, v_row, n, (R), NV, fetch, codes, bits, group, acc + g * v_dim, run_max + g, run_sum + g); \
+    else if ((R) <= 4)                                                                                                                            \
+        block_rows_avx512(q + g * dim, kb, vb, k_row, v_row, n, (R) <= 4 ? (R) : 4, ND, NV, scale16, fetch, codes, bits, group, acc + g * v_dim, \
+                          run_max + g, run_sum + g);
         switch (rows) {
+        case 6: ROWS_AVX512(6); break;
+        case 5: ROWS_AVX512(5); break;
         case 4: ROWS_AVX512(4); break;
         case 3: ROWS_AVX512(3); break;
         case 2: ROWS_AVX512(2); break;
@@ -420,11 +451,13 @@ static inline __attribute__((always_inline)) void rows_in_tiles_avx512(const flo
     }
 }
 
-/* attend_item with AVX-512: every block of keys through rows_in_tiles_avx512. */
+/* attend_item with AVX-512: every block of keys through rows_in_tiles_avx512. ``amx`` (NULL: none): every
+ * row's logits of a block by AMX tiles first (amx_logits into ``logits``, groups x BLOCK_KEYS), the
+ * tiles then taking them as given. */
 static inline __attribute__((always_inline)) void attend_item_avx512(int64_t item, float *restrict out, const Segment *segments,
                                                                       int n_segments, int64_t b, int64_t h, int64_t groups, const int ND,
                                                                       const int NV, float scale, float *restrict acc, float *restrict run_max,
-                                                                      float *restrict run_sum) {
+                                                                      float *restrict run_sum, float *restrict logits, AmxQueries *amx) {
     const int64_t dim = 16 * ND, v_dim = 16 * NV;
     const int fetch = ROW_PREFETCH_ALWAYS || groups > row_tile_avx512(NV); /* see ROW_PREFETCH_ALWAYS */
     for (int64_t g = 0; g < groups; g++) {
@@ -439,11 +472,25 @@ static inline __attribute__((always_inline)) void attend_item_avx512(int64_t ite
         const elem_t *restrict kh = seg.k + b * seg.k_stride_b + h * seg.k_stride_h;
         const elem_t *restrict vh = seg.v + b * seg.v_stride_b + h * seg.v_stride_h;
         const int64_t k_row = seg.k_stride_t, v_row = seg.v_stride_t;
+#ifdef SLIMKV_PATH_AMX
+        if (amx) amx_queries(q, groups, dim, amx);
+#endif
         for (int64_t t0 = 0; t0 < seg.keys; t0 += BLOCK_KEYS) {
             const int n = (int)(seg.keys - t0 < BLOCK_KEYS ? seg.keys - t0 : BLOCK_KEYS);
             const elem_t *restrict kb = kh + t0 * k_row;
             const elem_t *restrict vb = vh + t0 * v_row;
-            rows_in_tiles_avx512(q, kb, vb, k_row, v_row, n, groups, ND, NV, scale16, fetch, NULL, 0, 0, acc, run_max, run_sum);
+#ifdef SLIMKV_PATH_AMX
+            if (amx) { /* the keys' prefetch (the row tiles' own, who now read only the values), then the logits */
+                if (PREFETCH_BLOCKS > 0 && fetch)
+                    for (int t = 0; t < n; t++)
+                        for (int j = 0; j < ND * (int)sizeof(elem_t) / 4; j++) _mm_prefetch((const char *)(kb + (t + PREFETCH_BLOCKS * BLOCK_KEYS) * k_row) + 64 * j, ROW_HINT);
+                if (n == BLOCK_KEYS && BLOCK_KEYS == 64 && dim <= 64 && groups <= AMX_ROWS && amx->parts[0] == 1)
+                    amx_logits_block(kb, k_row, dim, groups, amx, scale, logits);
+                else
+                    amx_logits(kb, k_row, n, dim, groups, amx, scale, logits);
+            }
+#endif
+            rows_in_tiles_avx512(q, kb, vb, k_row, v_row, n, groups, ND, NV, scale16, fetch, NULL, 0, 0, amx ? logits : NULL, acc, run_max, run_sum);
         }
     }
     for (int64_t g = 0; g < groups; g++) {
@@ -455,12 +502,6 @@ static inline __attribute__((always_inline)) void attend_item_avx512(int64_t ite
 #endif
     }
 }
-
-#ifdef SLIMKV_PATH_AMX
-#include "decode_amx.h"
-#else
-typedef struct AmxQueries AmxQueries; /* no AMX in this build: attend_item_wide_with always gets NULL */
-#endif
 
 /* Keep x in a register: without this the compiler folds a vector that is used several times back
  * into each use as a memory operand, one load per use, and the tiles below become load-bound. */

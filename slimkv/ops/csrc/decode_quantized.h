@@ -330,11 +330,11 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx512(c
                 block.kl = block_scales(row_at(seg->kl, seg->kl_st, b, h, t0, sizeof(elem_t)), seg->kl_st[2], n, per_row, wide[1], &block.kl_row);
                 block.vs = block_scales(row_at(seg->vs, seg->vs_st, b, h, t0, sizeof(elem_t)), seg->vs_st[2], n, per_row, wide[2], &block.vs_row);
                 block.vl = block_scales(row_at(seg->vl, seg->vl_st, b, h, t0, sizeof(elem_t)), seg->vl_st[2], n, per_row, wide[3], &block.vl_row);
-                rows_in_tiles_avx512(q, NULL, NULL, 0, 0, n, groups, ND, ND, scale16, 0, &block, bits, group, acc, run_max, run_sum);
+                rows_in_tiles_avx512(q, NULL, NULL, 0, 0, n, groups, ND, ND, scale16, 0, &block, bits, group, NULL, acc, run_max, run_sum);
             } else {
                 const elem_t *kb = (const elem_t *)seg->k + b * kst[0] + h * kst[1] + t0 * kst[2];
                 const elem_t *vb = (const elem_t *)seg->v + b * vst[0] + h * vst[1] + t0 * vst[2];
-                rows_in_tiles_avx512(q, kb, vb, kst[2], vst[2], n, groups, ND, ND, scale16, fetch, NULL, 0, 0, acc, run_max, run_sum);
+                rows_in_tiles_avx512(q, kb, vb, kst[2], vst[2], n, groups, ND, ND, scale16, fetch, NULL, 0, 0, NULL, acc, run_max, run_sum);
             }
         }
     }
