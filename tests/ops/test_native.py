@@ -190,7 +190,8 @@ def test_avx512_bf16_tiles_match_the_reference_with_either_logits_rule(dot, layo
 def test_amx_logits_match_the_reference(layout, keys, query_dtype, monkeypatch):
     """The amx-bf16 build's AMX logits (csrc/decode_amx.h) on wide rows shared by 3 to 17 query rows
     (two tiles of rows past 16), 16-key tiles whole and cut short, odd widths (a last chunk of fewer
-    than 32 channels), MLA's values inside the key rows, key splits over threads at 2700 keys; on the
+    than 32 channels: an even count read by a tile of its width, an odd one through zeroed
+    scratch), MLA's values inside the key rows, key splits over threads at 2700 keys; on the
     32/64/128-wide rows of heads with more query rows than one row tile holds (5 to 17: whole blocks
     of 64 keys by amx_logits_block's resident query tiles where the queries are bfloat16 and 16 rows
     or fewer, the rest by amx_logits), and 3 rows of 64 that the row tiles keep. float32 queries that

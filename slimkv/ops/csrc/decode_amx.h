@@ -23,7 +23,9 @@
  * part is multiplied only when some query has it not zero (the queries of a bfloat16 model are
  * bfloat16: one part). The keys are used as stored (exact). So the logits are the float32 dot
  * products to float32's precision, summed in another order. A 16-key tile that would read past
- * the block's n keys, and a last chunk of fewer than 32 channels, are copied into zeroed scratch first.
+ * the block's n keys, and a last chunk of an odd number (below 32) of channels, are copied into
+ * zeroed scratch first; a last chunk of an even number is read straight from the rows by a tile
+ * configured to its width (amx_configure).
  *
  * Which items (amx_takes): bfloat16 rows, query rows of one head only (not the latent kind's
  * shared values), at least AMX_MIN_GROUPS rows per head (one row fills a sixteenth of a tile; the
@@ -66,16 +68,24 @@ static inline int amx_takes(int shared, int64_t groups, int64_t dim) {
     return !shared && groups >= AMX_MIN_GROUPS && groups <= 64 * AMX_ROWS && dim <= AMX_MAX_DIM && amx_ready();
 }
 
-/* All eight tiles 16 rows x 64 bytes (amx_logits: 0 logits^T (keys x rows, float32), 1 keys (16 x
- * 32 bfloat16), 2 a part of the queries (B layout); amx_logits_block: its own). Loaded by each
- * thread before its items. */
-static void amx_configure(void) {
+/* The tiles for keys ``dim`` wide: 16 rows x 64 bytes each (amx_logits: 0 logits^T (keys x rows,
+ * float32), 1 keys (16 x 32 bfloat16), 2 a part of the queries (B layout); amx_logits_block: its
+ * own), except where dim % 32 is even and not zero: then 3 is the keys' last chunk (16 rows of its
+ * dim % 32 channels, read straight from the rows) and 4 the queries' (dim % 32 / 2 channel pairs). Such widths never take amx_logits_block (32 or 64 wide only). Loaded by
+ * each thread before its items. */
+static inline int amx_direct_last(int64_t dim) { return dim % 32 != 0 && dim % 2 == 0; }
+
+static void amx_configure(int64_t dim) {
     TileConfig config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int i = 0; i < 8; i++) {
         config.colsb[i] = 64;
         config.rows[i] = 16;
+    }
+    if (amx_direct_last(dim)) {
+        config.colsb[3] = (uint16_t)(2 * (dim % 32));
+        config.rows[4] = (uint8_t)(dim % 32 / 2);
     }
     _tile_loadconfig(&config);
 }
@@ -98,7 +108,7 @@ static int amx_open(AmxQueries *a, int64_t groups, int64_t dim) {
     if (!a->tiles) return 0;
     a->tail = (elem_t *)(a->tiles + row_groups * 3 * chunks * 512);
     a->last = a->tail + 16 * dim;
-    amx_configure();
+    amx_configure(dim);
     return 1;
 }
 
@@ -179,7 +189,8 @@ static inline void transpose16_rows(const float *restrict src, float *restrict d
 
 /* logits[i * BLOCK_KEYS + t] = post * (query row i . key t) for the ``rows`` rows of amx_queries
  * and the block's n keys (kb, k_row apart; a tile of 16 keys reaching past n is read from zeroed
- * scratch, and so is a partial last chunk of channels: no tile reads past a row's dim channels);
+ * scratch, and so is a last chunk of an odd number of channels (an even one is read straight from
+ * the rows by tiles 3 and 4): no tile reads past a row's dim channels);
  * the logits of keys n .. the tile's end are written too (the caller overwrites them). */
 static inline void amx_logits(const elem_t *kb, int64_t k_row, int n, int64_t dim, int64_t rows, const AmxQueries *a, float post,
                               float *restrict logits) {
@@ -195,13 +206,21 @@ static inline void amx_logits(const elem_t *kb, int64_t k_row, int n, int64_t di
             stride = dim;
         }
         const int64_t full = dim / 32;
-        if (full < a->chunks) { /* the last chunk's dim % 32 channels of each of the 16 rows, zero past them */
+        if (full < a->chunks && !amx_direct_last(dim)) { /* an odd last chunk's dim % 32 channels of each of the 16 rows, zero past them */
             memset(a->last, 0, sizeof(elem_t) * 16 * 32);
             for (int t = 0; t < 16; t++) memcpy(a->last + 32 * t, keys + t * stride + 32 * full, sizeof(elem_t) * (size_t)(dim - 32 * full));
         }
         for (int64_t g = 0; g * AMX_ROWS < rows; g++) {
             _tile_zero(0);
             for (int64_t j = 0; j < a->chunks; j++) {
+                if (j == full && amx_direct_last(dim)) { /* tiles 3 and 4 (amx_configure): the last chunk's channels only */
+                    _tile_loadd(3, keys + 32 * j, stride * (int64_t)sizeof(elem_t));
+                    for (int part = 0; part < a->parts[g]; part++) {
+                        _tile_loadd(4, amx_query_tile(a, g, part, j), 64);
+                        _tile_dpbf16ps(0, 3, 4);
+                    }
+                    continue;
+                }
                 if (j < full)
                     _tile_loadd(1, keys + 32 * j, stride * (int64_t)sizeof(elem_t));
                 else
