@@ -96,7 +96,7 @@ PATH_GEMM = {"generic": "avx2", "avx2": "avx2"}
 path held to AVX2 cannot reach an AVX-512 machine's peak, so its bound uses an AVX2 GEMM's; the
 others use the machine's best (for ``portable``, built for any x86-64, an optimistic bound)."""
 """--layers' paths -> (native.ISAS name, extra flags): ``generic`` is the portable C built for this CPU without AVX-512;
-``avx512-bf16`` (AVX512-BF16) and ``amx-bf16`` (AMX logits for wide shared rows) run for bfloat16 caches only, their float32
+``avx512-bf16`` (AVX512-BF16) and ``amx-bf16`` (AMX logits for rows that several query rows share) run for bfloat16 caches only, their float32
 builds being the avx512 path."""
 
 

@@ -12,7 +12,8 @@ asks for that.
 
 Instruction-set paths (``ISAS``; the C source picks one at build time from the target's flags,
 and ``kernel_isa`` reports the one compiled): "amx-bf16" (bfloat16 caches on a CPU with AMX: the
-logits of wide rows shared by several query rows by AMX tiles, csrc/decode_amx.h), "avx512-bf16"
+logits of rows shared by several query rows (MLA, LRKV, and GQA / MQA heads of more rows than a
+row tile holds) by AMX tiles, csrc/decode_amx.h), "avx512-bf16"
 (bfloat16 caches on a CPU with AVX512-BF16), "avx512", "avx2" (AVX2 + FMA) and "portable" (plain
 C). The default build is the CPU's best (``-march=native``); ``build(..., isa="avx2")`` builds a
 named one, which tests use to check every path this CPU can run (``runnable_isas``).

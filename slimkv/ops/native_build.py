@@ -28,7 +28,8 @@ ISAS = {"amx-bf16": ("-march=native",), "avx512-bf16": ("-march=native", "-DSLIM
 """Named instruction-set path -> the flags that build it on a CPU that has it (``runnable_isas``).
 "amx-bf16", "avx512-bf16" and "avx512" differ in bfloat16 builds only: "avx512-bf16" has
 AVX512-BF16's conversions (and, on AMD Zen, its dot products for the logits), "amx-bf16" also AMX
-tiles for the logits of wide rows shared by several query rows (csrc/decode_amx.h); a float32
+tiles for the logits of rows shared by several query rows (MLA, LRKV, and GQA / MQA heads of more
+rows than a row tile holds; csrc/decode_amx.h); a float32
 build of either is the avx512 path and says so."""
 ISA_CPU_FLAGS = {"amx-bf16": ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"), "avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16"),
                  "avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}

@@ -12,7 +12,7 @@
  * tile) keep the row tiles' own logits: AMX logits measured slower there (one layer of SmolLM2's
  * 3 x 3 rows: 0.8-0.9x).
  *
- * How, per block of keys (attend_item_wide_with and attend_item_avx512, decode_avx512.h, call
+ * How, per block of keys (attend_item_wide and attend_item_avx512, decode_avx512.h, call
  * amx_logits in place of their logits tiles; the online softmax and the values stay the AVX-512
  * tiles'):
  *   logits^T (16 keys x 16 rows) = K (16 cached rows x 32 channels, loaded straight from the cache)

@@ -324,8 +324,8 @@ static inline int values_in_key_rows(const elem_t *k, const elem_t *v, int64_t d
 #define SLIMKV_ISA "portable"
 #endif
 
-/* Which path this build runs: "avx512-bf16" (bfloat16 caches, AVX512-BF16 instructions), "avx512", "avx2" or
- * "portable" (what was compiled, not a guess). */
+/* Which path this build runs: "amx-bf16" (bfloat16 caches, AMX logits; "avx512-bf16" where the OS refuses AMX),
+ * "avx512-bf16" (bfloat16 caches, AVX512-BF16 instructions), "avx512", "avx2" or "portable" (what was compiled, not a guess). */
 const char *slimkv_kernel_isa(void) {
 #ifdef SLIMKV_PATH_AMX
     if (!amx_ready()) return "avx512-bf16"; /* built with AMX, refused it by the OS: every item takes the AVX-512 tiles */
@@ -360,6 +360,10 @@ const char *slimkv_row_prefetch_rule(void) {
     const int64_t b = (i) / (job)->parts, part_ = (i) % (job)->parts;                         \
     const int64_t h = (job)->kv_heads * part_ / (job)->parts;                                 \
     const int64_t heads = (job)->kv_heads * (part_ + 1) / (job)->parts - h;
+/* Whether a job's items take the row tiles (DISPATCH_AVX512's widths: 32, 64 or 128, keys and values alike). */
+static inline int row_tiles_take(const Job *job) {
+    return !job->shared && job->dim == job->v_dim && (job->dim == 32 || job->dim == 64 || job->dim == 128);
+}
 #define DISPATCH_AVX512(ND, NV)                                                                                                  \
     if (!job->shared && job->dim == 16 * (ND) && job->v_dim == 16 * (NV)) {                                                    \
         for (int64_t i = job->first; i < job->last; i++)                                                                       \
@@ -401,8 +405,7 @@ static void *run_job(void *arg) {
 #if defined(SLIMKV_PATH_AVX512)
 #if defined(SLIMKV_PATH_AMX)
     AmxQueries amx_scratch, *amx = NULL; /* AMX logits for this job's items (decode_amx.h); the row tiles' widths only past one tile of rows */
-    const int row_widths = !job->shared && job->dim == job->v_dim && (job->dim == 32 || job->dim == 64 || job->dim == 128);
-    if (amx_takes(job->shared, job->groups, job->dim) && (!row_widths || job->groups > row_tile_avx512((int)(job->v_dim / 16)))) {
+    if (amx_takes(job->shared, job->groups, job->dim) && (!row_tiles_take(job) || job->groups > row_tile_avx512((int)(job->v_dim / 16)))) {
         if (!amx_open(&amx_scratch, job->groups, job->dim)) {
             free(acc);
             job->status = 1;
@@ -416,17 +419,9 @@ static void *run_job(void *arg) {
     DISPATCH_AVX512(4, 4)
     DISPATCH_AVX512(2, 2)
     DISPATCH_AVX512(8, 8)
-#if defined(SLIMKV_PATH_AMX)
-    if (amx) { /* the wide tiles, their logits by AMX */
-        for (int64_t i = job->first; i < job->last; i++) {
-            ITEM_SPAN(job, i, b, h, heads)
-            attend_item_wide_with(b * job->kv_heads + h, job->out + (b * job->kv_heads + h) * job->groups * job->v_dim, job->segments, job->n_segments,
-                                  b, h, heads, job->groups, job->dim, job->v_dim, job->scale, acc, qs, logits, run_max, run_sum, amx);
-        }
-        goto done;
-    }
-#endif
-    DISPATCH_TILED(attend_item_wide)
+#define ATTEND_WIDE(...) attend_item_wide(__VA_ARGS__, amx) /* the wide tiles, their logits by AMX where amx is set */
+    DISPATCH_TILED(ATTEND_WIDE)
+#undef ATTEND_WIDE
 #elif defined(SLIMKV_PATH_AVX2)
 #ifndef SLIMKV_BF16
     if (job->groups > 1 || job->shared) /* float32 heads of one query row (MHA) measured faster in attend_item here */

@@ -691,8 +691,9 @@ static inline __attribute__((always_inline)) void values_tile(const float *restr
  * the values (tiles of 8 rows x 2 chunks while 8 rows are left, then 4 rows x 4 chunks: each
  * value chunk read once for the tile's rows). Same arithmetic
  * as attend_item, in another order of sums. Scratch: acc (rows x v_pad), qs (rows x d_pad),
- * logits (rows x BLOCK_KEYS). */
-static inline __attribute__((always_inline)) void attend_item_wide_with(int64_t item, float *restrict out, const Segment *segments, int n_segments,
+ * logits (rows x BLOCK_KEYS). ``amx`` (NULL: none; decode_amx.h): every row's logits by AMX tiles
+ * (amx_logits) in place of the logits tiles. */
+static inline __attribute__((always_inline)) void attend_item_wide(int64_t item, float *restrict out, const Segment *segments, int n_segments,
                                                                          int64_t b, int64_t h, int64_t heads, int64_t groups, int64_t dim, int64_t v_dim,
                                                                          float scale, float *restrict acc, float *restrict q_scratch, float *restrict logits,
                                                                          float *restrict run_max, float *restrict run_sum, AmxQueries *amx) {
@@ -848,11 +849,4 @@ static inline __attribute__((always_inline)) void attend_item_wide_with(int64_t 
         for (int64_t e = 0; e < v_dim; e++) out[g * v_dim + e] = acc[g * v_pad + e] * inv;
 #endif
     }
-}
-
-/* attend_item_wide_with, its logits by the AVX-512 tiles. */
-static void attend_item_wide(int64_t item, float *restrict out, const Segment *segments, int n_segments, int64_t b, int64_t h, int64_t heads,
-                             int64_t groups, int64_t dim, int64_t v_dim, float scale, float *restrict acc, float *restrict q_scratch,
-                             float *restrict logits, float *restrict run_max, float *restrict run_sum) {
-    attend_item_wide_with(item, out, segments, n_segments, b, h, heads, groups, dim, v_dim, scale, acc, q_scratch, logits, run_max, run_sum, NULL);
 }
