@@ -82,3 +82,16 @@ def load_benchmark(script: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def share_kernel_builds(folder: Path) -> None:
+    """Point ``folder``'s kernel builds (``folder/kernels``, ``folder`` about to be $SLIMKV_CACHE) at
+    the session's own cache's, so a private test cache does not compile the native kernel again:
+    each build is keyed by its source, flags, compiler and CPU and written atomically, so tests and
+    workers may share them (the build-cache tests use folders of their own)."""
+    from slimkv.common.paths import cache_dir
+
+    shared = cache_dir() / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kernels").symlink_to(shared, target_is_directory=True)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from slimkv.common.paths import cache_dir
 from slimkv.ops import native, native_build
 from slimkv.ops.attention import decode_attention, matmul_decode_attention, reference_attention
 from tests.ops.kernel_markers import FLOAT32_PATH, ISAS, LIBRARY, needs_amx, needs_avx512_bf16, needs_kernel
@@ -463,8 +464,10 @@ def test_a_switch_value_other_than_0_or_1_is_refused(monkeypatch):
 
 @needs_kernel
 def test_a_damaged_cached_build_is_built_again(monkeypatch, tmp_path):
+    name = native.build(native.compiler(), cache_dir() / "kernels").name  # the session's build (cached): its file name, keyed by source and flags
     monkeypatch.setenv("SLIMKV_CACHE", str(tmp_path))
-    first = native.build(native.compiler(), tmp_path / "kernels")
+    first = tmp_path / "kernels" / name
+    first.parent.mkdir()
     first.write_bytes(b"not a shared library")
     native.decode_kernel.cache_clear()
     try:
@@ -486,12 +489,23 @@ def test_a_failing_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
     assert list((tmp_path / "kernels").iterdir()) == []
 
 
-@needs_kernel
-def test_builds_are_cached_by_source(tmp_path):
+def test_builds_are_cached_by_source(monkeypatch, tmp_path):
     cc = native.compiler()
-    first = native.build(cc, tmp_path)
-    assert native.build(cc, tmp_path) == first
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+    if cc is None:
+        pytest.skip("no C compiler on this machine: there is no build to cache (the fallback without one is tested above)")
+    source = tmp_path / "src" / "kernel.c"  # a one-line source: the cache's rule, not the kernel, is under test
+    source.parent.mkdir()
+    source.write_text("int answer(void) { return 1; }\n")
+    monkeypatch.setattr(native_build, "SOURCE", source)
+    folder = tmp_path / "kernels"
+    first = native.build(cc, folder)
+    assert native.build(cc, folder) == first
+    assert [p.name for p in folder.iterdir()] == [first.name]
+    source.write_text("int answer(void) { return 2; }\n")
+    second = native.build(cc, folder)
+    (source.parent / "rows.h").write_text("/* a header beside the source */\n")
+    third = native.build(cc, folder)
+    assert len({first, second, third}) == 3 and sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in (first, second, third))
 
 
 def test_slimkv_eval_cache_prints_the_kernel_path():

@@ -12,6 +12,7 @@ import torch
 
 from slimkv.data import prepare_text
 from slimkv.train import TrainConfig
+from tests.helpers import share_kernel_builds
 
 DATASET = "tiny"
 NAMES = ["KING", "QUEEN", "FOOL", "DUKE"]
@@ -51,6 +52,7 @@ def tiny_config(**changes) -> TrainConfig:
 def tiny_cache(tmp_path_factory) -> Path:
     """A cache folder with ``tiny`` prepared (once per test process)."""
     cache = tmp_path_factory.mktemp("slimkv_cache")
+    share_kernel_builds(cache)
     with pytest.MonkeyPatch.context() as mp:  # session scope: no function-scoped monkeypatch here
         mp.setenv("SLIMKV_CACHE", str(cache))
         prepare_tiny(cache)
