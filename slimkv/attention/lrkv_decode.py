@@ -18,6 +18,7 @@ import torch
 
 from slimkv.attention.cache import LRKVEntries
 from slimkv.ops.attention import decode_attention, fold_groups, visibility_mask
+from slimkv.ops.linear import heads_matmul
 from slimkv.ops.norm import compute_dtype
 
 # Largest logits tile (batch x heads x queries x keys elements) a cached call materialises at once
@@ -115,14 +116,14 @@ class LRKVCachedPaths:
         q = self._prepared_queries(q)
         wide = q.new_zeros(b, groups, group, groups, self.rank_k)  # the latent queries, group g's in slot g
         if self.rank_k:
-            q_latent = q[:, :, 0, self.key_residual_start :].reshape(b, groups, group, -1) @ self.k_up  # (b, G, g, r_k)
+            q_latent = heads_matmul(q[:, :, 0, self.key_residual_start :].reshape(b, groups, group, -1), self.k_up)  # (b, G, g, r_k)
             torch.diagonal(wide, dim1=1, dim2=3).copy_(q_latent.permute(0, 2, 3, 1))
         wide = torch.cat((q.view(b, groups, group, hd), wide.flatten(-2)), dim=-1).view(b, heads, 1, key_width)
         read = decode_attention(wide, rows[..., :key_width], rows[..., key_width:], scale=1.0).view(b, groups, group, -1)
         out = read[..., :hd]
         if self.rank_v:
             mixed = torch.diagonal(read[..., hd:].unflatten(-1, (groups, self.rank_v)), dim1=1, dim2=3).permute(0, 3, 1, 2)  # (b, G, g, r_v)
-            out = out + mixed @ self.v_up.transpose(-1, -2)
+            out = out + heads_matmul(mixed, self.v_up.transpose(-1, -2))
         return out.reshape(b, heads, 1, hd)
 
     def _attend_rebuilt(self, q: torch.Tensor, entries: LRKVEntries) -> torch.Tensor:

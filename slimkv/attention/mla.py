@@ -64,7 +64,7 @@ from slimkv.attention.cache import AttentionCache
 from slimkv.common.buffer import dtype_bytes
 from slimkv.common.checks import Checked, check_bool, check_choice, check_int
 from slimkv.ops.attention import attend
-from slimkv.ops.linear import Linear
+from slimkv.ops.linear import Linear, heads_matmul
 from slimkv.ops.norm import RMSNorm
 from slimkv.ops.quantize import FULL, KVStorage
 from slimkv.ops.rope import Rotary, check_rope_frequencies, rotary_dim
@@ -277,13 +277,13 @@ class MultiHeadLatentAttention(Attention):
         (batch, heads, time, rope_dim + head_dim) -> (batch, heads, time, rope_dim + kv_rank)."""
         p = self.rope_dim
         k_up = self.k_up.weight.view(self.n_heads, self.head_dim, self.kv_rank)
-        return torch.cat((q[..., :p], torch.matmul(q[..., p:], k_up)), dim=-1)
+        return torch.cat((q[..., :p], heads_matmul(q[..., p:], k_up)), dim=-1)
 
     def expand_context(self, context: torch.Tensor) -> torch.Tensor:
         """Each head's attention-weighted latent through its W_UV: (batch, heads, time, kv_rank) ->
         (batch, heads, time, v_head_dim)."""
         v_up = self.v_up.weight.view(self.n_heads, self.v_head_dim, self.kv_rank)
-        return torch.matmul(context, v_up.transpose(1, 2))
+        return heads_matmul(context, v_up.transpose(1, 2))
 
     def _attend_expanded(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Attention over per-head keys/values rebuilt from every row; same in/out as the absorbed path."""

@@ -6,6 +6,7 @@ its calls; this module holds what happens before the first call.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -14,10 +15,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are still atomic, only not deduplicated across processes
+    fcntl = None
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"  # includes the headers beside it (decode_avx2.h, decode_avx512.h, decode_amx.h)
 FLAGS = ("-O3", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
@@ -52,6 +58,8 @@ BLOCK_INPUT_ENTRIES = {torch.float32: "slimkv_block_input_f32", torch.bfloat16: 
 """Element type -> a block's first half for one token: norm, q/k/v, RoPE (csrc/decode_block.h)."""
 BLOCK_OUTPUT_ENTRIES = {torch.float32: "slimkv_block_output_f32", torch.bfloat16: "slimkv_block_output_bf16"}
 """Element type -> a block's second half for one token: Wo, the residual, the SwiGLU half (csrc/decode_block.h)."""
+HEADS_ENTRIES = {torch.float32: "slimkv_heads_product_f32", torch.bfloat16: "slimkv_heads_product_bf16"}
+"""Element type -> the entry point for one token's rows each through its own small matrix (MLA's and LRKV's per-head products, csrc/decode_linear.h)."""
 QUANTIZE_ENTRIES = {torch.float32: "slimkv_quantize_rows_f32", torch.bfloat16: "slimkv_quantize_rows_bf16"}
 """Cache element type -> the entry point that quantizes rows into codes (csrc/quantize_rows.h)."""
 
@@ -128,15 +136,34 @@ def build(cc: str, folder: Path, dtype: torch.dtype = torch.float32, isa: str | 
         if target.is_file():
             return target
         folder.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(suffix=".so", dir=folder)
-        os.close(handle)
-        result = subprocess.run([cc, *flags, "-o", temporary, str(SOURCE)], capture_output=True, text=True, check=False)
-        if result.returncode == 0:
-            os.replace(temporary, target)
-            return target
-        os.unlink(temporary)
+        with _build_lock(folder / f".decode_attention-{key}.lock"):  # another process building the same waits, then finds it
+            if target.is_file():
+                return target
+            handle, temporary = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(handle)
+            result = subprocess.run([cc, *flags, "-o", temporary, str(SOURCE)], capture_output=True, text=True, check=False)
+            if result.returncode == 0:
+                os.replace(temporary, target)
+                return target
+            os.unlink(temporary)
         errors.append(f"{cc} {' '.join(flags)}: {result.stderr.strip()[:400]}")
     raise RuntimeError("; ".join(errors))
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` meanwhile (``fcntl.flock``; none where fcntl is absent): two
+    processes (test workers, concurrent runs) that need the same build compile it once, about a
+    minute each, instead of side by side. The build itself is atomic either way."""
+    if fcntl is None:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
@@ -165,6 +192,8 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     block_output.argtypes = [pointer, pointer, pointer, pointer, ctypes.c_float, pointer, pointer, pointer, i64, i64, i64, pointer, ctypes.c_int,
                              ctypes.c_int, ctypes.c_int]
     block_output.restype = ctypes.c_int
+    heads = getattr(library, HEADS_ENTRIES[dtype])
+    heads.argtypes, heads.restype = [pointer, i64, i64, pointer, i64, i64, i64, i64, ctypes.c_int, pointer, i64], ctypes.c_int
     quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
     quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
     for name in ("slimkv_kernel_isa", "slimkv_kernel_threading", "slimkv_row_prefetch_rule", "slimkv_tile_logits"):

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from slimkv.ops.native_build import NORM_ENTRIES, PROJECT_ENTRIES, ROTATE_ENTRIES, SWIGLU_ENTRIES
+from slimkv.ops.native_build import HEADS_ENTRIES, NORM_ENTRIES, PROJECT_ENTRIES, ROTATE_ENTRIES, SWIGLU_ENTRIES
 
 # Measured by benchmarks/decode_threads.py (results/decode/decode_threads_2thread.md): with threads that need no start
 # per call, two gained from SmolLM2's float32 projections (1.1 MB and up). From 1 MiB down to 256 KiB (2026-12-06,
@@ -99,6 +99,47 @@ def _projections(weights: tuple[int, ...], biases: tuple[int, ...], sizes: tuple
     count = len(weights)
     return _Projections((ctypes.c_void_p * count)(*weights), (ctypes.c_void_p * count)(*biases), (ctypes.c_int64 * count)(*sizes), list(sizes),
                         sum(sizes), sum(sizes) * row_bytes)
+
+
+HEADS_ROWS_MAX = 256
+"""Most rows ``native_heads_matmul`` takes: it reads a head's matrix once per row (a decode step's
+handful of rows), where torch's batched product serves a prefill's many rows better."""
+
+
+def heads_layout(x: torch.Tensor, w: torch.Tensor) -> int | None:
+    """Whether ``native_heads_matmul`` takes ``torch.matmul(x, w)``, and how it reads w: 1 for w
+    (matrices, in, out) contiguous, 0 for its transpose's layout (w a ``transpose(-1, -2)`` view of
+    contiguous (matrices, out, in) weights), None where it does not take the call. x (...,
+    matrices, rows_per_matrix, in) holds at most ``HEADS_ROWS_MAX`` rows, float32 or bfloat16 like w,
+    on the CPU; no autograd, no torch dispatch mode (a FLOP counter must see torch's product)."""
+    if x.dtype != w.dtype or w.dtype not in HEADS_ENTRIES or not (x.is_cpu and w.is_cpu) or w.dim() != 3 or x.dim() < 3:
+        return None
+    x_shape, w_shape = x.shape, w.shape
+    if x_shape[-3] != w_shape[0] or x_shape[-1] != w_shape[1] or not 0 < x.numel() <= HEADS_ROWS_MAX * x_shape[-1]:
+        return None
+    if (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) or torch._C._len_torch_dispatch_stack() > 0:
+        return None
+    strides = w.stride()
+    if strides[0] != w_shape[1] * w_shape[2]:
+        return None
+    return 1 if strides[1:] == (w_shape[2], 1) else 0 if strides[1:] == (1, w_shape[1]) else None
+
+
+def native_heads_matmul(x: torch.Tensor, w: torch.Tensor, layout: int, library: ctypes.CDLL) -> torch.Tensor:
+    """``torch.matmul(x, w)`` for a decode step's per-head products: x (..., matrices, rows_per_matrix,
+    in), w (matrices, in, out), each row through its own head's matrix in one native call (float32
+    sums, rounded once to x's dtype). ``layout``: ``heads_layout(x, w)``; the library is
+    ``decode_kernel``'s for w's dtype. -> (..., matrices, rows_per_matrix, out), contiguous."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    matrices, in_f, out_f = w.shape
+    out = torch.empty(*x.shape[:-1], out_f, dtype=x.dtype)
+    status = getattr(library, HEADS_ENTRIES[w.dtype])(rows.data_ptr(), rows.stride(0), rows.shape[0], w.data_ptr(), matrices, x.shape[-2], in_f,
+                                                     out_f, layout, out.data_ptr(), out_f)
+    if status != 0:
+        raise RuntimeError(f"native per-head products failed (status {status}: {'out of memory' if status == 1 else 'bad arguments'})")
+    return out
 
 
 def supports_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:

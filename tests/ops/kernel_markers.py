@@ -35,3 +35,25 @@ needs_amx = pytest.mark.skipif("amx-bf16" not in ISAS, reason="the AMX logits ne
                                "every-path tests")
 FLOAT32_PATH = {"amx-bf16": "avx512", "avx512-bf16": "avx512"}
 """What a float32 build of a named path is (their extra instructions serve bfloat16 rows only): the path itself where absent."""
+
+RULES_ISA = next((isa for isa in ("avx512-bf16", "avx512") if isa in ISAS), ISAS[0] if ISAS else None)
+"""The path whose build-time rules (ROW_PREFETCH_ALWAYS, TILE_DOT_BF16, LINEAR_PREFETCH_BYTES: each
+chosen per CPU) the rule tests run both ways: avx512-bf16 where the CPU has it, else avx512, else
+this CPU's best (which has the linear rows' rule only)."""
+needs_avx512 = pytest.mark.skipif(RULES_ISA not in ("avx512-bf16", "avx512"), reason="the AVX-512 row tiles need a CPU with AVX-512F and AVX-512BW, and this one "
+                                  "lacks them; the tiles it runs are checked by the every-path tests")
+RULE_SIDES = ("default", "flipped")
+
+
+def rule_kernel(dtype, side: str):
+    """The ``RULES_ISA`` build for ``dtype`` as this CPU gets it (``side`` "default"), or with every
+    build-time rule set the other way ("flipped"): one extra build per dtype gives each rule's other
+    value, where a build per rule and value gave a dozen (each about a minute to compile)."""
+    library = native.isa_kernel(dtype, RULES_ISA)
+    if side == "default":
+        return library
+    always = native_build.library_row_prefetch_rule(library) == "always"
+    dot = native_build.library_tile_logits(library) == "vdpbf16ps"
+    ahead = native_build.library_linear_prefetch(library) != "none"
+    flags = (f"-DROW_PREFETCH_ALWAYS={int(not always)}", f"-DTILE_DOT_BF16={int(not dot)}", f"-DLINEAR_PREFETCH_BYTES={0 if ahead else 2048}")
+    return native.isa_kernel(dtype, RULES_ISA, flags)

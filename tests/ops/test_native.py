@@ -1,7 +1,9 @@
 """The native decode kernel (slimkv/ops/csrc/decode_attention.c) against the plain reference, and
 its build, cache and fallback behaviour."""
 
+import concurrent.futures
 import math
+import time
 
 import pytest
 import torch
@@ -9,7 +11,17 @@ import torch
 from slimkv.common.paths import cache_dir
 from slimkv.ops import native, native_build
 from slimkv.ops.attention import decode_attention, matmul_decode_attention, reference_attention
-from tests.ops.kernel_markers import FLOAT32_PATH, ISAS, LIBRARY, needs_amx, needs_avx512_bf16, needs_kernel
+from tests.ops.kernel_markers import (
+    FLOAT32_PATH,
+    ISAS,
+    LIBRARY,
+    RULE_SIDES,
+    needs_amx,
+    needs_avx512,
+    needs_avx512_bf16,
+    needs_kernel,
+    rule_kernel,
+)
 
 
 def _cache(batch, kv_heads, keys, dim, v_dim, *, spare=0, seed=0):
@@ -146,39 +158,40 @@ def test_every_isa_path_matches_the_reference(isa, dtype, layout, keys):
 
 
 @needs_kernel
-@pytest.mark.skipif("avx512" not in ISAS, reason="the AVX-512 row tiles need a CPU with AVX-512F and AVX-512BW")
-@pytest.mark.parametrize("always", [0, 1])
+@needs_avx512
+@pytest.mark.parametrize("side", RULE_SIDES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["mha64", "gqa64x3", "mqa64", "gqa128x3"])
-def test_avx512_row_tiles_match_the_reference_with_either_prefetch_rule(always, dtype, layout):
+def test_avx512_row_tiles_match_the_reference_with_either_prefetch_rule(side, dtype, layout):
     """The 32/64/128-wide row tiles prefetch by a rule chosen per CPU at build time
     (ROW_PREFETCH_ALWAYS in csrc/decode_avx512.h: 1 every tile into L1, 0 only items of several tiles
-    into L2); both builds run here whatever this CPU's default, on rows long enough to prefetch
-    (2700 keys), SmolLM2's 3 query rows per head (one tile of 3) and 128-wide rows (tiles of 2 and 1)."""
+    into L2); this CPU's rule and the other one (``rule_kernel``) run here, on rows long enough to
+    prefetch (2700 keys), SmolLM2's 3 query rows per head (one tile of 3) and 128-wide rows (tiles of 2 and 1)."""
     dtype = DTYPES[dtype]
     q, k, v = _isa_cache(layout, 2700, dtype, seed=5)
-    library = native.isa_kernel(dtype, "avx512", (f"-DROW_PREFETCH_ALWAYS={always}",))
-    assert native.library_row_prefetch_rule(library) == ("always" if always else "several-tiles")
+    library = rule_kernel(dtype, side)
+    rules = {native.library_row_prefetch_rule(rule_kernel(dtype, s)) for s in RULE_SIDES}
+    assert rules == {"always", "several-tiles"}
     out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(q.shape[-1]), library)
     torch.testing.assert_close(out.float(), reference_attention(q.float(), k.float(), v.float()), **_tolerance(dtype))
 
 
 @needs_kernel
 @needs_avx512_bf16
-@pytest.mark.parametrize("dot", [0, 1])
+@pytest.mark.parametrize("side", RULE_SIDES)
 @pytest.mark.parametrize("layout", ["mha64", "gqa64x3", "mqa64", "gqa128x3", "gqa32x9", "mla288", "mla-odd", "lrkv192", "latent-shared", "odd40x24"])
-def test_avx512_bf16_tiles_match_the_reference_with_either_logits_rule(dot, layout):
+def test_avx512_bf16_tiles_match_the_reference_with_either_logits_rule(side, layout):
     """A bfloat16 cache's logits in the AVX-512 tiles are vdpbf16ps dot products or widened keys
     and fused multiply-adds, chosen per CPU at build time (TILE_DOT_BF16 in csrc/decode_avx512.h:
-    1 on AMD Zen, 0 elsewhere); both builds run here whatever this CPU's default, on the row tiles
+    1 on AMD Zen, 0 elsewhere); this CPU's rule and the other one run here, on the row tiles
     (32/64/128 wide, 1 to 9 query rows per head) and the wide tiles (MLA, LRKV, latent, odd
     widths), each saying which rule it took, and a float32 build has no such choice."""
     q, k, v = _isa_cache(layout, 2700, torch.bfloat16, seed=7)
-    library = native.isa_kernel(torch.bfloat16, "avx512-bf16", (f"-DTILE_DOT_BF16={dot}",))
-    assert native.library_tile_logits(library) == ("vdpbf16ps" if dot else "widened fma")
+    library = rule_kernel(torch.bfloat16, side)
+    assert {native.library_tile_logits(rule_kernel(torch.bfloat16, s)) for s in RULE_SIDES} == {"vdpbf16ps", "widened fma"}
     out = native.native_decode_attention([q], [(k, v)], 1 / math.sqrt(q.shape[-1]), library)
     torch.testing.assert_close(out.float(), reference_attention(q.float(), k.float(), v.float()), **_tolerance(torch.bfloat16))
-    assert native.library_tile_logits(native.isa_kernel(torch.float32, "avx512-bf16", (f"-DTILE_DOT_BF16={dot}",))) is None
+    assert native.library_tile_logits(rule_kernel(torch.float32, side)) is None
 
 
 @needs_kernel
@@ -486,7 +499,7 @@ def test_a_failing_build_says_why_and_leaves_no_file(monkeypatch, tmp_path):
         pytest.skip("no C compiler on this machine: there is no build to fail (the fallback without one is tested above)")
     with pytest.raises(RuntimeError, match="broken.c|error"):
         native.build(cc, tmp_path / "kernels")
-    assert list((tmp_path / "kernels").iterdir()) == []
+    assert list((tmp_path / "kernels").glob("*.so")) == []  # no library and no temporary file (the build's lock file stays)
 
 
 def test_builds_are_cached_by_source(monkeypatch, tmp_path):
@@ -500,12 +513,35 @@ def test_builds_are_cached_by_source(monkeypatch, tmp_path):
     folder = tmp_path / "kernels"
     first = native.build(cc, folder)
     assert native.build(cc, folder) == first
-    assert [p.name for p in folder.iterdir()] == [first.name]
+    assert [p.name for p in folder.glob("*.so")] == [first.name]
     source.write_text("int answer(void) { return 2; }\n")
     second = native.build(cc, folder)
     (source.parent / "rows.h").write_text("/* a header beside the source */\n")
     third = native.build(cc, folder)
-    assert len({first, second, third}) == 3 and sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in (first, second, third))
+    assert len({first, second, third}) == 3 and sorted(p.name for p in folder.glob("*.so")) == sorted(p.name for p in (first, second, third))
+
+
+def test_concurrent_builds_of_one_kernel_compile_it_once(monkeypatch, tmp_path):
+    """Two builders of the same kernel at once (test workers, concurrent runs): one compiles, the
+    other waits on the build's lock and finds the library."""
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler on this machine: there is no build to share")
+    source = tmp_path / "kernel.c"
+    source.write_text("int answer(void) { return 1; }\n")
+    monkeypatch.setattr(native_build, "SOURCE", source)
+    compiles, run = [], native_build.subprocess.run
+
+    def slow_compile(argv, **kwargs):
+        if "-o" in argv:
+            compiles.append(argv)
+            time.sleep(0.5)  # long enough for the other builder to arrive while this one compiles
+        return run(argv, **kwargs)
+
+    monkeypatch.setattr(native_build.subprocess, "run", slow_compile)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: native.build(cc, tmp_path / "kernels"), range(2)))
+    assert paths[0] == paths[1] and paths[0].is_file() and len(compiles) == 1
 
 
 def test_slimkv_eval_cache_prints_the_kernel_path():

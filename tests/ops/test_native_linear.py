@@ -11,7 +11,7 @@ from slimkv.ops import linear as linear_ops
 from slimkv.ops import native, native_build, native_rows
 from slimkv.ops.linear import Linear, linear
 from slimkv.ops.rope import Rotary
-from tests.ops.kernel_markers import ISAS, LIBRARY, needs_kernel
+from tests.ops.kernel_markers import ISAS, LIBRARY, RULE_SIDES, needs_kernel, rule_kernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -47,14 +47,14 @@ def test_every_isa_path_matches_torch(isa, dtype, out_f, in_f, bias):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("ahead", [0, 2048])
-def test_either_linear_prefetch_rule_matches_torch(dtype, ahead):
-    """The weights' software prefetch (LINEAR_PREFETCH_BYTES, chosen per CPU at build time) on this
-    CPU's first path, both rules built whatever this CPU's default: torch's answer, and the rule said."""
+@pytest.mark.parametrize("side", RULE_SIDES)
+def test_either_linear_prefetch_rule_matches_torch(dtype, side):
+    """The weights' software prefetch (LINEAR_PREFETCH_BYTES, chosen per CPU at build time): this
+    CPU's rule and the other one (``rule_kernel``): torch's answer, and the rule said."""
     dtype = DTYPES[dtype]
-    library = native.isa_kernel(dtype, ISAS[0], (f"-DLINEAR_PREFETCH_BYTES={ahead}",))
-    assert native_build.library_linear_prefetch(library) == (f"{ahead} bytes ahead" if ahead else "none")
-    x, w, b = _layer(1539, 576, dtype, True, seed=ahead)
+    library = rule_kernel(dtype, side)
+    assert {native_build.library_linear_prefetch(rule_kernel(dtype, s)) for s in RULE_SIDES} == {"2048 bytes ahead", "none"}
+    x, w, b = _layer(1539, 576, dtype, True, seed=len(side))
     torch.testing.assert_close(native_rows.native_linear(x, w, b, library).float(), F.linear(x.float(), w.float(), b.float()), **_tolerance(dtype))
 
 
@@ -240,3 +240,54 @@ def test_swiglu_block_of_one_row_matches_its_modules(isa, dtype):
         assert linear_ops.swiglu_residual(x.repeat(1, 2, 1), norm_weight, 1e-5, gate, up, down) is None  # several rows: torch's path
         assert not native_rows.supports_swiglu_residual(x, norm_weight, gate.weight, up.weight, down.weight.t())
     assert not native_rows.supports_swiglu_residual(x, norm_weight, gate.weight, up.weight, down.weight)  # training keeps torch's path
+
+
+HEADS_CASES = {  # x's shape (..., matrices, rows per matrix, in), out: MLA's per-head products, LRKV's per-group ones, chunk tails
+    "mla-absorb": ((2, 9, 1, 64), 160),
+    "mla-expand": ((1, 9, 1, 160), 64),
+    "lrkv-groups": ((1, 3, 3, 40), 16),
+    "odd": ((2, 3, 2, 17), 33),
+    "one-out": ((1, 4, 1, 5), 1),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", HEADS_CASES)
+@pytest.mark.parametrize("layout", [1, 0])
+def test_per_head_products_match_torch_matmul(isa, dtype, case, layout):
+    """``native_heads_matmul`` on every path this CPU runs, both weight layouts (w contiguous, or the
+    transposed view of contiguous (matrices, out, in) weights), against torch's float32 product."""
+    dtype = DTYPES[dtype]
+    shape, out_f = HEADS_CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + layout)
+    x = torch.randn(*shape, generator=gen).to(dtype)
+    w = torch.randn(shape[-3], shape[-1], out_f, generator=gen).to(dtype)
+    if layout == 0:
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+    assert native_rows.heads_layout(x, w) == (1 if out_f == 1 else layout)  # one output: both layouts are the same memory
+    out = native_rows.native_heads_matmul(x, w, native_rows.heads_layout(x, w), native.isa_kernel(dtype, isa))
+    assert out.dtype == dtype and out.shape == (*shape[:-1], out_f)
+    torch.testing.assert_close(out.float(), torch.matmul(x.float(), w.float()), **_tolerance(dtype))
+
+
+@needs_kernel
+def test_heads_matmul_takes_decode_steps_and_leaves_the_rest_to_torch(monkeypatch):
+    """``heads_matmul``: a decode step's rows in one native call; strided rows (a slice of the
+    queries) read in place; prefill-sized calls, autograd, another weight layout and a FLOP counter go to torch."""
+    x = torch.randn(1, 9, 1, 80).bfloat16()[..., 16:]  # queries' content channels: a strided slice
+    w = torch.randn(9, 64, 32).bfloat16()
+    calls = []
+    monkeypatch.setattr(linear_ops, "native_heads_matmul", lambda *a: calls.append(a) or native_rows.native_heads_matmul(*a))
+    torch.testing.assert_close(linear_ops.heads_matmul(x, w).float(), torch.matmul(x.float(), w.float()), **_tolerance(torch.bfloat16))
+    assert len(calls) == 1
+    assert native_rows.heads_layout(torch.randn(1, 9, 40, 64), w) is None  # 360 rows: a prefill chunk
+    assert native_rows.heads_layout(x, w[:, :, :16]) is None  # neither layout
+    assert native_rows.heads_layout(x, w.requires_grad_()) is None
+    with FlopCounterMode(display=False) as counter:
+        linear_ops.heads_matmul(x, w.detach())
+    assert counter.get_total_flops() == 2 * 9 * 64 * 32 and len(calls) == 1
+    x32, w32 = x.float(), w.detach().float()  # float32: torch's product, the faster one there
+    torch.testing.assert_close(linear_ops.heads_matmul(x32, w32), torch.matmul(x32, w32))
+    assert len(calls) == 1

@@ -13,7 +13,7 @@ from slimkv.ops import native
 from slimkv.ops.attention import buffer_segments, reference_attention, stored_decode_attention
 from slimkv.ops.codes import QuantizedRows
 from slimkv.ops.quantize import parse_storage
-from tests.ops.kernel_markers import ISAS, LIBRARY, needs_avx512_bf16, needs_kernel
+from tests.ops.kernel_markers import ISAS, LIBRARY, RULE_SIDES, needs_avx512_bf16, needs_kernel, rule_kernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYOUTS = {  # name -> (kv_heads, query rows per kv head, head width)
@@ -81,15 +81,16 @@ def test_every_isa_path_reads_codes_as_the_reference_reads_their_rows(isa, dtype
 
 @needs_kernel
 @needs_avx512_bf16
-@pytest.mark.parametrize("dot", [0, 1])
+@pytest.mark.parametrize("side", RULE_SIDES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("storage", ["int4", "int8", "int4:group=64,residual=3"])
-def test_avx512_bf16_codes_match_the_reference_with_either_logits_rule(dot, layout, storage):
+def test_avx512_bf16_codes_match_the_reference_with_either_logits_rule(side, layout, storage):
     """The AVX-512 tiles read a bfloat16 cache's codes with the logits by vdpbf16ps or by widened
-    keys (TILE_DOT_BF16, chosen per CPU at build time): both builds run here whatever this CPU's default."""
+    keys (TILE_DOT_BF16, chosen per CPU at build time): this CPU's rule and the other one
+    (``rule_kernel``) run here."""
     q, kb, vb = _filled(layout, storage, 333, torch.bfloat16, seed=3)
     segments = buffer_segments(kb, vb)
-    library = native.isa_kernel(torch.bfloat16, "avx512-bf16", (f"-DTILE_DOT_BF16={dot}",))
+    library = rule_kernel(torch.bfloat16, side)
     out = native.native_stored_attention(q, segments, 1 / math.sqrt(q.shape[-1]), library)
     torch.testing.assert_close(out.float(), _expected(q, segments), **_tolerance(torch.bfloat16))
 

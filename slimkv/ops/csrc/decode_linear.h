@@ -245,6 +245,55 @@ int PROJECT_ENTRY(const elem_t *x, const elem_t *gate, int64_t in_f, int count, 
     return 0;
 }
 
+/* One token's rows each through its own small matrix, for the per-head products of a decode step
+ * (MLA's queries absorbing W_UK and its context through W_UV; LRKV's latent queries and values):
+ * row i of x (``rows`` rows of in_f elements, x_stride apart) goes through matrix k = (i /
+ * rows_per_matrix) % matrices of ``w`` (matrices one after the other), y row i (out_f elements,
+ * y_stride apart) = W_k x_i with W_k out_f x in_f (``transposed`` 0), or x_i W_k with W_k in_f x
+ * out_f (``transposed`` 1). float32 sums, rounded once to the element type. torch's batched
+ * bfloat16 product of SmolLM2's MLA shapes (9 heads of 64 x 160) took 34-38 us on the development
+ * machine (Intel Xeon, one thread), this call 7 us; its plain reference is torch.matmul
+ * (tests/ops/test_native_linear.py). Returns 0, 2 on bad arguments, 1 without memory. */
+#define HEADS_CHUNK 32 /* outputs whose sums a transposed product keeps in registers over a matrix (two 512-bit, four 256-bit vectors) */
+int HEADS_ENTRY(const elem_t *x, int64_t x_stride, int64_t rows, const elem_t *w, int64_t matrices, int64_t rows_per_matrix, int64_t in_f,
+                int64_t out_f, int transposed, elem_t *y, int64_t y_stride) {
+    if (!x || !w || !y || rows < 1 || matrices < 1 || rows_per_matrix < 1 || in_f < 1 || out_f < 1 || x_stride < in_f || y_stride < out_f) return 2;
+    float *xf = (float *)malloc((size_t)(in_f + out_f) * sizeof(float)), *sums = xf + in_f;
+    if (!xf) return 1;
+    for (int64_t i = 0; i < rows; i++) {
+        const elem_t *restrict wk = w + (i / rows_per_matrix) % matrices * in_f * out_f, *xi = x + i * x_stride;
+        elem_t *restrict yi = y + i * y_stride;
+        for (int64_t c = 0; c < in_f; c++) xf[c] = to_float(xi[c]);
+        if (transposed) { /* x_i W_k: each input channel's row of W_k scaled into the sums, HEADS_CHUNK outputs at a time (sums in registers) */
+            for (int64_t o0 = 0; o0 < out_f; o0 += HEADS_CHUNK) {
+                const int64_t n = out_f - o0 < HEADS_CHUNK ? out_f - o0 : HEADS_CHUNK;
+                float chunk[HEADS_CHUNK] = {0};
+                if (n == HEADS_CHUNK)
+                    for (int64_t c = 0; c < in_f; c++) {
+                        const float xc = xf[c];
+                        const elem_t *restrict row = wk + c * out_f + o0;
+#pragma omp simd
+                        for (int64_t o = 0; o < HEADS_CHUNK; o++) chunk[o] += xc * to_float(row[o]);
+                    }
+                else
+                    for (int64_t c = 0; c < in_f; c++) {
+                        const float xc = xf[c];
+                        const elem_t *restrict row = wk + c * out_f + o0;
+                        for (int64_t o = 0; o < n; o++) chunk[o] += xc * to_float(row[o]);
+                    }
+                for (int64_t o = 0; o < n; o++) yi[o0 + o] = from_float(chunk[o]);
+            }
+        } else { /* W_k x_i: the linear layers' rows (linear_rows, the build's dot product), one thread */
+            void *ready = ready_row(xf, in_f);
+            linear_rows(wk, xf, ready, NULL, sums, out_f, in_f, 1);
+            free(ready);
+            for (int64_t o = 0; o < out_f; o++) yi[o] = from_float(sums[o]);
+        }
+    }
+    free(xf);
+    return 0;
+}
+
 /* RMS norm of one row, y = x / sqrt(mean(x^2) + eps) * w, in float32 and rounded once to the
  * element type (the plain reference is torch.nn.functional.rms_norm on the float32 row, cast back).
  * Returns 0, or 2 on bad arguments. */
