@@ -178,6 +178,10 @@ def main() -> None:
     for name in dtypes:
         if name not in DTYPES:
             raise SystemExit(f"--dtypes: {name!r} is not allowed; allowed values: {', '.join(DTYPES)}")
+    for folder in args.converted:  # before any loading: a wrong folder is named at once
+        if not (Path(folder) / "config.json").is_file():
+            raise SystemExit(f"--converted: {folder!r} is not a folder with config.json (a `slimkv convert` output); "
+                             "give the folders one after the other, separated by spaces")
     thread_counts = args.threads
     torch.set_num_threads(max(thread_counts))  # loading and prefill on the most threads
     contexts = [256, 1024] if args.quick else [int(c) for c in args.contexts.split(",")]

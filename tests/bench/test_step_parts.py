@@ -86,3 +86,17 @@ def test_the_committed_parts_page_is_what_its_json_renders(name):
     assert all("parts" in r for r in payload["rows"] if r["model"].startswith("slimkv"))
     assert path.with_suffix(".md").read_text(encoding="utf-8") == bench.render_parts(payload), \
         f"run .venv/bin/python benchmarks/decode_smollm2.py --render benchmarks/results/decode/{name}.json"
+
+
+def test_a_converted_folder_that_is_not_one_is_refused_before_loading(tmp_path, monkeypatch):
+    """benchmarks/decode_smollm2.py --converted: a path that is not a conversion's folder (here two
+    joined by a comma) is named before the model is fetched or loaded."""
+    import sys
+
+    from tests.helpers import load_benchmark
+
+    bench = load_benchmark("decode_smollm2.py")
+    monkeypatch.setattr(sys, "argv", ["decode_smollm2.py", "--converted", f"{tmp_path / 'mla'},{tmp_path / 'lrkv'}"])
+    monkeypatch.setattr(bench, "fetch_smollm2", lambda: pytest.fail("fetched before the check"))
+    with pytest.raises(SystemExit, match="--converted: .* is not a folder with config.json"):
+        bench.main()
