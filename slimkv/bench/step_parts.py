@@ -1,6 +1,6 @@
 """Where a decode step's time goes: the native linear layers (with a SwiGLU block's norm and sum,
 which its one call does too, and a block's halves around its attention, ``native_block_input`` and
-``native_block_output``, with their norms, RoPE and residual), the native attention kernel, the blocks that ran as one native call
+``native_block_output``, with their norms, RoPE and residual, and an MLA block's ``native_latent_input``), the native attention kernel, the blocks that ran as one native call
 (``slimkv.model.block_step``: their linears and attention together), and the rest (the attention's norm, RoPE, cache appends, MLA's absorbed query and context products, the logits' argmax,
 Python between the calls).
 
@@ -26,7 +26,7 @@ import slimkv.ops.kvm.core as kvm_ops
 import slimkv.ops.linear as linear_ops
 
 LINEAR_ENTRIES = ((linear_ops, "native_linear"), (linear_ops, "native_project"), (linear_ops, "native_swiglu_residual"),
-                  (block_step, "native_block_input"), (block_step, "native_block_output"))
+                  (block_step, "native_block_input"), (block_step, "native_latent_input"), (block_step, "native_block_output"))
 ATTENTION_ENTRIES = ((attention_ops, "native_decode_attention"), (attention_ops, "native_stored_attention"), (kvm_ops, "native_decode_attention"))
 BLOCK_ENTRIES = ((block_step, "native_block_step"),)
 
@@ -41,6 +41,8 @@ def _weights(name: str, args: tuple) -> list:
         return [weights.wq, weights.wk, weights.wv, weights.wo, weights.gate, weights.up, weights.down]
     if name == "native_block_input":  # a block's half before its attention: q/k/v (with the norm and RoPE)
         return [args[1].wq, args[1].wk, args[1].wv]
+    if name == "native_latent_input":  # an MLA block's half before its attention: q and the cache row (with the norm and RoPE)
+        return [args[1].wq, args[1].w_kv]
     if name == "native_block_output":  # the half after it: Wo and the SwiGLU half
         return [args[2].wo, args[2].gate, args[2].up, args[2].down]
     return list(args[1]) if name == "native_project" else [args[1]]

@@ -14,7 +14,11 @@ query/key norms, RoPE on some channels, plain ``Linear`` projections) for one to
 - any other attention of the ``MultiHeadAttention`` family that keeps its own cache (a sliding
   window; codes with no full-precision window): the norm, q/k/v and RoPE in one call, the
   attention's own ``attend_rows`` in Python, then the output projection, the residual and the
-  SwiGLU half in one call (``native_block_input``, ``native_block_output``).
+  SwiGLU half in one call (``native_block_input``, ``native_block_output``);
+- ``mla`` as a conversion from a GQA model makes it (no query latent, no latent norm, no
+  query/key norms, no biases): the norm, q, the cache row [k_pe | c] and RoPE in one call
+  (``native_latent_input``), the layer's own absorbed attention over its cache in Python, then the
+  output half in one call.
 Both need float32 or bfloat16 on the CPU, no autograd, no torch dispatch mode (a FLOP counter must
 see the module path's operations), no forward hook on any of the block's modules and a backend
 other than "reference". Otherwise ``block_step`` returns None and ``Block.forward`` takes the
@@ -31,10 +35,12 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch import nn
 from torch.nn.modules import module as nn_module
 
 from slimkv.attention.hybrid import HybridAttention, HybridCache
 from slimkv.attention.mha import GQA, MHA, MQA, KVCache, MultiHeadAttention
+from slimkv.attention.mla import MultiHeadLatentAttention
 from slimkv.common.buffer import GrowableBuffer
 from slimkv.ops.linear import Linear
 from slimkv.ops.native import decode_kernel
@@ -42,10 +48,13 @@ from slimkv.ops.native_block import (
     BlockShape,
     BlockWeights,
     CacheRole,
+    LatentShape,
+    LatentWeights,
     block_fields,
     native_block_input,
     native_block_output,
     native_block_step,
+    native_latent_input,
 )
 from slimkv.ops.norm import RMSNorm
 from slimkv.ops.quantize import QuantizedBuffer
@@ -69,11 +78,16 @@ class StepPlan(NamedTuple):
     children: tuple[tuple[torch.nn.Module, str, torch.nn.Module], ...]
     owners: tuple[torch.nn.Module, ...]
     whole: bool  # the whole block in one call (KINDS with no window, hybrid); else two calls around attend_rows
+    latent: bool = False  # an MLA block: two calls around its absorbed attention (weights and shape: LatentWeights, LatentShape)
 
 
 CHILDREN = (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("attn_norm", ()), ("mlp", ("gate_proj", "up_proj", "down_proj")), ("mlp_norm", ()))
 OWNERS = ("attn_norm", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 """The modules whose ``weight`` the entry reads, in ``BlockWeights``' order."""
+LATENT_CHILDREN = (("attn", ("q_proj", "kv_down", "kv_norm", "q_norm", "k_norm", "o_proj")), ("attn_norm", ()), ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                   ("mlp_norm", ()))
+LATENT_OWNERS = ("attn_norm", "attn.q_proj", "attn.kv_down", "attn.o_proj", "mlp_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+"""An MLA block's modules whose ``weight`` its two calls read, in ``LatentWeights``' order."""
 
 
 def _still_valid(plan: StepPlan) -> bool:
@@ -86,6 +100,8 @@ def _still_valid(plan: StepPlan) -> bool:
 def _plan(block) -> StepPlan | None:
     """The block's plan, or None when its modules are not the ones the entry computes."""
     attn, mlp = block.attn, block.mlp
+    if type(attn) is MultiHeadLatentAttention:
+        return _latent_plan(block)
     if not isinstance(attn, MultiHeadAttention) or type(attn)._forward not in HALVES or attn.use_qk_norm or attn.use_bias:
         return None
     if type(attn).project_qkv is not MultiHeadAttention.project_qkv:  # what BLOCK_INPUT_ENTRY computes
@@ -106,6 +122,32 @@ def _plan(block) -> StepPlan | None:
     children += tuple((block._modules[name], sub, block._modules[name]._modules[sub]) for name, subs in CHILDREN for sub in subs)
     return StepPlan(weights, shape, block_fields(weights, shape), any(w.requires_grad for w in weights), tuple(block.modules()), children, owners,
                     (type(attn) in KINDS and attn.window is None) or type(attn) is HybridAttention)
+
+
+def _latent_plan(block) -> StepPlan | None:
+    """An MLA block's plan (two calls around its absorbed attention), or None: the entry computes
+    MLA as a conversion from a GQA model makes it (no query latent, no latent norm, no query/key
+    norms, no biases, rotary channels) in a pre-norm block with a SwiGLU MLP."""
+    attn, mlp = block.attn, block.mlp
+    if attn.q_rank is not None or attn.latent_norm or attn.use_qk_norm or attn.use_bias or attn.rope_dim == 0:
+        return None
+    if any(type(norm) is not nn.Identity for norm in (attn.kv_norm, attn.q_norm, attn.k_norm)):  # what the options say, as the modules are
+        return None
+    if type(block.attn_norm) is not RMSNorm or type(block.mlp_norm) is not RMSNorm or mlp.gate_proj is None:
+        return None
+    if any(type(p) is not Linear or p.bias is not None for p in (attn.q_proj, attn.kv_down, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        return None
+    owners = tuple(block.get_submodule(name) for name in LATENT_OWNERS)
+    weights = LatentWeights(*(owner.weight for owner in owners))
+    dtype = weights[0].dtype
+    if any(w.dtype != dtype or w.device.type != "cpu" or not w.is_contiguous() for w in weights):
+        return None
+    shape = LatentShape(attn.d_model, attn.n_heads, attn.qk_dim, attn.rope_dim + attn.kv_rank, attn.rope_dim, mlp.gate_proj.out_features,
+                        block.attn_norm.eps, block.mlp_norm.eps)
+    children = tuple((block, name, block._modules[name]) for name, _ in LATENT_CHILDREN)
+    children += tuple((block._modules[name], sub, block._modules[name]._modules[sub]) for name, subs in LATENT_CHILDREN for sub in subs)
+    return StepPlan(weights, shape, tuple(w.data_ptr() for w in weights), any(w.requires_grad for w in weights), tuple(block.modules()), children,
+                    owners, False, latent=True)
 
 
 def block_step_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -151,6 +193,8 @@ def block_step(block, x: torch.Tensor, cache) -> torch.Tensor | None:
         spec = attn.__dict__["_spec"] = attn.cache_spec()
     cache.check_compatible(spec, x)
     rotation = attn.rotary.rotation(cache.seq_len, 1, x.device, torch.float32)
+    if plan.latent:
+        return _latent_two_calls(plan, attn, x, cache, rotation, library)
     if plan.whole and x.dtype == cache.dtype:
         mark = cache.mark() if _quantizes_ahead(cache) else None  # quantizing ahead changes the cache before the call
         try:
@@ -257,6 +301,24 @@ def _two_calls(plan: StepPlan, attn: MultiHeadAttention, x: torch.Tensor, cache,
     try:
         out = attn.attend_rows(q, k, v, cache)
         return native_block_output(x, out.transpose(1, 2).reshape(1, 1, q_width), plan.weights, shape, library)
+    except BaseException:
+        cache.rollback(mark)
+        raise
+
+
+def _latent_two_calls(plan: StepPlan, attn: MultiHeadLatentAttention, x: torch.Tensor, cache, rotation: torch.Tensor, library) -> torch.Tensor:
+    """An MLA block around its absorbed attention: one native call for the norm, q, the cache row
+    and RoPE, the module path's own cache append and attention (``_attend``) on views of them, one
+    native call for Wo, the residual and the SwiGLU half. A failure leaves the cache as it was."""
+    shape = plan.shape
+    q_width = shape.n_heads * shape.qk_dim
+    q_and_row = native_latent_input(x, plan.weights, shape, rotation, library)
+    q = q_and_row[..., :q_width].view(1, 1, shape.n_heads, shape.qk_dim).transpose(1, 2)
+    row = q_and_row[..., q_width:].view(1, 1, 1, shape.row_width).transpose(1, 2)
+    mark = cache.mark()
+    try:
+        out = attn._attend(q, cache.extend(row))
+        return native_block_output(x, out.transpose(1, 2).reshape(1, 1, shape.n_heads * attn.v_head_dim), plan.weights, shape, library)
     except BaseException:
         cache.rollback(mark)
         raise

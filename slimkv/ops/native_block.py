@@ -8,7 +8,8 @@ or int8 / int4 codes, named by spans of the cache's storage), the output project
 the module path would call and rounded where it rounds. For a block whose attention's cache is not
 described that way (a sliding window; codes with no full-precision window),
 ``native_block_input`` does everything before the attention and ``native_block_output``
-everything after it. ``slimkv.model.block_step`` decides when a block may
+everything after it; an MLA block (``LatentWeights``) takes ``native_latent_input``, its absorbed
+attention in Python, then ``native_block_output``. ``slimkv.model.block_step`` decides when a block may
 take them; the module path is their reference (tests/model/test_block_step.py).
 """
 
@@ -24,7 +25,7 @@ import torch
 from slimkv.common.buffer import RowSpan
 from slimkv.ops.codes import CodeSpans
 from slimkv.ops.native import attention_threads, segment_fields, stored_segment_fields
-from slimkv.ops.native_build import BLOCK_ENTRIES, BLOCK_INPUT_ENTRIES, BLOCK_OUTPUT_ENTRIES
+from slimkv.ops.native_build import BLOCK_ENTRIES, BLOCK_INPUT_ENTRIES, BLOCK_OUTPUT_ENTRIES, LATENT_INPUT_ENTRIES
 from slimkv.ops.native_rows import linear_threads
 
 
@@ -56,6 +57,35 @@ class BlockShape(NamedTuple):
     attn_eps: float
     mlp_eps: float
     scale: float
+
+
+class LatentWeights(NamedTuple):
+    """The tensors an MLA block's two-call step reads (``native_latent_input``, then
+    ``native_block_output``), each contiguous in the block's dtype: the attention's norm gain, wq
+    (n_heads * qk_dim, d_model), w_kv (the latent row's width, d_model: ``kv_down``), wo (d_model,
+    n_heads * v_head_dim), the MLP's norm gain, gate and up (d_ff, d_model) and down (d_model, d_ff)."""
+
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    w_kv: torch.Tensor
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+class LatentShape(NamedTuple):
+    """An MLA block's sizes and constants: widths, heads, the query heads' and the cache row's widths, rotary channels, the norms' eps."""
+
+    d_model: int
+    n_heads: int
+    qk_dim: int
+    row_width: int
+    rot_dim: int
+    d_ff: int
+    attn_eps: float
+    mlp_eps: float
 
 
 def block_fields(weights: BlockWeights, shape: BlockShape) -> tuple[int, ...]:
@@ -124,15 +154,30 @@ def native_block_input(x: torch.Tensor, weights: BlockWeights, shape: BlockShape
     return qkv
 
 
-def native_block_output(x: torch.Tensor, attended: torch.Tensor, weights: BlockWeights, shape: BlockShape, library: ctypes.CDLL) -> torch.Tensor:
+def native_latent_input(x: torch.Tensor, weights: LatentWeights, shape: LatentShape, rotation: torch.Tensor, library: ctypes.CDLL) -> torch.Tensor:
+    """An MLA block's first half for one token: x (1, 1, d_model) -> (1, 1, n_heads * qk_dim +
+    row_width) in x's dtype, the rotated queries then the cache row [rotated k_pe | c] (the module
+    path's ``queries`` and ``latent_rows`` before their views)."""
+    out = torch.empty(1, 1, shape.n_heads * shape.qk_dim + shape.row_width, dtype=x.dtype)
+    status = getattr(library, LATENT_INPUT_ENTRIES[x.dtype])(x.data_ptr(), weights.attn_norm.data_ptr(), shape.attn_eps, weights.wq.data_ptr(),
+                                                             weights.w_kv.data_ptr(), shape.d_model, shape.n_heads, shape.qk_dim, shape.row_width,
+                                                             shape.rot_dim, rotation.data_ptr(), out.data_ptr(),
+                                                             linear_threads((weights.wq.numel() + weights.w_kv.numel()) * x.element_size()))
+    if status != 0:
+        raise RuntimeError(f"native latent input failed (status {status}: {'out of memory' if status == 1 else 'bad arguments'})")
+    return out
+
+
+def native_block_output(x: torch.Tensor, attended: torch.Tensor, weights: BlockWeights | LatentWeights, shape: BlockShape | LatentShape,
+                        library: ctypes.CDLL) -> torch.Tensor:
     """The block's second half for one token: x (1, 1, d_model) and the attention's output
-    ``attended`` (n_heads * head_dim elements, contiguous, x's dtype) -> h + mlp(norm(h)) with
+    ``attended`` (Wo's input width, contiguous, x's dtype) -> h + mlp(norm(h)) with
     h = x + Wo attended, (1, 1, d_model) in x's dtype."""
     out = torch.empty_like(x)
     size = x.element_size()
     status = getattr(library, BLOCK_OUTPUT_ENTRIES[x.dtype])(x.data_ptr(), attended.data_ptr(), weights.wo.data_ptr(), weights.mlp_norm.data_ptr(),
                                                              shape.mlp_eps, weights.gate.data_ptr(), weights.up.data_ptr(), weights.down.data_ptr(),
-                                                             shape.d_model, shape.n_heads * shape.head_dim, shape.d_ff, out.data_ptr(),
+                                                             shape.d_model, attended.numel(), shape.d_ff, out.data_ptr(),
                                                              linear_threads(weights.wo.numel() * size), linear_threads(2 * weights.gate.numel() * size),
                                                              linear_threads(weights.down.numel() * size))
     if status != 0:

@@ -60,6 +60,8 @@ BLOCK_OUTPUT_ENTRIES = {torch.float32: "slimkv_block_output_f32", torch.bfloat16
 """Element type -> a block's second half for one token: Wo, the residual, the SwiGLU half (csrc/decode_block.h)."""
 HEADS_ENTRIES = {torch.float32: "slimkv_heads_product_f32", torch.bfloat16: "slimkv_heads_product_bf16"}
 """Element type -> the entry point for one token's rows each through its own small matrix (MLA's and LRKV's per-head products, csrc/decode_linear.h)."""
+LATENT_INPUT_ENTRIES = {torch.float32: "slimkv_latent_input_f32", torch.bfloat16: "slimkv_latent_input_bf16"}
+"""Element type -> an MLA block's first half for one token: norm, q and the cache row, RoPE (csrc/decode_block.h)."""
 QUANTIZE_ENTRIES = {torch.float32: "slimkv_quantize_rows_f32", torch.bfloat16: "slimkv_quantize_rows_bf16"}
 """Cache element type -> the entry point that quantizes rows into codes (csrc/quantize_rows.h)."""
 
@@ -194,6 +196,9 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     block_output.restype = ctypes.c_int
     heads = getattr(library, HEADS_ENTRIES[dtype])
     heads.argtypes, heads.restype = [pointer, i64, i64, pointer, i64, i64, i64, i64, ctypes.c_int, pointer, i64], ctypes.c_int
+    latent_input = getattr(library, LATENT_INPUT_ENTRIES[dtype])
+    latent_input.argtypes = [pointer, pointer, ctypes.c_float, pointer, pointer, i64, i64, i64, i64, i64, pointer, pointer, ctypes.c_int]
+    latent_input.restype = ctypes.c_int
     quantize = getattr(library, QUANTIZE_ENTRIES[dtype])
     quantize.argtypes, quantize.restype = [pointer, i64, i64, i64, ctypes.c_int, i64, pointer, pointer, pointer], ctypes.c_int
     for name in ("slimkv_kernel_isa", "slimkv_kernel_threading", "slimkv_row_prefetch_rule", "slimkv_tile_logits"):

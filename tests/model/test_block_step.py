@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from slimkv import ModelConfig, SlimKVForCausalLM
-from slimkv.model.block_step import block_step
+from slimkv.model.block_step import block_step, block_step_counts
 from slimkv.model.modeling import Block
 from slimkv.ops import native
 from tests.ops.kernel_markers import needs_kernel
@@ -121,6 +121,40 @@ def test_two_calls_around_the_attention_equal_the_module_path_to_the_bit(dtype, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("opts", [
+    {"kv_rank": 24, "rope_dim": 8, "latent_norm": False},
+    {"kv_rank": 13, "latent_norm": False, "rope_frequencies": [0.9, 0.05, 0.9], "v_head_dim": 12},
+], ids=["mla", "mla-converted-shape"])
+def test_an_mla_block_takes_two_calls_around_its_attention_and_equals_the_module_path_to_the_bit(dtype, opts):
+    """MLA as a conversion makes it (no latent norm; an odd rank, its own rotary frequencies, a
+    value width of its own): the norm, q, the cache row and RoPE in one native call, the module
+    path's absorbed attention, then Wo and the SwiGLU half in one: the same logits and cache rows
+    as the module path, from a 1-token prompt (an empty cache's first step) and after a prefill."""
+    model = tiny("mla", opts).to(DTYPES[dtype])
+    assert block_step_counts(model) == {"one_call": 0, "two_calls": 2, "module_path": 0}
+    ids = torch.randint(0, 61, (1, 30))
+    calls = []
+    original = block_step.__globals__["native_latent_input"]
+    with torch.no_grad():
+        module_logits, module_cache = decode(model, ids, 12, one_call=False)
+        block_step.__globals__["native_latent_input"] = lambda *a, **k: calls.append(1) or original(*a, **k)
+        try:
+            fused_logits, fused_cache = decode(model, ids, 12, one_call=True)
+            assert len(calls) == 12 * len(blocks(model)), "the two-call step did not take every decode step"
+            outputs = {}
+            for one_call in (False, True):
+                for block in blocks(model):
+                    block.native_step = one_call
+                outputs[one_call] = model.generate(ids[:, :1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        finally:
+            block_step.__globals__["native_latent_input"] = original
+    assert torch.equal(fused_logits, module_logits)
+    assert all(torch.equal(a, b) for a, b in zip(_states(fused_cache), _states(module_cache), strict=True))
+    assert torch.equal(outputs[True], outputs[False])
+
+
+@needs_kernel
 def test_the_first_token_and_generate_agree():
     """A 1-token prompt (the first step reads an empty cache: two calls around the prefill's attention) and generate()."""
     model = tiny()
@@ -175,7 +209,9 @@ def _first_block_and_cache(model, tokens=5):
     ("gqa", {"n_kv_heads": 2, "bias": True}, {}, None),
     ("gqa", None, {"mlp": "relu2"}, None),
     ("mla", {"kv_rank": 16, "rope_dim": 8}, {}, None),
-], ids=["streaming", "qk-norm", "bias", "relu2-mlp", "mla"])
+    ("mla", {"kv_rank": 16, "rope_dim": 8, "latent_norm": False, "q_rank": 8}, {}, None),
+    ("mla-kvm", {"kv_rank": 16, "rope_dim": 8, "latent_norm": False}, {}, None),
+], ids=["streaming", "qk-norm", "bias", "relu2-mlp", "mla-latent-norm", "mla-query-latent", "mla-kvm"])
 def test_blocks_the_entry_does_not_compute_take_the_module_path(kind, opts, extra, storage):
     model = tiny(kind, opts, **extra)
     cache = model.new_cache(1, storage=storage) if storage else model.new_cache(1)

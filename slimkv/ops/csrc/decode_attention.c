@@ -107,6 +107,7 @@ typedef uint16_t elem_t;
 #define BLOCK_ENTRY slimkv_decode_block_bf16
 #define BLOCK_INPUT_ENTRY slimkv_block_input_bf16
 #define BLOCK_OUTPUT_ENTRY slimkv_block_output_bf16
+#define LATENT_INPUT_ENTRY slimkv_latent_input_bf16
 #define QUANTIZE_ENTRY slimkv_quantize_rows_bf16
 #define HEADS_ENTRY slimkv_heads_product_bf16
 static inline float to_float(elem_t x) {
@@ -133,6 +134,7 @@ typedef float elem_t;
 #define BLOCK_ENTRY slimkv_decode_block_f32
 #define BLOCK_INPUT_ENTRY slimkv_block_input_f32
 #define BLOCK_OUTPUT_ENTRY slimkv_block_output_f32
+#define LATENT_INPUT_ENTRY slimkv_latent_input_f32
 #define QUANTIZE_ENTRY slimkv_quantize_rows_f32
 #define HEADS_ENTRY slimkv_heads_product_f32
 static inline float to_float(elem_t x) { return x; }

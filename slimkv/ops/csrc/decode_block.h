@@ -13,7 +13,8 @@
  * rounds it (the attention's output once, the residual sum once), so the result is the module
  * path's to the bit: tests/model/test_block_step.py compares them, and the module path, whose
  * every kernel has its own plain reference, is these entries' reference. BLOCK_INPUT_ENTRY is the
- * first line, BLOCK_OUTPUT_ENTRY the last, BLOCK_ENTRY all three with the attention between (one
+ * first line, BLOCK_OUTPUT_ENTRY the last (LATENT_INPUT_ENTRY the first line of an MLA block, whose
+ * absorbed attention runs in Python between the two), BLOCK_ENTRY all three with the attention between (one
  * batch row, no biases, no query/key norms, each KV head's cache a few segments: a GQA cache's
  * rows (or int8 / int4 codes and a full-precision window), or per-head roles' exact rows and
  * sinks + window; slimkv/model/block_step.py checks, and takes the module path otherwise). */
@@ -39,6 +40,27 @@ int BLOCK_INPUT_ENTRY(const elem_t *x, const elem_t *attn_norm, float eps, const
     int status = NORM_ENTRY(x, attn_norm, normed, d_model, eps);
     if (!status) status = PROJECT_ENTRY(normed, NULL, d_model, 3, in_w, NULL, qkv_f, qkv, threads);
     if (!status) status = ROTATE_ENTRY(qkv, n_heads + kv_heads, head_dim, rot_dim, rotation, qkv); /* queries and keys, in place: each pair is read before it is written */
+    free(normed);
+    return status;
+}
+
+/* An MLA block's first half up to its attention (slimkv.attention.mla, as a conversion from a GQA
+ * model makes it: no query latent, no latent norm, no query/key norms, no biases): out =
+ * [q (n_heads rows of qk_dim) | the cache row (row_width)] of x's row: the norm (NORM_ENTRY), q and
+ * the row [k_pe | c] projected in one PROJECT_ENTRY call, the first rot_dim channels of each query
+ * head and of the row rotated (ROTATE_ENTRY), as the module path's queries() and latent_rows()
+ * call them. Returns 0, 2 on bad arguments, 1 without memory. */
+int LATENT_INPUT_ENTRY(const elem_t *x, const elem_t *attn_norm, float eps, const elem_t *wq, const elem_t *wkv, int64_t d_model, int64_t n_heads,
+                       int64_t qk_dim, int64_t row_width, int64_t rot_dim, const float *rotation, elem_t *out, int threads) {
+    if (!x || !attn_norm || !wq || !wkv || !out || !rotation || d_model < 1 || n_heads < 1 || qk_dim < rot_dim || row_width < rot_dim) return 2;
+    elem_t *normed = (elem_t *)malloc((size_t)d_model * sizeof(elem_t));
+    if (!normed) return 1;
+    const elem_t *in_w[2] = {wq, wkv};
+    const int64_t widths[2] = {n_heads * qk_dim, row_width};
+    int status = NORM_ENTRY(x, attn_norm, normed, d_model, eps);
+    if (!status) status = PROJECT_ENTRY(normed, NULL, d_model, 2, in_w, NULL, widths, out, threads);
+    if (!status) status = ROTATE_ENTRY(out, n_heads, qk_dim, rot_dim, rotation, out); /* in place: each pair is read before it is written */
+    if (!status) status = ROTATE_ENTRY(out + widths[0], 1, row_width, rot_dim, rotation, out + widths[0]);
     free(normed);
     return status;
 }
