@@ -19,7 +19,7 @@ query/key norms, RoPE on some channels, plain ``Linear`` projections) for one to
   query/key norms, no biases): the norm, q, the cache row [k_pe | c] and RoPE in one call
   (``native_latent_input``), the layer's own absorbed attention over its cache in Python, then the
   output half in one call.
-Both need float32 or bfloat16 on the CPU, no autograd, no torch dispatch mode (a FLOP counter must
+All need float32 or bfloat16 on the CPU, no autograd, no torch dispatch mode (a FLOP counter must
 see the module path's operations), no forward hook on any of the block's modules and a backend
 other than "reference". Otherwise ``block_step`` returns None and ``Block.forward`` takes the
 module path, which is the reference: the native calls compute every value as the module path's
