@@ -106,22 +106,36 @@ def _plan(block) -> StepPlan | None:
         return None
     if type(attn).project_qkv is not MultiHeadAttention.project_qkv:  # what BLOCK_INPUT_ENTRY computes
         return None
+    if attn.rotary.rot_dim == 0:
+        return None
+    parts = _block_parts(block, (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj), OWNERS, CHILDREN, BlockWeights)
+    if parts is None:
+        return None
+    owners, weights, children = parts
+    shape = BlockShape(attn.d_model, attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.rotary.rot_dim, mlp.gate_proj.out_features,
+                       block.attn_norm.eps, block.mlp_norm.eps, 1.0 / math.sqrt(attn.head_dim))  # decode_attention's default scale
+    return StepPlan(weights, shape, block_fields(weights, shape), any(w.requires_grad for w in weights), tuple(block.modules()), children, owners,
+                    (type(attn) in KINDS and attn.window is None) or type(attn) is HybridAttention)
+
+
+def _block_parts(block, projections: tuple, owner_names: tuple[str, ...], children_spec: tuple, weights_type: type) -> tuple | None:
+    """What every plan checks and keeps: RMSNorms before the attention and the MLP, a SwiGLU MLP,
+    plain bias-free ``Linear`` projections (the attention's ``projections`` and the MLP's), the
+    owners' weights as ``weights_type`` (one dtype, contiguous, on the CPU) and the children whose
+    swap means a new plan; (owners, weights, children), or None where the block is not that."""
+    mlp = block.mlp
     if type(block.attn_norm) is not RMSNorm or type(block.mlp_norm) is not RMSNorm or mlp.gate_proj is None:
         return None
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if any(type(p) is not Linear or p.bias is not None for p in projections) or attn.rotary.rot_dim == 0:
+    if any(type(p) is not Linear or p.bias is not None for p in (*projections, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
         return None
-    owners = tuple(block.get_submodule(name) for name in OWNERS)
-    weights = BlockWeights(*(owner.weight for owner in owners))
+    owners = tuple(block.get_submodule(name) for name in owner_names)
+    weights = weights_type(*(owner.weight for owner in owners))
     dtype = weights[0].dtype
     if any(w.dtype != dtype or w.device.type != "cpu" or not w.is_contiguous() for w in weights):
         return None
-    shape = BlockShape(attn.d_model, attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.rotary.rot_dim, mlp.gate_proj.out_features,
-                       block.attn_norm.eps, block.mlp_norm.eps, 1.0 / math.sqrt(attn.head_dim))  # decode_attention's default scale
-    children = tuple((block, name, block._modules[name]) for name, _ in CHILDREN)
-    children += tuple((block._modules[name], sub, block._modules[name]._modules[sub]) for name, subs in CHILDREN for sub in subs)
-    return StepPlan(weights, shape, block_fields(weights, shape), any(w.requires_grad for w in weights), tuple(block.modules()), children, owners,
-                    (type(attn) in KINDS and attn.window is None) or type(attn) is HybridAttention)
+    children = tuple((block, name, block._modules[name]) for name, _ in children_spec)
+    children += tuple((block._modules[name], sub, block._modules[name]._modules[sub]) for name, subs in children_spec for sub in subs)
+    return owners, weights, children
 
 
 def _latent_plan(block) -> StepPlan | None:
@@ -133,19 +147,12 @@ def _latent_plan(block) -> StepPlan | None:
         return None
     if any(type(norm) is not nn.Identity for norm in (attn.kv_norm, attn.q_norm, attn.k_norm)):  # what the options say, as the modules are
         return None
-    if type(block.attn_norm) is not RMSNorm or type(block.mlp_norm) is not RMSNorm or mlp.gate_proj is None:
+    parts = _block_parts(block, (attn.q_proj, attn.kv_down, attn.o_proj), LATENT_OWNERS, LATENT_CHILDREN, LatentWeights)
+    if parts is None:
         return None
-    if any(type(p) is not Linear or p.bias is not None for p in (attn.q_proj, attn.kv_down, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-        return None
-    owners = tuple(block.get_submodule(name) for name in LATENT_OWNERS)
-    weights = LatentWeights(*(owner.weight for owner in owners))
-    dtype = weights[0].dtype
-    if any(w.dtype != dtype or w.device.type != "cpu" or not w.is_contiguous() for w in weights):
-        return None
+    owners, weights, children = parts
     shape = LatentShape(attn.d_model, attn.n_heads, attn.qk_dim, attn.rope_dim + attn.kv_rank, attn.rope_dim, mlp.gate_proj.out_features,
                         block.attn_norm.eps, block.mlp_norm.eps)
-    children = tuple((block, name, block._modules[name]) for name, _ in LATENT_CHILDREN)
-    children += tuple((block._modules[name], sub, block._modules[name]._modules[sub]) for name, subs in LATENT_CHILDREN for sub in subs)
     return StepPlan(weights, shape, tuple(w.data_ptr() for w in weights), any(w.requires_grad for w in weights), tuple(block.modules()), children,
                     owners, False, latent=True)
 
