@@ -300,6 +300,19 @@ def lock_now(descriptor: int, busy: str) -> None:
 
 
 @contextmanager
+def waiting_lock(path: str | Path) -> Iterator[None]:
+    """Hold an exclusive flock on the file ``path`` (created if missing, left in place) meanwhile,
+    waiting for another process that holds it: for work two processes may both start and only
+    one should do (a kernel build). ``folder_lock`` refuses at once instead."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
 def folder_lock(folder: str | Path, what: str = "run") -> Iterator[None]:
     """Hold an exclusive lock on ``folder`` (created if missing) meanwhile; FolderBusyError at once
     if another process holds it. The lock is on the folder's own descriptor (no file is written)

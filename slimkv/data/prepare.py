@@ -10,7 +10,6 @@ folder is briefly absent).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -30,7 +29,7 @@ import numpy as np
 import tokenizers
 from tqdm import tqdm
 
-from slimkv.common.files import sha256_file, write_json
+from slimkv.common.files import sha256_file, waiting_lock, write_json
 from slimkv.data.dataset import (
     MANIFEST,
     SHAKESPEARE,
@@ -237,15 +236,13 @@ def _build_lock(name: str) -> Iterator[Path]:
     locks = datasets_dir() / ".locks"
     locks.mkdir(exist_ok=True)
     workspace = datasets_dir() / ".building" / name
-    with open(locks / name, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with waiting_lock(locks / name):
+        shutil.rmtree(workspace, ignore_errors=True)  # leftovers of a build that crashed
+        workspace.mkdir(parents=True)
         try:
-            shutil.rmtree(workspace, ignore_errors=True)  # leftovers of a build that crashed
-            workspace.mkdir(parents=True)
             yield workspace
         finally:
             shutil.rmtree(workspace, ignore_errors=True)
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _move_into_place(staging: Path, folder: Path, workspace: Path) -> None:

@@ -92,7 +92,7 @@ def heads_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     to its context; LRKV's latent queries and values) in bfloat16 take one native call
     (``native_heads_matmul``): torch's batched bfloat16 product of SmolLM2's MLA shapes (9 heads of
     64 x 160) took 34-38 us where it took 16-18, and a decode step of its MLA 0.5 conversion was
-    1.06x faster with it (2026-12-07, Intel Xeon, one thread). In float32 torch's product was the
+    1.06x faster with it (2026-12-07, a 2-core Intel Xeon with AVX-512, one thread, load under 1). In float32 torch's product was the
     faster (8-15 us against 15-22), so float32 calls, like every other call, take torch's product,
     the plain reference."""
     layout = heads_layout(x, w) if w.dtype == torch.bfloat16 else None

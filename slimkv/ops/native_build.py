@@ -6,7 +6,6 @@ its calls; this module holds what happens before the first call.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -15,15 +14,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: builds are still atomic, only not deduplicated across processes
-    fcntl = None
+from slimkv.common.files import waiting_lock
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"  # includes the headers beside it (decode_avx2.h, decode_avx512.h, decode_amx.h)
 FLAGS = ("-O3", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
@@ -138,7 +134,7 @@ def build(cc: str, folder: Path, dtype: torch.dtype = torch.float32, isa: str | 
         if target.is_file():
             return target
         folder.mkdir(parents=True, exist_ok=True)
-        with _build_lock(folder / f".decode_attention-{key}.lock"):  # another process building the same waits, then finds it
+        with waiting_lock(folder / f".decode_attention-{key}.lock"):  # another process building the same waits, then finds it
             if target.is_file():
                 return target
             handle, temporary = tempfile.mkstemp(suffix=".so", dir=folder)
@@ -150,22 +146,6 @@ def build(cc: str, folder: Path, dtype: torch.dtype = torch.float32, isa: str | 
             os.unlink(temporary)
         errors.append(f"{cc} {' '.join(flags)}: {result.stderr.strip()[:400]}")
     raise RuntimeError("; ".join(errors))
-
-
-@contextlib.contextmanager
-def _build_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` meanwhile (``fcntl.flock``; none where fcntl is absent): two
-    processes (test workers, concurrent runs) that need the same build compile it once, about a
-    minute each, instead of side by side. The build itself is atomic either way."""
-    if fcntl is None:
-        yield
-        return
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load(path: Path, dtype: torch.dtype = torch.float32) -> ctypes.CDLL:

@@ -27,6 +27,8 @@ def _no_kernel_reason() -> str | None:
 
 NO_KERNEL = _no_kernel_reason()
 needs_kernel = pytest.mark.skipif(NO_KERNEL is not None, reason=NO_KERNEL or "not skipped: this machine builds the native kernel")
+needs_compiler = pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler on this machine, so there is no kernel build to "
+                                    "test; without one slimkv takes the torch path, which test_without_a_compiler_decode_falls_back_with_one_warning checks")
 needs_avx512_bf16 = pytest.mark.skipif("avx512-bf16" not in ISAS, reason="TILE_DOT_BF16 chooses between two tiles of the avx512-bf16 build, "
                                        "which runs only on a CPU with AVX512-BF16 and this one lacks it; the tiles this CPU builds are "
                                        "checked by the every-path tests")
