@@ -106,6 +106,7 @@ LAYOUTS = {  # name -> (kv_heads, groups, dim, v_dim, values in the key rows fro
     "latent-shared": (8, 1, 64, 512, "shared"), "latent-shared-odd": (3, 2, 40, 72, "shared"),
     "lrkv192": (1, 8, 192, 192, None), "odd17x5": (1, 3, 17, 5, None), "odd40x24": (3, 2, 40, 24, None),
     "mla288x17": (1, 17, 288, 256, 32), "wide96x3": (2, 3, 96, 48, None), "mqa64x17": (1, 17, 64, 64, None),
+    "mha-odd-wide": (2, 1, 40, 76, None),  # one query row, values past one 8-chunk tile with a partial last chunk
 }
 
 

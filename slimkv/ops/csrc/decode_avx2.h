@@ -7,18 +7,20 @@
  * keys: tiles of ROWS_TILE rows x KEYS_TILE keys, each key chunk loaded once for the rows, each
  * query chunk once for the keys, one horizontal sum per logit paid once per row, not per chunk),
  * the online-softmax update on 8 lanes, then the values (tiles of ROWS_TILE rows x CHUNKS_TILE
- * chunks), with the next block's rows prefetched a share per tile step (Ahead in
+ * chunks; an item of one query row ROW_CHUNKS chunks at a time), with the next block's rows prefetched a share per tile step (Ahead in
  * decode_attention.c). Vectors used by several products (a key or value chunk for the tile's
  * rows) are pinned in registers (IN_REGISTER8): otherwise the compiler folds them back into each
  * product as a memory operand and the tiles become load-bound. bfloat16 rows are widened as they
- * are read (a zero-extension to 32 bits and a 16-bit shift; the AVX-512 path's pair order, one
- * instruction per 8, measured slower here with 16 registers); every product and sum is float32
- * (AVX2 has no bfloat16 arithmetic). */
+ * are read (a zero-extension to 32 bits and a 16-bit shift, or for rows only one query row reads
+ * a byte shuffle: load8_shuffled; the AVX-512 path's pair order, one instruction per 8, measured
+ * slower here with 16 registers); every product and sum is float32 (AVX2 has no bfloat16
+ * arithmetic). */
 #include <immintrin.h>
 
 #define ROWS_TILE 4
 #define KEYS_TILE 3 /* logits tile: 4 x 3 accumulators + 3 key chunks + 1 query chunk = 16 registers */
-#define CHUNKS_TILE 3 /* values tile: 4 x 3 accumulators + 3 value chunks + 1 probability = 16 registers; VALUES8 has cases for 3, 2, 1 */
+#define CHUNKS_TILE 3 /* values tile: 4 x 3 accumulators + 3 value chunks + 1 probability = 16 registers */
+#define ROW_CHUNKS 8 /* values_row8: 8 accumulators for one query row */
 
 /* Keep x in a register (see decode_avx512.h): a vector used by several products stays loaded once. */
 #define IN_REGISTER8(x) __asm__("" : "+x"(x))
@@ -28,8 +30,18 @@
 static inline __m256 load8(const elem_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+/* load8 by a byte shuffle: the 8 elements loaded into both 128-bit halves (a load alone) and each
+ * moved to the high half of its 32-bit lane (one shuffle, off the FMA ports on Intel cores; load8's
+ * shift takes an FMA port). For a row read by one query row, where the products are as many as
+ * the widenings; tiles sharing a key over several rows keep load8 (measured slower there). */
+static inline __m256 load8_shuffled(const elem_t *p) {
+    const __m256i to_high = _mm256_setr_epi8(-128, -128, 0, 1, -128, -128, 2, 3, -128, -128, 4, 5, -128, -128, 6, 7,
+                                             -128, -128, 8, 9, -128, -128, 10, 11, -128, -128, 12, 13, -128, -128, 14, 15);
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)), to_high));
+}
 #else
 static inline __m256 load8(const elem_t *p) { return _mm256_loadu_ps(p); }
+#define load8_shuffled load8
 #endif
 
 /* The first ``left`` (1..8) elements at p as float32 lanes, zero past them; nothing read past them. */
@@ -130,18 +142,25 @@ static inline __attribute__((always_inline)) __m256 transpose_sums8(const __m256
 
 /* Keys in lanes: the logits of one query row against 8 consecutive keys as one vector (lane u:
  * key u), for rows that share their keys with no other row (MHA, latent's per-head keys): one
- * accumulator per key over the row's 8-float chunks, then one transposing reduction for the 8
- * (no horizontal sum per key). q: the scaled row, zero past ``dim``. Stored to logits[0 .. 7]. */
+ * accumulator per key over the row's 8-float chunks, 4 keys at a time (4 independent sums: one
+ * key's 8 dependent products at a time took 1.1x MHA's step), then one transposing reduction for
+ * the 8 (no horizontal sum per key). q: the scaled row, zero past ``dim``. Stored to logits[0 .. 7]. */
 static inline __attribute__((always_inline)) void logits_lanes8(const float *restrict q, const elem_t *restrict kt, int64_t k_row, int64_t dim,
                                                                 float *restrict logits) {
     __m256 acc[8];
     const int64_t full = dim / 8;
-    for (int u = 0; u < 8; u++) { /* key by key, each row read front to back (the order the hardware prefetcher follows) */
-        const elem_t *kr = kt + u * k_row;
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t j = 0; j < full; j++) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), load8(kr + 8 * j), a);
-        if (8 * full < dim) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * full), load8_partial(kr + 8 * full, dim - 8 * full), a);
-        acc[u] = a;
+    for (int u0 = 0; u0 < 8; u0 += 4) { /* 4 keys at a time: 4 independent sums, each row read front to back */
+        __m256 a[4];
+        for (int u = 0; u < 4; u++) a[u] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < full; j++) {
+            const __m256 qv = _mm256_loadu_ps(q + 8 * j);
+            for (int u = 0; u < 4; u++) a[u] = _mm256_fmadd_ps(qv, load8_shuffled(kt + (u0 + u) * k_row + 8 * j), a[u]);
+        }
+        if (8 * full < dim) {
+            const __m256 qv = _mm256_loadu_ps(q + 8 * full);
+            for (int u = 0; u < 4; u++) a[u] = _mm256_fmadd_ps(qv, load8_partial(kt + (u0 + u) * k_row + 8 * full, dim - 8 * full), a[u]);
+        }
+        for (int u = 0; u < 4; u++) acc[u0 + u] = a[u];
     }
     _mm256_storeu_ps(logits, transpose_sums8(acc));
 }
@@ -173,6 +192,25 @@ static inline __attribute__((always_inline)) void values_tile8(const float *rest
         for (int c = 0; c < CV; c++) _mm256_storeu_ps(acc + i * v_pad + 8 * (c0 + c), av[i][c]);
 }
 
+/* values_tile8 for an item of one query row (MHA, the latent kind's heads): up to ROW_CHUNKS
+ * chunks at a time, so as many independent sums as keep both FMA ports busy (one row's 3 chunks
+ * at a time took 1.1x MHA's step), each chunk widened by load8_shuffled (no value is shared). */
+static inline __attribute__((always_inline)) void values_row8(const float *restrict p, int n, const elem_t *restrict vb, int64_t v_row,
+                                                              int64_t v_dim, int64_t c0, const int CV, float *restrict acc, Ahead *ah) {
+    const int64_t step = CV * ah->per_unit;
+    __m256 av[ROW_CHUNKS];
+    for (int c = 0; c < CV; c++) av[c] = _mm256_loadu_ps(acc + 8 * (c0 + c));
+    const int64_t left = v_dim - 8 * (c0 + CV - 1);
+    for (int t = 0; t < n; t++) {
+        const elem_t *vt = vb + t * v_row + 8 * c0;
+        ahead_step(ah, step);
+        const __m256 pt = _mm256_broadcast_ss(p + t);
+        for (int c = 0; c < CV - 1; c++) av[c] = _mm256_fmadd_ps(pt, load8_shuffled(vt + 8 * c), av[c]);
+        av[CV - 1] = _mm256_fmadd_ps(pt, left >= 8 ? load8_shuffled(vt + 8 * (CV - 1)) : load8_partial(vt + 8 * (CV - 1), left), av[CV - 1]);
+    }
+    for (int c = 0; c < CV; c++) _mm256_storeu_ps(acc + 8 * (c0 + c), av[c]);
+}
+
 #define ROWS_SWITCH8(R, CALL_R) \
     switch (R) {                \
     case 4: CALL_R(4); break;   \
@@ -180,6 +218,54 @@ static inline __attribute__((always_inline)) void values_tile8(const float *rest
     case 2: CALL_R(2); break;   \
     default: CALL_R(1); break;  \
     }
+
+/* Every chunk of a one-row item's block (values_row8, ROW_CHUNKS at a time). Not inlined into
+ * the item's loop (there its tiles cost the tiles of rows sharing a head 1.1-1.15x: LRKV's and
+ * MLA's layers); one call per block, the prefetch state passed and returned by value. */
+static __attribute__((noinline)) Ahead values_row_block8(const float *restrict p, int n, const elem_t *restrict vb, int64_t v_row, int64_t v_dim,
+                                                         int64_t v_chunks, float *restrict acc, Ahead ah) {
+    for (int64_t c0 = 0; c0 < v_chunks; c0 += ROW_CHUNKS) {
+        switch (v_chunks - c0 < ROW_CHUNKS ? (int)(v_chunks - c0) : ROW_CHUNKS) {
+#define ROW_CASE(CV) case CV: values_row8(p, n, vb, v_row, v_dim, c0, CV, acc, &ah); break;
+        ROW_CASE(8) ROW_CASE(7) ROW_CASE(6) ROW_CASE(5) ROW_CASE(4) ROW_CASE(3) ROW_CASE(2)
+        default: values_row8(p, n, vb, v_row, v_dim, c0, 1, acc, &ah); break;
+#undef ROW_CASE
+        }
+    }
+    return ah;
+}
+
+/* acc[every row] += p . values of a block's n keys, for ``rows`` (> 1) query rows (probabilities
+ * in p, BLOCK_KEYS apart; accumulators v_pad apart): tiles of up to ROWS_TILE rows x CHUNKS_TILE
+ * chunks, each value chunk read once per row tile. Like values_row_block8, a function of its own
+ * called once per block, the prefetch state passed and returned by value. */
+static __attribute__((noinline)) Ahead values_rows_block8(const float *restrict p, int n, const elem_t *restrict vb, int64_t v_row, int64_t v_dim,
+                                                          int64_t v_chunks, int64_t rows, float *restrict acc, int64_t v_pad, Ahead ah) {
+    for (int64_t c0 = 0; c0 < v_chunks; c0 += CHUNKS_TILE) {
+        const int chunks = v_chunks - c0 < CHUNKS_TILE ? (int)(v_chunks - c0) : CHUNKS_TILE;
+        for (int64_t g = 0; g < rows; g += ROWS_TILE) {
+            const int tile_rows = rows - g < ROWS_TILE ? (int)(rows - g) : ROWS_TILE;
+            const float *pg = p + g * BLOCK_KEYS;
+            float *ag = acc + g * v_pad;
+#define VALUES8(R)                                                                   \
+    switch (chunks) {                                                                \
+    case 3: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 3, ag, v_pad, &ah); break; \
+    case 2: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 2, ag, v_pad, &ah); break; \
+    default: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 1, ag, v_pad, &ah); break;\
+    }
+            ROWS_SWITCH8(tile_rows, VALUES8)
+#undef VALUES8
+        }
+    }
+    return ah;
+}
+
+/* acc[every row] += p . values of a block's n keys: values_row_block8 for one query row, else values_rows_block8. */
+static inline void values_block8(const float *restrict p, int n, const elem_t *restrict vb, int64_t v_row, int64_t v_dim, int64_t rows,
+                                 float *restrict acc, int64_t v_pad, Ahead *ah) {
+    *ah = rows == 1 ? values_row_block8(p, n, vb, v_row, v_dim, v_pad / 8, acc, *ah)
+                    : values_rows_block8(p, n, vb, v_row, v_dim, v_pad / 8, rows, acc, v_pad, *ah);
+}
 
 /* The online-softmax update of one row for a block of n keys (logits in lg[0 .. width), width a
  * multiple of 8 and at least n): logits -> probabilities (in place), the running max and sum, and
@@ -218,7 +304,7 @@ static inline void prefetch_rows(const elem_t *rows, int n, int64_t row, int64_t
  * (heads > 1 only when every head shares the values: the latent kind's rows). Per block: logits
  * (keys in lanes, 8 per vector, for a head with one row; 4 rows x 3 keys tiles for rows sharing a
  * head's keys), the online softmax, then the values (4 rows x 3 chunks, each chunk read once for 4
- * rows). Same arithmetic as attend_item, in another order of sums. Scratch: acc (rows x v_pad), qs
+ * rows; one row: 8 chunks at a time). Same arithmetic as attend_item, in another order of sums. Scratch: acc (rows x v_pad), qs
  * (rows x d_pad), logits (rows x BLOCK_KEYS), widths padded to 8 floats. */
 static void attend_item_avx2(int64_t item, float *restrict out, const Segment *segments, int n_segments, int64_t b, int64_t h, int64_t heads,
                              int64_t groups, int64_t dim, int64_t v_dim, float scale, float *restrict acc, float *restrict qs, float *restrict logits,
@@ -297,22 +383,7 @@ static void attend_item_avx2(int64_t item, float *restrict out, const Segment *s
                 }
             }
             for (int64_t g = 0; g < rows_all; g++) softmax_block8(logits + g * BLOCK_KEYS, n, BLOCK_KEYS, acc + g * v_pad, v_pad, run_max + g, run_sum + g);
-            for (int64_t c0 = 0; c0 < v_chunks; c0 += CHUNKS_TILE) {
-                const int chunks = v_chunks - c0 < CHUNKS_TILE ? (int)(v_chunks - c0) : CHUNKS_TILE;
-                for (int64_t g = 0; g < rows_all; g += ROWS_TILE) {
-                    const int rows = rows_all - g < ROWS_TILE ? (int)(rows_all - g) : ROWS_TILE;
-                    const float *pg = logits + g * BLOCK_KEYS;
-                    float *ag = acc + g * v_pad;
-#define VALUES8(R)                                                                   \
-    switch (chunks) {                                                                \
-    case 3: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 3, ag, v_pad, &ah); break; \
-    case 2: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 2, ag, v_pad, &ah); break; \
-    default: values_tile8(pg, n, vb, v_row, v_dim, c0, R, 1, ag, v_pad, &ah); break;\
-    }
-                    ROWS_SWITCH8(rows, VALUES8)
-#undef VALUES8
-                }
-            }
+            values_block8(logits, n, vb, v_row, v_dim, rows_all, acc, v_pad, &ah);
         }
     }
     for (int64_t g = 0; g < rows_all; g++) {

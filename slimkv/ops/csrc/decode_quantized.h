@@ -222,7 +222,7 @@ static inline __attribute__((always_inline)) void attend_item_quantized(const QJ
  * scratch rows (load_rows, as attend_item_quantized does), then read by the plain rows' register
  * tiles as a segment of d_pad- and v_pad-wide rows: logits in tiles of ROWS_TILE rows x KEYS_TILE
  * keys (keys in lanes for a head with one query row), softmax_block8, values in tiles of
- * ROWS_TILE rows x CHUNKS_TILE chunks, so the accumulators stay in registers over the block where
+ * ROWS_TILE rows x CHUNKS_TILE chunks (values_block8), so the accumulators stay in registers over the block where
  * the portable loops load and store them per key. Queries and accumulators are kept 8-float
  * aligned (q_row, acc_row) so every chunk the tiles read lies inside its row. The scratch is fresh
  * in the L1 cache: no software prefetch (an empty Ahead). */
@@ -231,7 +231,7 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx2(con
                                                                               float *restrict scratch) {
     const int64_t groups = job->groups, b = item / job->kv_heads, h = item % job->kv_heads;
     const int64_t d_pad = (dim + group - 1) / group * group, v_pad = (v_dim + group - 1) / group * group;
-    const int64_t q_row = (d_pad + 7) / 8 * 8, acc_row = (v_pad + 7) / 8 * 8, v_chunks = acc_row / 8;
+    const int64_t q_row = (d_pad + 7) / 8 * 8, acc_row = (v_pad + 7) / 8 * 8;
     float *restrict acc = scratch, *restrict qs = acc + groups * acc_row, *restrict logits = qs + groups * q_row;
     float *restrict run_max = logits + groups * BLOCK_KEYS, *restrict run_sum = run_max + groups;
     elem_t *restrict kbuf = (elem_t *)(run_sum + groups), *restrict vbuf = kbuf + QBLOCK * d_pad;
@@ -272,22 +272,7 @@ static inline __attribute__((always_inline)) void attend_item_quantized_avx2(con
                 }
             }
             for (int64_t g = 0; g < groups; g++) softmax_block8(logits + g * BLOCK_KEYS, n, (n + 7) / 8 * 8, acc + g * acc_row, acc_row, run_max + g, run_sum + g);
-            for (int64_t c0 = 0; c0 < v_chunks; c0 += CHUNKS_TILE) {
-                const int chunks = v_chunks - c0 < CHUNKS_TILE ? (int)(v_chunks - c0) : CHUNKS_TILE;
-                for (int64_t g = 0; g < groups; g += ROWS_TILE) {
-                    const int rows = groups - g < ROWS_TILE ? (int)(groups - g) : ROWS_TILE;
-                    const float *pg = logits + g * BLOCK_KEYS;
-                    float *ag = acc + g * acc_row;
-#define QVALUES8(R)                                                                              \
-    switch (chunks) {                                                                            \
-    case 3: values_tile8(pg, n, vbuf, v_pad, v_pad, c0, R, 3, ag, acc_row, &none); break;       \
-    case 2: values_tile8(pg, n, vbuf, v_pad, v_pad, c0, R, 2, ag, acc_row, &none); break;       \
-    default: values_tile8(pg, n, vbuf, v_pad, v_pad, c0, R, 1, ag, acc_row, &none); break;      \
-    }
-                    ROWS_SWITCH8(rows, QVALUES8)
-#undef QVALUES8
-                }
-            }
+            values_block8(logits, n, vbuf, v_pad, v_pad, groups, acc, acc_row, &none);
         }
     }
     keep_split_stats(job, item, run_max, run_sum);
