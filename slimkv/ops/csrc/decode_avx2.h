@@ -7,14 +7,14 @@
  * keys: tiles of ROWS_TILE rows x KEYS_TILE keys, each key chunk loaded once for the rows, each
  * query chunk once for the keys, one horizontal sum per logit paid once per row, not per chunk),
  * the online-softmax update on 8 lanes, then the values (tiles of ROWS_TILE rows x CHUNKS_TILE
- * chunks; an item of one query row ROW_CHUNKS chunks at a time), with the next block's rows prefetched a share per tile step (Ahead in
- * decode_attention.c). Vectors used by several products (a key or value chunk for the tile's
- * rows) are pinned in registers (IN_REGISTER8): otherwise the compiler folds them back into each
- * product as a memory operand and the tiles become load-bound. bfloat16 rows are widened as they
- * are read (a byte shuffle for the logits and one-row values, load8_shuffled; a zero-extension
- * to 32 bits and a 16-bit shift for the shared-row values; the AVX-512 path's pair order, one instruction per 8, measured
- * slower here with 16 registers); every product and sum is float32 (AVX2 has no bfloat16
- * arithmetic). */
+ * chunks; an item of one query row ROW_CHUNKS chunks at a time), with the next block's rows
+ * prefetched a share per tile step (Ahead in decode_attention.c). Vectors used by several products
+ * (a key or value chunk for the tile's rows) are pinned in registers (IN_REGISTER8): otherwise the
+ * compiler folds them back into each product as a memory operand and the tiles become load-bound.
+ * bfloat16 rows are widened as they are read (a byte shuffle for the logits and one-row values,
+ * load8_shuffled; a zero-extension to 32 bits and a 16-bit shift for the shared-row values; the
+ * AVX-512 path's pair order, one instruction per 8, measured slower here with 16 registers); every
+ * product and sum is float32 (AVX2 has no bfloat16 arithmetic). */
 #include <immintrin.h>
 
 #define ROWS_TILE 4
