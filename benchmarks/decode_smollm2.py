@@ -127,22 +127,28 @@ def _ratio(value: float | None) -> str:
 
 
 def render_parts(results: dict) -> str:
-    """The page of a ``--parts`` run: per model and context, the timed step against its roofline bound,
-    then one instrumented step cut into linears, attention (and blocks that ran as one call, when
-    any did) and the rest, each beside its bound."""
+    """The page of a ``--parts`` run: per slimkv model and context, the timed step against its roofline
+    bound, then one instrumented step cut into linears, attention (and blocks that ran as one call,
+    when any did) and the rest, each beside its bound; ``-`` in those columns for a row that took no
+    instrumented step (a run without ``--parts``, rendered by ``--render``)."""
     with_blocks = any(r.get("parts", {}).get("block_calls") for r in results["rows"])
+    instrumented = any("parts" in r for r in results["rows"])
     headers = ["model", "context", "dtype", "step ms", "tokens/s", "bound ms", "x bound", "instrumented ms", "linears ms (x bound)",
                "attention ms (x bound, bound)", *(["one-call blocks ms (x bound)"] if with_blocks else []), "rest ms (share)", "bound by parts ms",
                "step x bound by parts"]
     cells = []
     for r in results["rows"]:
+        if not r["model"].startswith("slimkv"):  # transformers' own rows: timed, never instrumented
+            continue
+        timed = [r["model"], r["context"], r["dtype"], f"{r['median_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.1f}", f"{r['bound_s'] * 1e3:.1f} ({r['bound']})",
+                 f"{r['time_over_bound']:.2f}"]
         if "parts" not in r:
+            cells.append(timed + ["-"] * (len(headers) - len(timed)))
             continue
         part = r["parts"]
         parts_bound = part["linear_bound_s"] + part["attention_bound_s"] + part.get("block_bound_s", 0.0)
         blocks = [f"{part['block_s'] * 1e3:.1f} ({_ratio(part['block_over_bound'])})"] if with_blocks else []
-        cells.append([r["model"], r["context"], r["dtype"], f"{r['median_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.1f}", f"{r['bound_s'] * 1e3:.1f} ({r['bound']})",
-                      f"{r['time_over_bound']:.2f}", f"{part['step_s'] * 1e3:.1f}", f"{part['linear_s'] * 1e3:.1f} ({_ratio(part['linear_over_bound'])})",
+        cells.append([*timed, f"{part['step_s'] * 1e3:.1f}", f"{part['linear_s'] * 1e3:.1f} ({_ratio(part['linear_over_bound'])})",
                       f"{part['attention_s'] * 1e3:.1f} ({_ratio(part['attention_over_bound'])}, {part['attention_bound']})", *blocks,
                       f"{part['rest_s'] * 1e3:.1f} ({part['rest_s'] / part['step_s']:.2f})", f"{parts_bound * 1e3:.1f}",
                       f"{r['median_s'] / parts_bound:.2f}"])
@@ -153,7 +159,8 @@ def render_parts(results: dict) -> str:
         f"# SmolLM2-135M decode step, where the time goes ({'/'.join(map(str, threads))} thread(s), batch 1)", "",
         f"{provenance_line('benchmarks/decode_smollm2.py --parts', results, results['load_average']['before'])}; kernel paths "
         f"{', '.join(f'{k}: {v}' for k, v in s['kernel_isa'].items())}; {s['rounds']} interleaved rounds of {s['steps']} timed steps per model, "
-        f"then {s['steps']} instrumented steps per model. Rates (best of before and after the run): {rate_text}.", "",
+        + (f"then {s['steps']} instrumented steps per model." if instrumented else "and no instrumented step (a run without `--parts`: "
+           "the columns of the instrumented step are `-`).") + f" Rates (best of before and after the run): {rate_text}.", "",
         "Step: the median timed step; bound: max((weights + cache bytes) / read rate, FLOPs / FMA rate). The instrumented step "
         "(`slimkv.bench.step_parts`) times every native linear call (bound: its weights over the read rate), every native attention "
         "call (bound: the cache bytes over the read rate or the attention's FLOPs over the FMA rate, whichever is larger)"
