@@ -152,11 +152,19 @@ def ruler_rows() -> list[dict]:
                 row = {"method": name, "task": cell["task"], "length": cell["length"], "score": cell["score"], "full": cell["full"], "n": cell["n"],
                        "full_low": cell["wilson95"][0], "full_high": cell["wilson95"][1], "low": low, "high": high,
                        "ratio": cell["bytes_ratio_to_bf16_original"], "option": cell["option"], "dtype": run["settings"].get("dtype", "float32"),
-                       "plan_budget": ((converted or {}).get("budget_plan") or {}).get("budget")}
+                       "plan_budget": ((converted or {}).get("budget_plan") or {}).get("budget"), "depths": _depths(cell, path.parent)}
                 key = (name, cell["task"], cell["length"])
                 if key not in rows or row["n"] > rows[key]["n"]:  # a cell run again with more prompts replaces the smaller run
                     rows[key] = row
     return list(rows.values())
+
+
+def _depths(cell: dict, folder: Path) -> list[tuple[int, int]] | None:
+    """The cell's hits per needle-depth bin (``ruler.needle_depth_hits``) where they place every prompt
+    the cell counts and every prompt lm-eval scored 1, else None."""
+    depths = ruler.needle_depth_hits(cell, folder)
+    placed = depths is not None and sum(n for _, n in depths) == cell["n"] and sum(hits for hits, _ in depths) == cell["full"]
+    return depths if placed else None
 
 
 def render_ruler(rows: list[dict]) -> str:
@@ -186,7 +194,7 @@ def render_ruler(rows: list[dict]) -> str:
                  for r in cell]
         lines += [markdown_table(["method", "bytes (ratio to bf16)", "score (95% CI)", "full / n (95% CI)", "intervals apart"], table,
                                  align=["left", "right", "right", "left", "left"]), ""]
-    return "\n".join(lines + ranking(rows))
+    return "\n".join(lines + ranking(rows) + misses_by_depth(rows))
 
 
 RANKED_TIERS = (0.25, 0.125)
@@ -216,6 +224,34 @@ def ranking(rows: list[dict]) -> list[str]:
                               f"{r['score']:.3f} ({r['low']:.2f}-{r['high']:.2f})", f"{r['score'] / original['score']:.2f}", "yes" if r["high"] < members[0]["low"] else "no"])
     lines += [markdown_table(["task", "length", "tier", "rank", "method", "bytes (ratio to bf16)", "score (95% CI)", "of the original", "below the best"],
                              table, align=["left", "right", "right", "right", "left", "right", "right", "right", "left"]), ""]
+    return lines
+
+
+def misses_by_depth(rows: list[dict]) -> list[str]:
+    """Where in the context each method's needles are lost: per niah task and length the original
+    solves, the original and every method of the ranked tiers, hits / prompts per needle-depth bin."""
+    bins = ruler.DEPTH_BINS
+    edges = [f"{100 * i // bins}-{100 * (i + 1) // bins}%" for i in range(bins)]
+    lines = ["## Where the needles are lost: hits by needle depth", "",
+             f"Per niah task and length whose original scores well, the original and every method of the ranked tiers: the prompts lm-eval "
+             f"scored 1 over the prompts, by where the needle's answer first appears in the prompt (as a fraction of its characters, "
+             f"{bins} bins; `slimkv.eval.ruler.needle_depth_hits`, from each cell's lm-eval samples files). `-`: a cell whose samples do not "
+             "place every prompt it counts.", ""]
+    table = []
+    for task, length in sorted({(r["task"], r["length"]) for r in rows}, key=lambda k: (k[1], k[0])):
+        cell = [r for r in rows if (r["task"], r["length"]) == (task, length)]
+        original = next((r for r in cell if r["method"] == "original"), None)
+        if original is None or original["high"] < 0.5 or not task.startswith("niah"):
+            continue
+        members = [original] + sorted((r for r in cell if r is not original and budget_tier(r["ratio"]) in RANKED_TIERS
+                                       and (not r["method"].startswith("original") or r["option"] != "none")),
+                                      key=lambda r: (-budget_tier(r["ratio"]), -r["score"], r["ratio"]))
+        for r in members:
+            depths = r["depths"] or [None] * bins
+            table.append([task, str(length), r["method"], f"{r['ratio']:.3f}", f"{r['full']}/{r['n']}",
+                          *("-" if d is None else f"{d[0]}/{d[1]}" for d in depths)])
+    lines += [markdown_table(["task", "length", "method", "bytes (ratio to bf16)", "full / n", *(f"depth {e}" for e in edges)], table,
+                             align=["left", "right", "left", "right", "right"] + ["right"] * bins), ""]
     return lines
 
 

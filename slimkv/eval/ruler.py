@@ -15,6 +15,7 @@ folder inside the cell's, and the cell's score is the mean over all its prompts 
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -99,6 +100,34 @@ def score_interval(summary: dict[str, Any], out_dir: str | Path) -> list[float]:
         return summary["wilson95"]
     values = [float(s[str(summary["length"])]) for s in read_samples(Path(out_dir) / summary["lm_eval_samples"])]
     return list(mean_interval(values))
+
+
+DEPTH_BINS = 4
+"""Needle depths are reported in this many equal bins of the prompt (``needle_depth_hits``)."""
+
+
+def needle_depth_hits(summary: dict[str, Any], out_dir: str | Path, bins: int = DEPTH_BINS) -> list[tuple[int, int]] | None:
+    """Per depth bin of the prompt, (prompts lm-eval scored 1, prompts) of a binary (niah) cell, over
+    every part's samples file (``cell_parts``): a prompt's depth is where its answer (the first of
+    lm-eval's ``outputs``) first appears in the prompt, as a fraction of the prompt's characters (bin i
+    holds depths in [i / bins, (i + 1) / bins)). Where in the context a cache loses its needles;
+    lm-eval's own per-sample metric, not rescored. None for a partial-credit cell or one with a
+    samples file missing; a prompt without its answer in it counts in no bin."""
+    paths = [Path(out_dir) / part["lm_eval_samples"] for part in cell_parts(summary)] if summary.get("binary") else []
+    if not paths or not all(path.is_file() for path in paths):
+        return None
+    counts = [[0, 0] for _ in range(bins)]
+    for sample in (s for path in paths for s in read_samples(path)):
+        outputs = sample["doc"]["outputs"]
+        answer = str((ast.literal_eval(outputs) if isinstance(outputs, str) else outputs)[0])
+        prompt = sample["arguments"]["gen_args_0"]["arg_0"]
+        position = prompt.find(answer)
+        if position < 0:
+            continue
+        cell = counts[min(bins - 1, int(bins * position / len(prompt)))]
+        cell[0] += float(sample[str(summary["length"])]) == 1.0
+        cell[1] += 1
+    return [(hits, n) for hits, n in counts]
 
 
 def plan(pending: list[dict[str, Any]], budget_s: float | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -383,3 +383,27 @@ def test_a_grown_cell_runs_the_prompts_a_larger_limit_would_have(tiny_folder, tm
     whole_samples = ruler.read_samples(tmp_path / "whole" / whole["lm_eval_samples"])
     assert [(s["doc_hash"], s["prompt_hash"], s["target_hash"]) for s in grown_samples] == [(s["doc_hash"], s["prompt_hash"], s["target_hash"]) for s in whole_samples]
     assert grown_samples[0]["doc_hash"] != grown_samples[1]["doc_hash"] and grown["score"] == whole["score"] and grown["n"] == 2
+
+
+def test_needle_depth_hits_bins_each_prompt_by_where_its_answer_is(tmp_path):
+    """``needle_depth_hits``: each prompt in the bin of its answer's first position (a fraction of the
+    prompt's characters), lm-eval's own per-sample metric as the hit, over every part of a grown cell;
+    nothing for a partial-credit cell or a missing samples file."""
+    def sample(prompt: str, answer: str, score: float) -> dict:
+        return {"doc": {"outputs": repr([answer])}, "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": {}}}, "1024": score}
+
+    def write(name: str, samples: list[dict]) -> str:
+        (tmp_path / name).write_text("\n".join(json.dumps(s) for s in samples) + "\n")
+        return name
+
+    first = write("a.jsonl", [sample("1234567" + "x" * 93, "1234567", 1.0),  # depth 0.00: bin 0
+                              sample("x" * 30 + "7654321" + "x" * 63, "7654321", 0.0),  # depth 0.30: bin 1
+                              sample("x" * 99 + "5", "5", 1.0)])  # depth 0.99: the last bin
+    added = write("b.jsonl", [sample("x" * 60 + "42" + "x" * 38, "42", 0.0), sample("no answer here", "9", 1.0)])  # 0.60: bin 2; the other in no bin
+    summary = {"binary": True, "length": 1024, "n": 5, "seconds": 5.0, "generate_s_per_sample": 1.0, "load_average_start": [0.0] * 3,
+               "load_average_end": [0.0] * 3, "threads": 1, "lm_eval_results": "r.json", "lm_eval_samples": first,
+               "added_prompts": [{"first": 3, "n": 2, "seconds": 2.0, "generate_s": 2.0, "lm_eval_samples": added}]}
+    assert ruler.needle_depth_hits(summary, tmp_path) == [(1, 1), (0, 1), (0, 1), (1, 1)]
+    assert ruler.needle_depth_hits(summary, tmp_path, bins=2) == [(1, 2), (1, 2)]
+    assert ruler.needle_depth_hits({**summary, "binary": False}, tmp_path) is None
+    assert ruler.needle_depth_hits({**summary, "lm_eval_samples": "missing.jsonl"}, tmp_path) is None
