@@ -35,7 +35,7 @@ from slimkv.convert import hybrid
 from slimkv.convert.manifest import finished_conversion
 from slimkv.convert.methods import CONVERSIONS
 from slimkv.convert.pipeline import ConvertOptions, convert_pretrained
-from slimkv.eval import ruler
+from slimkv.eval import ruler, ruler_report
 from slimkv.eval.ppl import perplexity_report
 from slimkv.eval.ruler_report import BUDGET_TIERS, budget_tier
 from slimkv.pretrained import SMOLLM2, fetch_smollm2
@@ -160,9 +160,9 @@ def ruler_rows() -> list[dict]:
 
 
 def _depths(cell: dict, folder: Path) -> list[tuple[int, int]] | None:
-    """The cell's hits per needle-depth bin (``ruler.needle_depth_hits``) where they place every prompt
+    """The cell's hits per needle-depth bin (``ruler_report.needle_depth_hits``) where they place every prompt
     the cell counts and every prompt lm-eval scored 1, else None."""
-    depths = ruler.needle_depth_hits(cell, folder)
+    depths = ruler_report.needle_depth_hits(cell, folder)
     placed = depths is not None and sum(n for _, n in depths) == cell["n"] and sum(hits for hits, _ in depths) == cell["full"]
     return depths if placed else None
 
@@ -230,12 +230,12 @@ def ranking(rows: list[dict]) -> list[str]:
 def misses_by_depth(rows: list[dict]) -> list[str]:
     """Where in the context each method's needles are lost: per niah task and length the original
     solves, the original and every method of the ranked tiers, hits / prompts per needle-depth bin."""
-    bins = ruler.DEPTH_BINS
+    bins = ruler_report.DEPTH_BINS
     edges = [f"{100 * i // bins}-{100 * (i + 1) // bins}%" for i in range(bins)]
     lines = ["## Where the needles are lost: hits by needle depth", "",
              f"Per niah task and length whose original scores well, the original and every method of the ranked tiers: the prompts lm-eval "
              f"scored 1 over the prompts, by where the needle's answer first appears in the prompt (as a fraction of its characters, "
-             f"{bins} bins; `slimkv.eval.ruler.needle_depth_hits`, from each cell's lm-eval samples files). `-`: a cell whose samples do not "
+             f"{bins} bins; `slimkv.eval.ruler_report.needle_depth_hits`, from each cell's lm-eval samples files). `-`: a cell whose samples do not "
              "place every prompt it counts.", ""]
     table = []
     for task, length in sorted({(r["task"], r["length"]) for r in rows}, key=lambda k: (k[1], k[0])):

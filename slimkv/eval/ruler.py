@@ -15,9 +15,7 @@ folder inside the cell's, and the cell's score is the mean over all its prompts 
 
 from __future__ import annotations
 
-import ast
 import importlib.util
-import json
 import os
 import re
 import time
@@ -35,7 +33,7 @@ from slimkv.data.austen import fetch_austen
 from slimkv.eval import ruler_cache, ruler_press
 from slimkv.eval.models import load_language_model, load_original, original_of
 from slimkv.eval.ruler_offline import LOCAL_HAYSTACK, OFFLINE_TASKS, gen_tokens, haystack_file
-from slimkv.eval.ruler_report import format_markdown, grid_of, in_report_order
+from slimkv.eval.ruler_report import cell_parts, format_markdown, grid_of, in_report_order, read_samples
 from slimkv.pretrained import LoadedModel, resolve_model_path
 from slimkv.pretrained.loading import position_limit, weights_record
 from slimkv.scoring import mean_interval, wilson
@@ -100,34 +98,6 @@ def score_interval(summary: dict[str, Any], out_dir: str | Path) -> list[float]:
         return summary["wilson95"]
     values = [float(s[str(summary["length"])]) for s in read_samples(Path(out_dir) / summary["lm_eval_samples"])]
     return list(mean_interval(values))
-
-
-DEPTH_BINS = 4
-"""Needle depths are reported in this many equal bins of the prompt (``needle_depth_hits``)."""
-
-
-def needle_depth_hits(summary: dict[str, Any], out_dir: str | Path, bins: int = DEPTH_BINS) -> list[tuple[int, int]] | None:
-    """Per depth bin of the prompt, (prompts lm-eval scored 1, prompts) of a binary (niah) cell, over
-    every part's samples file (``cell_parts``): a prompt's depth is where its answer (the first of
-    lm-eval's ``outputs``) first appears in the prompt, as a fraction of the prompt's characters (bin i
-    holds depths in [i / bins, (i + 1) / bins)). Where in the context a cache loses its needles;
-    lm-eval's own per-sample metric, not rescored. None for a partial-credit cell or one with a
-    samples file missing; a prompt without its answer in it counts in no bin."""
-    paths = [Path(out_dir) / part["lm_eval_samples"] for part in cell_parts(summary)] if summary.get("binary") else []
-    if not paths or not all(path.is_file() for path in paths):
-        return None
-    counts = [[0, 0] for _ in range(bins)]
-    for sample in (s for path in paths for s in read_samples(path)):
-        outputs = sample["doc"]["outputs"]
-        answer = str((ast.literal_eval(outputs) if isinstance(outputs, str) else outputs)[0])
-        prompt = sample["arguments"]["gen_args_0"]["arg_0"]
-        position = prompt.find(answer)
-        if position < 0:
-            continue
-        cell = counts[min(bins - 1, int(bins * position / len(prompt)))]
-        cell[0] += float(sample[str(summary["length"])]) == 1.0
-        cell[1] += 1
-    return [(hits, n) for hits, n in counts]
 
 
 def plan(pending: list[dict[str, Any]], budget_s: float | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -242,9 +212,6 @@ def press_bytes(prompts: list[dict[str, Any]]) -> dict[str, float]:
     return {key: sum(p[key] for p in prompts) / len(prompts) for key in keys}
 
 
-def read_samples(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[str], limit: int, max_gen_toks: int | None = None, seed: int = 0,
@@ -433,16 +400,6 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     return report
 
 
-def cell_parts(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The parts of a finished cell's summary, each one ``simple_evaluate``: its first prompts (the
-    summary's own files, load and threads; its seconds what the later parts leave of the total), then
-    each ``added_prompts`` entry. A part: first prompt, count, seconds, seconds in ``generate()``, load,
-    threads and lm-eval's two files (relative to the run's folder)."""
-    added = summary.get("added_prompts", [])
-    first = {"first": 0, "n": summary["n"] - sum(p["n"] for p in added), "seconds": summary["seconds"] - sum(p["seconds"] for p in added),
-             "generate_s": summary["generate_s_per_sample"] * summary["n"] - sum(p["generate_s"] for p in added),
-             **{k: summary[k] for k in ("load_average_start", "load_average_end", "threads", "lm_eval_results", "lm_eval_samples")}}
-    return [first, *[dict(p) for p in added]]
 
 
 def settings_differ(wanted: dict[str, Any], stored: dict[str, Any], keys: set[str] | None = None) -> list[str]:

@@ -1,8 +1,11 @@
-"""The report of a ``slimkv eval ruler`` run (``slimkv.eval.ruler``): its grid and its markdown table."""
+"""The report of a ``slimkv eval ruler`` run (``slimkv.eval.ruler``): its grid, its markdown table, the parts and lm-eval samples of its cells, and where in the prompt their needles were lost (``needle_depth_hits``)."""
 
 from __future__ import annotations
 
+import ast
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 BUDGET_TIERS = (0.125, 0.25, 0.5, 1.0, 2.0)
@@ -61,3 +64,50 @@ def format_markdown(report: dict[str, Any]) -> str:
     if report.get("not_run"):
         lines += ["", "Not run (past --budget-minutes): " + ", ".join(report["not_run"])]
     return "\n".join(lines)
+
+
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+
+def cell_parts(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The parts of a finished cell's summary, each one ``simple_evaluate``: its first prompts (the
+    summary's own files, load and threads; its seconds what the later parts leave of the total), then
+    each ``added_prompts`` entry. A part: first prompt, count, seconds, seconds in ``generate()``, load,
+    threads and lm-eval's two files (relative to the run's folder)."""
+    added = summary.get("added_prompts", [])
+    first = {"first": 0, "n": summary["n"] - sum(p["n"] for p in added), "seconds": summary["seconds"] - sum(p["seconds"] for p in added),
+             "generate_s": summary["generate_s_per_sample"] * summary["n"] - sum(p["generate_s"] for p in added),
+             **{k: summary[k] for k in ("load_average_start", "load_average_end", "threads", "lm_eval_results", "lm_eval_samples")}}
+    return [first, *[dict(p) for p in added]]
+
+
+
+DEPTH_BINS = 4
+"""Needle depths are reported in this many equal bins of the prompt (``needle_depth_hits``)."""
+
+
+def needle_depth_hits(summary: dict[str, Any], out_dir: str | Path, bins: int = DEPTH_BINS) -> list[tuple[int, int]] | None:
+    """Per depth bin of the prompt, (prompts lm-eval scored 1, prompts) of a binary (niah) cell, over
+    every part's samples file (``cell_parts``): a prompt's depth is where its answer (the first of
+    lm-eval's ``outputs``) first appears in the prompt, as a fraction of the prompt's characters (bin i
+    holds depths in [i / bins, (i + 1) / bins)). Where in the context a cache loses its needles;
+    lm-eval's own per-sample metric, not rescored. None for a partial-credit cell or one with a
+    samples file missing; a prompt without its answer in it counts in no bin."""
+    paths = [Path(out_dir) / part["lm_eval_samples"] for part in cell_parts(summary)] if summary.get("binary") else []
+    if not paths or not all(path.is_file() for path in paths):
+        return None
+    counts = [[0, 0] for _ in range(bins)]
+    for sample in (s for path in paths for s in read_samples(path)):
+        outputs = sample["doc"]["outputs"]
+        answer = str((ast.literal_eval(outputs) if isinstance(outputs, str) else outputs)[0])
+        prompt = sample["arguments"]["gen_args_0"]["arg_0"]
+        position = prompt.find(answer)
+        if position < 0:
+            continue
+        cell = counts[min(bins - 1, int(bins * position / len(prompt)))]
+        cell[0] += float(sample[str(summary["length"])]) == 1.0
+        cell[1] += 1
+    return [(hits, n) for hits, n in counts]

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from slimkv import ModelConfig, SlimKVForCausalLM
 from slimkv.cli.ruler import add_ruler_command
-from slimkv.eval import ruler, ruler_cache, ruler_offline, ruler_press
+from slimkv.eval import ruler, ruler_cache, ruler_offline, ruler_press, ruler_report
 from tests.compress.conftest import char_tokenizer
 
 HAS_LM_EVAL = all(importlib.util.find_spec(m) is not None for m in ("lm_eval", "wonderwords", "nltk"))
@@ -403,7 +403,7 @@ def test_needle_depth_hits_bins_each_prompt_by_where_its_answer_is(tmp_path):
     summary = {"binary": True, "length": 1024, "n": 5, "seconds": 5.0, "generate_s_per_sample": 1.0, "load_average_start": [0.0] * 3,
                "load_average_end": [0.0] * 3, "threads": 1, "lm_eval_results": "r.json", "lm_eval_samples": first,
                "added_prompts": [{"first": 3, "n": 2, "seconds": 2.0, "generate_s": 2.0, "lm_eval_samples": added}]}
-    assert ruler.needle_depth_hits(summary, tmp_path) == [(1, 1), (0, 1), (0, 1), (1, 1)]
-    assert ruler.needle_depth_hits(summary, tmp_path, bins=2) == [(1, 2), (1, 2)]
-    assert ruler.needle_depth_hits({**summary, "binary": False}, tmp_path) is None
-    assert ruler.needle_depth_hits({**summary, "lm_eval_samples": "missing.jsonl"}, tmp_path) is None
+    assert ruler_report.needle_depth_hits(summary, tmp_path) == [(1, 1), (0, 1), (0, 1), (1, 1)]
+    assert ruler_report.needle_depth_hits(summary, tmp_path, bins=2) == [(1, 2), (1, 2)]
+    assert ruler_report.needle_depth_hits({**summary, "binary": False}, tmp_path) is None
+    assert ruler_report.needle_depth_hits({**summary, "lm_eval_samples": "missing.jsonl"}, tmp_path) is None
