@@ -212,8 +212,6 @@ def press_bytes(prompts: list[dict[str, Any]]) -> dict[str, float]:
     return {key: sum(p[key] for p in prompts) / len(prompts) for key in keys}
 
 
-
-
 def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[str], limit: int, max_gen_toks: int | None = None, seed: int = 0,
              out_dir: str | Path, budget_minutes: float | None = None, plan_only: bool = False, progress: bool = True, dtype: str = "float32",
              say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -398,8 +396,6 @@ def evaluate(model: str, *, tasks: list[str], lengths: list[int], caches: list[s
     bar.close()
     write_summary(report, out_dir)
     return report
-
-
 
 
 def settings_differ(wanted: dict[str, Any], stored: dict[str, Any], keys: set[str] | None = None) -> list[str]:

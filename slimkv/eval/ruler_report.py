@@ -1,4 +1,5 @@
-"""The report of a ``slimkv eval ruler`` run (``slimkv.eval.ruler``): its grid, its markdown table, the parts and lm-eval samples of its cells, and where in the prompt their needles were lost (``needle_depth_hits``)."""
+"""The report of a ``slimkv eval ruler`` run (``slimkv.eval.ruler``): its grid, its markdown table, the
+parts and lm-eval samples of its cells, and where in the prompt their needles were lost."""
 
 from __future__ import annotations
 
@@ -67,9 +68,9 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 
 def read_samples(path: Path) -> list[dict[str, Any]]:
+    """lm-eval's per-sample JSONL (one dict per prompt, as its ``EvaluationTracker`` writes them)."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
 
 
 def cell_parts(summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -82,7 +83,6 @@ def cell_parts(summary: dict[str, Any]) -> list[dict[str, Any]]:
              "generate_s": summary["generate_s_per_sample"] * summary["n"] - sum(p["generate_s"] for p in added),
              **{k: summary[k] for k in ("load_average_start", "load_average_end", "threads", "lm_eval_results", "lm_eval_samples")}}
     return [first, *[dict(p) for p in added]]
-
 
 
 DEPTH_BINS = 4

@@ -260,12 +260,12 @@ def test_a_larger_limit_grows_finished_cells_with_only_the_new_prompts(tiny_fold
     assert [(p["first"], p["n"]) for p in row["added_prompts"]] == [(3, 2)]
     assert (out / row["added_prompts"][0]["lm_eval_samples"]).parent == cell_dir / "prompts-3-4"
     assert first_files == sorted(p.name for p in cell_dir.iterdir() if p.name != "prompts-3-4")  # the first part's files untouched
-    assert row["seconds"] == pytest.approx(sum(p["seconds"] for p in ruler.cell_parts(row)))
+    assert row["seconds"] == pytest.approx(sum(p["seconds"] for p in ruler_report.cell_parts(row)))
     ruler.evaluate(str(tiny_folder), limit=5, **options)
     assert len(calls) == 2  # finished at 5: skipped
     row = ruler.evaluate(str(tiny_folder), limit=6, **options)["cells"]["none/niah_single_1/1024"]
     assert calls[-1] == ("none", "niah_single_1", 1024, 5) and row["n"] == 6 and row["score"] == pytest.approx(3 / 6)
-    assert [(p["first"], p["n"]) for p in ruler.cell_parts(row)] == [(0, 3), (3, 2), (5, 1)]
+    assert [(p["first"], p["n"]) for p in ruler_report.cell_parts(row)] == [(0, 3), (3, 2), (5, 1)]
     cell = json.loads((cell_dir / ruler.CELL_FILE).read_text())
     assert len(cell["machine"]["earlier_parts"]) == 2 and "earlier_parts" not in cell["machine"]["earlier_parts"][-1]
 
@@ -364,7 +364,7 @@ def test_real_lm_eval_cell_of_a_local_haystack_task(tmp_path, monkeypatch):
     report = ruler.evaluate(str(tiny_folder), tasks=["niah_single_2_handbook"], lengths=[4096], caches=["none"], limit=2, max_gen_toks=4,
                             out_dir=tmp_path / "o", progress=False, say=lambda _: None)
     row = report["cells"]["none/niah_single_2_handbook/4096"]
-    samples = ruler.read_samples(tmp_path / "o" / row["lm_eval_samples"])
+    samples = ruler_report.read_samples(tmp_path / "o" / row["lm_eval_samples"])
     assert row["n"] == 2 and len(samples) == 2 and all("boat number" in s["arguments"]["gen_args_0"]["arg_0"] for s in samples)
     assert all("special magic number for" in s["arguments"]["gen_args_0"]["arg_0"] for s in samples)
     cell = json.loads((tmp_path / "o" / "cells" / "none/niah_single_2_handbook/4096" / "cell.json").read_text())
@@ -379,8 +379,8 @@ def test_a_grown_cell_runs_the_prompts_a_larger_limit_would_have(tiny_folder, tm
     ruler.evaluate(str(tiny_folder), limit=1, out_dir=tmp_path / "grown", **common)
     grown = ruler.evaluate(str(tiny_folder), limit=2, out_dir=tmp_path / "grown", **common)["cells"]["bfloat16/niah_single_1/1024"]
     whole = ruler.evaluate(str(tiny_folder), limit=2, out_dir=tmp_path / "whole", **common)["cells"]["bfloat16/niah_single_1/1024"]
-    grown_samples = [s for part in ruler.cell_parts(grown) for s in ruler.read_samples(tmp_path / "grown" / part["lm_eval_samples"])]
-    whole_samples = ruler.read_samples(tmp_path / "whole" / whole["lm_eval_samples"])
+    grown_samples = [s for part in ruler_report.cell_parts(grown) for s in ruler_report.read_samples(tmp_path / "grown" / part["lm_eval_samples"])]
+    whole_samples = ruler_report.read_samples(tmp_path / "whole" / whole["lm_eval_samples"])
     assert [(s["doc_hash"], s["prompt_hash"], s["target_hash"]) for s in grown_samples] == [(s["doc_hash"], s["prompt_hash"], s["target_hash"]) for s in whole_samples]
     assert grown_samples[0]["doc_hash"] != grown_samples[1]["doc_hash"] and grown["score"] == whole["score"] and grown["n"] == 2
 
