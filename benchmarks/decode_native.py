@@ -27,7 +27,10 @@ each dtype) and its time against the generic path's.
     .venv/bin/python benchmarks/decode_native.py --layers --contexts 32768 --dtypes float32,bfloat16 --rounds 5
 
 writes benchmarks/results/decode/decode_roofline_layer.json (``--name``) and the markdown table beside it
-(``.md``; ``--render FILE.json`` writes it again from a results file, measuring nothing).
+(``.md``; ``--render FILE.json`` writes it again from a results file, measuring nothing). The kernel
+call repeats on one layer's arguments, whose tens of MB may stay in a large last-level cache from
+one call to the next; ``--distinct-mb 1024`` times it once on each of enough distinct copies of
+them to read 1 GiB a round instead, as a model's decode reads its layers (``distinct_copy``).
 """
 
 from __future__ import annotations
@@ -143,6 +146,53 @@ def call_cost(queries, segments) -> tuple[int, int]:
     return nbytes, flops
 
 
+def distinct_copy(call: tuple) -> tuple:
+    """A kernel call's arguments over fresh memory: per storage, the byte range its tensors reach
+    copied once, and each tensor re-made as the same view of the copy (sizes, strides, offsets
+    within the range), so what the kernel sees is unchanged: MLA's values inside the key rows, a
+    buffer's [k | v] rows, the latent kind's stride-0 shared values; a buffer's spare capacity past
+    the rows is not copied."""
+    queries, segments = call[0], call[1]
+    tensors = [*queries, *(t for pair in segments for t in pair)]
+
+    def span(t: torch.Tensor) -> tuple[int, int]:  # bytes [first, end) of the storage the view reaches
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
+        return t.storage_offset() * t.element_size(), (t.storage_offset() + last + 1) * t.element_size()
+
+    ranges: dict[int, list[int]] = {}
+    for t in tensors:
+        first, end = span(t)
+        lo_hi = ranges.setdefault(t.untyped_storage().data_ptr(), [first, end])
+        lo_hi[0], lo_hi[1] = min(lo_hi[0], first), max(lo_hi[1], end)
+    copies = {}
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in copies:
+            lo, hi = ranges[key]
+            whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+            copies[key] = whole[lo:hi].clone().untyped_storage()
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        lo = ranges[t.untyped_storage().data_ptr()][0]
+        assert lo % t.element_size() == 0
+        return torch.empty(0, dtype=t.dtype).set_(copies[t.untyped_storage().data_ptr()], t.storage_offset() - lo // t.element_size(), t.size(), t.stride())
+
+    return [copy(q) for q in queries], [(copy(k), copy(v)) for k, v in segments], *call[2:]
+
+
+def distinct_copies(calls: list[tuple], kernel_bytes: int, distinct_bytes: int) -> list[list[tuple]]:
+    """Copies of a layer's kernel calls (``distinct_copy``) until they read ``distinct_bytes`` in all, or
+    hold three times that much memory, whichever comes first (a buffer's keys and values, or a
+    bounded cache's few rows, can lie far apart in it: their copies hold more than they read)."""
+    copies: list[list[tuple]] = []
+    held = 0
+    while len(copies) * kernel_bytes < distinct_bytes and held < 3 * distinct_bytes:
+        copies.append([distinct_copy(c) for c in calls])
+        tensors = [t for q, segments, *_ in copies[-1] for t in (*q, *(x for pair in segments for x in pair))]
+        held += sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return copies
+
+
 def _seconds(fn, repeats: int) -> list[float]:
     """Seconds of ``repeats`` timed calls after one untimed (``timing.time_fn``'s samples)."""
     return time_fn(fn, warmup=1, repeats=repeats)["samples_s"]
@@ -150,8 +200,12 @@ def _seconds(fn, repeats: int) -> list[float]:
 
 @torch.no_grad()
 def layer_rows(label: str, kind: str, options: dict, context: int, dtype: torch.dtype, libraries: dict, *, heads: int, head_dim: int,
-               rounds: int) -> list[dict]:
-    """One row per path: the layer step and its kernel call alone, interleaved medians (ms)."""
+               rounds: int, distinct_bytes: int = 0) -> list[dict]:
+    """One row per path: the layer step and its kernel call alone, interleaved medians (ms). The kernel
+    call repeats on the layer's own arguments (3 calls a round), or with ``distinct_bytes`` runs once
+    on each of enough distinct copies of them (``distinct_copy``) to read that many bytes a round, as a
+    model's decode reads its layers, none of them left in the caches by the call before (its time:
+    the round's over the copies)."""
     torch.manual_seed(0)
     attn = build_attention(kind, heads * head_dim, heads, head_dim, **options).to(dtype).eval()
     cache = attn.new_cache(1, dtype=dtype)
@@ -164,20 +218,25 @@ def layer_rows(label: str, kind: str, options: dict, context: int, dtype: torch.
     layer_bytes = cache.nbytes() + sum(p.numel() * p.element_size() for p in attn.parameters())
     flops = step_flops(attn, cache)
     names = list(libraries) if calls else ["default"]
+    kernel_bytes, kernel_flops = (sum(c) for c in zip(*(call_cost(q, s) for q, s, _ in calls))) if calls else (0, 0)
+    copies = distinct_copies(calls, kernel_bytes, distinct_bytes) if distinct_bytes and kernel_bytes else []
     samples = {name: {"layer": [], "kernel": []} for name in names}
     for _ in range(rounds):
         for name in names:
             library = libraries.get(name)
             with routed_kernel(library):
                 samples[name]["layer"] += _seconds(lambda: attn(x, cache=cache), 1)
-            if calls:
+            if copies:
+                run = _seconds(lambda lib=library: [native.native_decode_attention(*c, lib) for copy in copies for c in copy], 1)
+                samples[name]["kernel"] += [t / len(copies) for t in run]
+            elif calls:
                 samples[name]["kernel"] += _seconds(lambda lib=library: [native.native_decode_attention(*c, lib) for c in calls], 3)
-    kernel_bytes, kernel_flops = (sum(c) for c in zip(*(call_cost(q, s) for q, s, _ in calls))) if calls else (0, 0)
     rows = []
     for name in names:
         row = {"label": label, "kind": kind, "options": options, "dtype": str(dtype).removeprefix("torch."), "context": context, "path": name,
                "path_isa": native.library_isa(libraries[name]) if name in libraries else native.kernel_isa(dtype), "kernel_calls": len(calls),
-               "layer_s": statistics.median(samples[name]["layer"]), "layer_bytes": layer_bytes, "layer_flops": flops, "samples_s": samples[name]}
+               "layer_s": statistics.median(samples[name]["layer"]), "layer_bytes": layer_bytes, "layer_flops": flops, "samples_s": samples[name],
+               "kernel_copies": len(copies)}
         if calls:
             row.update(kernel_s=statistics.median(samples[name]["kernel"]), kernel_bytes=kernel_bytes, kernel_flops=kernel_flops)
         rows.append(row)
@@ -204,7 +263,7 @@ def _bounds(rows: list[dict], rates: dict, held_rates: dict) -> None:
 
 
 def layer_benchmark(name: str, kinds: list[str] | None, context: int, dtypes: list[torch.dtype], *, rounds: int, heads: int, head_dim: int,
-                    out_dir: str) -> dict:
+                    out_dir: str, distinct_bytes: int = 0) -> dict:
     """The --layers benchmark: every kind x dtype x path; prints the table, writes ``<name>.json``."""
     variants = [v for v in matched_width_variants(kinds or list(ATTENTION_KINDS), heads, head_dim) if v.options.get("decode_path") != "expanded"]
     rows, rates, held_rates, contexts = [], {}, {}, {}
@@ -213,7 +272,8 @@ def layer_benchmark(name: str, kinds: list[str] | None, context: int, dtypes: li
         libraries, contexts[key] = path_libraries(dtype), bound_context(dtype)
         held = sorted({PATH_GEMM[name] for name in libraries if name in PATH_GEMM})
         before, before_held = machine_rates(dtype), {isa: machine_rates(dtype, isa=isa) for isa in held}
-        mine = [r for v in variants for r in layer_rows(v.label, v.kind, v.options, context, dtype, libraries, heads=heads, head_dim=head_dim, rounds=rounds)]
+        mine = [r for v in variants for r in layer_rows(v.label, v.kind, v.options, context, dtype, libraries, heads=heads, head_dim=head_dim, rounds=rounds,
+                                                        distinct_bytes=distinct_bytes)]
         rates[key] = merge_rates(before, machine_rates(dtype))
         held_rates[key] = {isa: merge_rates(before_held[isa], machine_rates(dtype, isa=isa)) for isa in held}
         contexts[key]["load_average_after"] = bound_context(dtype)["load_average"]
@@ -227,6 +287,7 @@ def layer_benchmark(name: str, kinds: list[str] | None, context: int, dtypes: li
             print(f"{r['label']:<16}{key:>9}{r['path']:>13}  {kernel}  {r['layer_s'] * 1e3:>10.3f}"
                   f"{format(r['layer_time_over_bound'], '.2f') + ' ' + r['layer_bound'][:3]:>12}{r.get('layer_speedup_over_generic', float('nan')):>11.2f}")
     payload = {"settings": {"context": context, "heads": heads, "head_dim": head_dim, "rounds": rounds, "threads": torch.get_num_threads(),
+                            "distinct_bytes": distinct_bytes,
                             "dtypes": list(rates), "paths": {k: list(v[1]) + [v[0]] for k, v in PATHS.items()}},
                "roofline": {"rates": rates, "held_rates": held_rates, "context": contexts,
                             "definition": "bound = max(bytes / read bandwidth, FLOPs / FMA rate); layer: cache + parameter bytes and counted FLOPs; "
@@ -239,6 +300,15 @@ def layer_benchmark(name: str, kinds: list[str] | None, context: int, dtypes: li
     return payload
 
 
+def _kernel_timing(settings: dict) -> str:
+    """How the page's kernel calls were timed (``layer_rows``)."""
+    if not settings.get("distinct_bytes"):
+        return f"Kernel call alone on the layer's own arguments, {settings['rounds']} interleaved rounds of 3 calls per path"
+    return (f"Kernel call alone, once on each of as many distinct copies of the layer's arguments as read "
+            f"{settings['distinct_bytes'] / 2**20:.0f} MiB (`--distinct-mb`: none left in the caches by the call before, as in a model's "
+            f"decode), {settings['rounds']} interleaved rounds of one pass per path, the call's time the pass's over the copies")
+
+
 def render_layers(results: dict) -> str:
     """The markdown table of a --layers results file: each kind, dtype and path's kernel call as a
     multiple of its bound (median and fastest of its samples), with the rates, CPU, threads and load."""
@@ -247,9 +317,8 @@ def render_layers(results: dict) -> str:
              f"{settings['context']} cached tokens, {settings['threads']} thread(s)", "",
              f"Generated by `benchmarks/decode_native.py --layers` (`--render {results['benchmark']}.json`) from "
              f"[`{results['benchmark']}.json`]({results['benchmark']}.json), written {results['time']} at commit "
-             f"{results['machine'].get('git_commit')}. Kernel call alone on the layer's own arguments, {settings['rounds']} interleaved "
-             "rounds of 3 calls per path; bound = max(bytes / read bandwidth, FLOPs / FMA rate), both measured before and after "
-             "each dtype in the same run.", ""]
+             f"{results['machine'].get('git_commit')}. " + _kernel_timing(settings) + "; bound = max(bytes / read bandwidth, FLOPs / "
+             "FMA rate), both measured before and after each dtype in the same run.", ""]
     for dtype, context in roof["context"].items():
         rates = roof["rates"][dtype]
         load = ", ".join(f"{x:.2f}" for x in context["load_average"])
@@ -262,15 +331,18 @@ def render_layers(results: dict) -> str:
     rows = [r for r in results["rows"] if "kernel_s" in r]
     ran = {r["path"] for r in rows}
     paths = [p for p in PATHS if p in ran] + sorted(ran - set(PATHS))
-    lines += ["| kind | dtype | bytes | FLOPs | bound | " + " | ".join(f"{p} x bound (fastest)" for p in paths) + " |",
-              "| --- | --- | ---: | ---: | --- | " + " | ".join("---:" for _ in paths) + " |"]
+    distinct = bool(settings.get("distinct_bytes"))
+    copies_head, copies_rule = ("copies (MiB a pass) | ", "---: | ") if distinct else ("", "")
+    lines += ["| kind | dtype | bytes | FLOPs | bound | " + copies_head + " | ".join(f"{p} x bound (fastest)" for p in paths) + " |",
+              "| --- | --- | ---: | ---: | --- | " + copies_rule + " | ".join("---:" for _ in paths) + " |"]
     for label, dtype in dict.fromkeys((r["label"], r["dtype"]) for r in rows):
         mine = {r["path"]: r for r in rows if r["label"] == label and r["dtype"] == dtype}
         first = next(iter(mine.values()))
         cells = [f"{mine[p]['kernel_time_over_bound']:.2f} ({min(mine[p]['samples_s']['kernel']) / mine[p]['kernel_bound_s']:.2f})"
                  if p in mine else "" for p in paths]
+        copies = f"{first['kernel_copies']} ({first['kernel_copies'] * first['kernel_bytes'] / 2**20:.0f}) | " if distinct else ""
         lines.append(f"| {label} | {dtype} | {first['kernel_bytes'] / 1e6:.1f} MB | {first['kernel_flops'] / 1e6:.0f} M | "
-                     f"{first['kernel_bound_s'] * 1e3:.3f} ms {first['kernel_bound']} | " + " | ".join(cells) + " |")
+                     f"{first['kernel_bound_s'] * 1e3:.3f} ms {first['kernel_bound']} | " + copies + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -287,6 +359,9 @@ def main() -> None:
     p.add_argument("--dtypes", type=dtype_list, default=["float32", "bfloat16"], help="with --layers: comma-separated dtypes")
     p.add_argument("--kinds", default=None, help="with --layers: comma-separated kinds (default every registered kind)")
     p.add_argument("--name", default="decode_roofline_layer", help="with --layers: the results file name")
+    p.add_argument("--distinct-mb", type=int, default=0, help="with --layers: time each kernel call once on each of enough distinct copies of "
+                   "its arguments to read this many MiB a round (past the last-level cache, as a model's decode reads its layers; "
+                   "default 0: 3 calls on the layer's own arguments, which may stay in the caches)")
     p.add_argument("--render", metavar="JSON", help="write the markdown table of a --layers results file beside it, and measure nothing")
     args = p.parse_args()
     if args.render:
@@ -295,11 +370,13 @@ def main() -> None:
         print(f"wrote {source.with_suffix('.md')}")
         return
     args.out_dir = args.out_dir or str(results_dir(RESULTS, args.name if args.layers else "decode_native_"))
+    if args.distinct_mb < 0:
+        raise SystemExit(f"error: --distinct-mb must be 0 or more, got {args.distinct_mb}")
     if args.layers:
         torch.set_num_threads(args.threads[0])
         kinds = [k.strip() for k in args.kinds.split(",")] if args.kinds else None
         layer_benchmark(args.name, kinds, args.contexts[-1], [DTYPES[d] for d in args.dtypes], rounds=args.rounds, heads=args.heads,
-                        head_dim=args.head_dim, out_dir=args.out_dir)
+                        head_dim=args.head_dim, out_dir=args.out_dir, distinct_bytes=args.distinct_mb * 2**20)
         return
     library = native.decode_kernel()
     if library is None:

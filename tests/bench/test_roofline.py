@@ -1,5 +1,8 @@
 """The roofline's measurements and arithmetic (slimkv/bench/roofline.py)."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -72,6 +75,29 @@ def test_a_kernel_call_reads_values_inside_the_key_rows_once():
     assert bench.call_cost([q[..., :64]], [(k, v)]) == (2 * 10 * 128 * 2, 2 * 8 * 10 * 128)
 
 
+def test_a_distinct_copy_of_a_kernel_call_is_the_same_call_over_other_memory():
+    """``distinct_copy`` (--layers --distinct-mb): new memory, the same views of it: MLA's values inside
+    the key rows, a buffer's [k | v] rows, stride-0 shared values; the same cost and the same result."""
+    from slimkv.ops.attention import decode_attention
+
+    bench = _decode_native()
+    rows = torch.randn(1, 1, 16, 96)[:, :, 2:12]  # the live part of a longer buffer, not at its start
+    shared = torch.randn(1, 1, 10, 24).expand(1, 3, 10, 24)
+    q = torch.randn(1, 3, 1, 40)
+    call = ([q, q[..., :8]], [(rows[..., :40], rows[..., 40:]), (torch.randn(1, 3, 10, 8), shared)], 0.3)
+    queries, segments, scale = bench.distinct_copy(call)
+    assert scale == 0.3
+    for new, old in zip([*queries, *(t for pair in segments for t in pair)], [*call[0], *(t for pair in call[1] for t in pair)]):
+        assert new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
+        assert (new.shape, new.stride()) == (old.shape, old.stride()) and torch.equal(new, old)
+    (k, v), (_, s) = segments
+    assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() and s.stride(1) == 0  # still one buffer; still shared
+    assert v.storage_offset() - k.storage_offset() == 40 and k.untyped_storage().nbytes() == 10 * 96 * 4  # the rows reached, no more
+    assert queries[1].untyped_storage().data_ptr() == queries[0].untyped_storage().data_ptr()
+    assert bench.call_cost(queries, segments) == bench.call_cost(*call[:2])
+    torch.testing.assert_close(decode_attention(queries[0], k, v), decode_attention(q, rows[..., :40], rows[..., 40:]))
+
+
 def test_layer_steps_can_be_routed_to_one_kernel_path():
     from slimkv.ops import native
     from slimkv.ops.attention import decode_attention
@@ -96,3 +122,12 @@ def test_the_flop_counter_counts_torchs_cpu_fused_attention():
     with roofline.flop_counter() as counter:
         F.scaled_dot_product_attention(q, k, k)
     assert counter.get_total_flops() == 2 * (2 * 3 * 2 * 50 * 16)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "decode").glob("decode_roofline_layer*.md")))
+def test_the_committed_layer_pages_are_what_their_json_renders(name):
+    """Every committed page of ``decode_native.py --layers`` is what its JSON renders today."""
+    bench = _decode_native()
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "decode" / f"{name}.json"
+    assert path.with_suffix(".md").read_text(encoding="utf-8") == bench.render_layers(json.loads(path.read_text(encoding="utf-8"))), \
+        f"run .venv/bin/python benchmarks/decode_native.py --render benchmarks/results/decode/{name}.json"
