@@ -1,8 +1,10 @@
 """Quantized cache storage: int8 / int4 codes in channel groups, with a full-precision residual window.
 
 ``KVStorage`` names how a cache stores its per-token rows: ``full`` (the cache dtype) or ``int8`` /
-``int4`` (KIVI-style, Liu et al. 2024: each token's row is cut into groups of ``group`` channels,
-each group stored as unsigned codes with its own scale and minimum in the cache dtype; the newest
+``int4`` (after KIVI, Liu et al. 2024, but keys like values, per token: each token's row is cut
+into groups of ``group`` channels, each group stored as unsigned codes with its own scale and
+minimum in the cache dtype; KIVI's per-channel keys measured no better on SmolLM2's retrieval,
+docs/conversion.md "Fewer bits per exact head"; the newest
 ``residual`` tokens stay in full precision, and the older ones are quantized ``block`` at a time:
 between ``residual`` and ``residual + block - 1`` rows are in full precision. Quantizing a block
 at a time, as KIVI does its groups, spares a decode step the quantizer's calls at all but one
